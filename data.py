@@ -1,0 +1,57 @@
+"""Training data every machine has without a download, and deterministic batches.
+
+The default corpus is the byte-level text of the Python standard library's own
+source files (sorted by path, so the same Python gives the same bytes), capped at
+a few MiB. Any text file can be given by path instead. Tokens are bytes: vocab 256.
+
+`get_batch(tokens, step, ...)` draws the *global* batch of a step from (seed, step)
+alone, so every parallel layout sees the same sequences; a data-parallel rank keeps
+its contiguous slice of rows [rank*B/P, (rank+1)*B/P).
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
+
+
+def load_corpus(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> torch.Tensor:
+    """Byte tokens [N] (int64) of a text file, or of the standard library's sources."""
+    if path is not None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data file {path!r} does not exist: pass an existing text file "
+                                    f"or leave the path out to use the built-in corpus")
+        raw = Path(path).read_bytes()[:max_bytes]
+    else:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        chunks, total = [], 0
+        for f in sorted(stdlib.glob("*.py")):
+            chunks.append(f.read_bytes())
+            total += len(chunks[-1])
+            if total >= max_bytes:
+                break
+        raw = b"".join(chunks)[:max_bytes]
+    if len(raw) < 2:
+        raise ValueError(f"corpus {path!r} is too short to train on")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
+
+def get_batch(tokens: torch.Tensor, step: int, global_batch: int, seq_len: int, seed: int = 0,
+              dp_rank: int = 0, dp_size: int = 1, device="cpu"):
+    """Inputs and targets [global_batch/dp_size, seq_len] of this data-parallel rank at `step`."""
+    if global_batch % dp_size:
+        raise ValueError(f"global batch {global_batch} is not divisible by the data-parallel size "
+                         f"{dp_size}: choose a multiple of {dp_size}")
+    if len(tokens) <= seq_len:
+        raise ValueError(f"corpus of {len(tokens)} tokens is shorter than seq_len + 1 = {seq_len + 1}")
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (global_batch,), generator=gen)
+    local = global_batch // dp_size
+    starts = starts[dp_rank * local:(dp_rank + 1) * local]
+    idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
+    seqs = tokens[idx]
+    return seqs[:, :-1].to(device), seqs[:, 1:].to(device)

@@ -1,0 +1,245 @@
+"""Measuring instruments: communication, memory and time — what the theory predicts.
+
+CommCounter   counts every collective and point-to-point op a region issues, per rank,
+              with its bytes. It is a TorchDispatchMode (the mechanism behind PyTorch's
+              CommDebugMode), so it sees `dist.*` calls, functional collectives (DTensor)
+              and PyTorch's own FSDP2 alike, in forward and backward. Two byte counts:
+                api_bytes   the bytes handed to the op (all-gather: the gathered output;
+                            reduce-scatter: the full input; all-reduce: the tensor);
+                wire_bytes  a model of what this rank sends over a ring:
+                            all-reduce 2(P-1)/P·N, all-gather and reduce-scatter (P-1)/P·N,
+                            all-to-all the bytes it sends to other ranks, send N, recv 0.
+model_state_bytes   parameters, gradients and optimizer state held by this rank, by category.
+memory_tracker      PyTorch's MemTracker (torch.distributed._tools) around a region: peak by category.
+peak_memory_bytes   the CUDA allocator's peak on a GPU.
+Timeline            named (start, end) spans on this rank, for timelines and overlap.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass
+class CommEvent:
+    op: str               # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, ...
+    api_bytes: int
+    wire_bytes: float
+    group_ranks: tuple    # global ranks of the group it ran on
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _group_ranks(pg) -> tuple:
+    if isinstance(pg, str):  # functional collectives name their group
+        pg = dist.distributed_c10d._resolve_process_group(pg)
+    elif isinstance(pg, torch.ScriptObject):
+        pg = dist.ProcessGroup.unbox(pg)
+    return tuple(dist.get_process_group_ranks(pg))
+
+
+# op name -> (our name, index of the tensor argument whose bytes count, index of the group argument)
+_C10D = {
+    "allreduce_": ("all_reduce", 0, 1), "allreduce_coalesced_": ("all_reduce", 0, 1),
+    "_allgather_base_": ("all_gather", 0, 2), "allgather_": ("all_gather", 0, 2),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, 2), "allgather_coalesced_": ("all_gather", 0, 2),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, 2), "reduce_scatter_": ("reduce_scatter", 1, 2),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 2),
+    "alltoall_base_": ("all_to_all", 1, 2), "alltoall_": ("all_to_all", 1, 2),
+    "broadcast_": ("broadcast", 0, 1), "reduce_": ("reduce", 0, 1),
+    "gather_": ("gather", 1, 2), "scatter_": ("scatter", 1, 2),
+    "send": ("send", 0, 1), "recv_": ("recv", 0, 1), "recv_any_source_": ("recv", 0, 1),
+}
+# functional collectives: (our name, tensor arg, group-name arg); all_gather's bytes are scaled by P below
+_FUNCOL = {
+    "all_reduce": ("all_reduce", 0, 2), "all_reduce_coalesced": ("all_reduce", 0, 2),
+    "all_gather_into_tensor": ("all_gather", 0, 2), "all_gather_into_tensor_coalesced": ("all_gather", 0, 2),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, 3), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, 3),
+    "all_to_all_single": ("all_to_all", 0, 3), "broadcast": ("broadcast", 0, 2),
+}
+
+
+def wire_bytes(op: str, n_bytes: int, group_size: int) -> float:
+    """Bytes one rank sends for an op of n_bytes on a ring of group_size ranks (see module doc)."""
+    P = group_size
+    if op == "all_reduce":
+        return 2 * (P - 1) / P * n_bytes
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (P - 1) / P * n_bytes
+    if op == "recv":
+        return 0.0
+    return float(n_bytes) if P > 1 else 0.0
+
+
+class CommCounter(TorchDispatchMode):
+    """with CommCounter() as c: ...;  c.calls("all_reduce"), c.bytes(), c.wire_bytes(), c.summary()."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[CommEvent] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func._opname
+        if ns == "c10d" and name in _C10D:
+            self._record(*_C10D[name], args, functional=False)
+        elif ns in ("_c10d_functional", "_c10d_functional_autograd") and name in _FUNCOL:
+            self._record(*_FUNCOL[name], args, functional=True)
+        return func(*args, **kwargs)
+
+    def _record(self, op, t_idx, g_idx, args, functional):
+        ranks = _group_ranks(args[g_idx])
+        n = _nbytes(args[t_idx])
+        if functional and op == "all_gather":  # the input is one shard: count the gathered size
+            n *= len(ranks)
+        wire = wire_bytes(op, n, len(ranks))
+        if op == "all_to_all":
+            in_splits = args[2] if functional else args[4]
+            if in_splits:  # uneven: count exactly what leaves this rank
+                wire = _all_to_all_sent(args[t_idx], in_splits, ranks)
+        self.events.append(CommEvent(op, n, wire, ranks))
+
+    # ---- readings -------------------------------------------------------------------
+    def _select(self, op=None, group=None):
+        return [e for e in self.events
+                if (op is None or e.op == op) and (group is None or e.group_ranks == tuple(group))]
+
+    def calls(self, op: str | None = None, group=None) -> int:
+        return len(self._select(op, group))
+
+    def bytes(self, op: str | None = None, group=None) -> int:
+        return sum(e.api_bytes for e in self._select(op, group))
+
+    def wire_bytes(self, op: str | None = None, group=None) -> float:
+        return sum(e.wire_bytes for e in self._select(op, group))
+
+    def summary(self) -> dict:
+        """{op: {"calls", "bytes", "wire_bytes"}}"""
+        out = defaultdict(lambda: dict(calls=0, bytes=0, wire_bytes=0.0))
+        for e in self.events:
+            s = out[e.op]
+            s["calls"] += 1
+            s["bytes"] += e.api_bytes
+            s["wire_bytes"] += e.wire_bytes
+        return dict(out)
+
+    def reset(self):
+        self.events.clear()
+
+
+def _all_to_all_sent(inp: torch.Tensor, in_splits, ranks) -> float:
+    """Bytes an uneven all-to-all sends to *other* ranks (its own chunk stays home)."""
+    me = ranks.index(dist.get_rank())
+    row = inp[0].numel() * inp.element_size() if inp.dim() > 1 else inp.element_size()
+    return float(sum(s for i, s in enumerate(in_splits) if i != me) * row)
+
+
+# ---- memory ------------------------------------------------------------------------
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one flat buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.is_meta:
+            continue
+        s = t.untyped_storage()
+        if s.data_ptr() in seen or s.nbytes() == 0:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def model_state_bytes(params, optimizer=None, extra: dict | None = None) -> dict:
+    """Bytes of parameters, gradients and optimizer state on this rank, by category.
+
+    params: the tensors this rank holds as parameters (a module's .parameters(), or the
+    flat shards a sharded lesson keeps). extra: more named categories, e.g.
+    {"master": [fp32 shards]} for mixed precision. Storage-based: views share bytes.
+    """
+    params = list(params)
+    out = {"parameters": _storage_bytes(params),
+           "gradients": _storage_bytes(p.grad for p in params if isinstance(p, torch.Tensor))}
+    state = []
+    if optimizer is not None:
+        for s in optimizer.state.values():
+            state += [v for v in s.values() if isinstance(v, torch.Tensor)]
+    out["optimizer"] = _storage_bytes(state)
+    for k, ts in (extra or {}).items():
+        out[k] = _storage_bytes(ts)
+    out["total"] = sum(out.values())
+    return out
+
+
+@contextmanager
+def memory_tracker(*modules_or_optimizers):
+    """PyTorch's MemTracker around a region (CPU or CUDA): yields the tracker; afterwards
+    `tracker.get_tracker_snapshot("peak")` gives peak bytes by category per device."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    mt = MemTracker()
+    mt.track_external(*modules_or_optimizers)
+    with mt:
+        yield mt
+
+
+def peak_memory_bytes(device) -> int | None:
+    """The CUDA allocator's peak since the last reset, or None on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return None
+
+
+# ---- time ----------------------------------------------------------------------------
+
+def sync(device=None):
+    """Wait for queued GPU work, so a wall-clock reading means what it says."""
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.synchronize(device)
+
+
+class Timeline:
+    """Named spans (name, start, end) in seconds since the timeline began, on this rank."""
+
+    def __init__(self, device=None):
+        self.device, self.t0, self.spans = device, time.perf_counter(), []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @contextmanager
+    def span(self, name: str, **info):
+        sync(self.device)
+        start = self.now()
+        yield
+        sync(self.device)
+        self.spans.append(dict(name=name, start=start, end=self.now(), **info))
+
+    def add(self, name: str, start: float, end: float, **info):
+        self.spans.append(dict(name=name, start=start, end=end, **info))
+
+
+def time_steps(step_fn, n_steps: int, warmup: int = 1, device=None) -> float:
+    """Median seconds per call of step_fn() after `warmup` calls."""
+    for _ in range(warmup):
+        step_fn()
+    times = []
+    for _ in range(n_steps):
+        sync(device)
+        t = time.perf_counter()
+        step_fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]

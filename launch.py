@@ -1,0 +1,88 @@
+"""Start N ranks from Python — for tests and notebooks (torchrun does this for scripts).
+
+    results = run_ranks(fn, world_size, *args, timeout=60)   # [fn's return value on each rank]
+
+- Ranks are spawned processes on gloo (CPU); every call gets a fresh free port.
+- An exception on any rank fails the call with *that* rank's traceback.
+- A rank that hangs (a collective nobody answers) fails the call after `timeout`
+  seconds, and every rank is killed: nothing stalls.
+`fn` must be a module-level function of an importable module (it is pickled into the
+child processes), and its return value picklable (tensors are).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+
+import torch
+
+from mesh import free_port
+
+
+class RankError(RuntimeError):
+    pass
+
+
+def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout):
+    import torch.distributed as dist
+
+    from mesh import init_distributed
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), COURSE_TIMEOUT=str(collective_timeout))
+    torch.set_num_threads(1)  # N ranks share 2 cores: one thread each avoids thrashing
+    try:
+        init_distributed("gloo")
+        out = fn(*args, **kwargs)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 90, **kwargs) -> list:
+    """Run fn(*args, **kwargs) on `world_size` gloo ranks; return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    # A collective gives up a little before the harness does, so a hang usually ends in a
+    # traceback that names the stuck collective rather than in a bare kill.
+    coll_timeout = max(5, int(timeout * 0.8))
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, kwargs, results, coll_timeout),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(got))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout}s "
+                                   f"(a hang: a collective that some rank never joined?)")
+            try:
+                rank, ok, out = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                                    f"before reporting") from None
+                continue
+            if not ok:
+                raise RankError(f"rank {rank} of {world_size} raised:\n{out}")
+            got[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if len(got) < world_size else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[r] for r in range(world_size)]

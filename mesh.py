@@ -1,0 +1,285 @@
+"""Lesson 0 — ranks, process groups, collectives, and the device mesh.
+
+The idea
+--------
+A distributed job is P copies of one program. Each copy (a *rank*) learns its
+number from the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT), joins the default process group, and from then on
+talks to the others only through *collectives* on *process groups* (subsets of
+ranks).
+
+Every parallelism in this course lives on one axis of a 5-D grid of ranks,
+
+    [pp, dp_replicate, dp_shard, cp, tp]        (tp innermost)
+
+so rank = ((((pp_i * R + r_i) * D + d_i) * C + c_i) * T + t_i). Consecutive
+ranks share a tp group: tensor parallel talks every layer, so it gets the
+fastest links (the GPUs of one node); pipeline parallel talks least and is
+outermost. A *process group* along dimension `dim` is the set of ranks whose
+coordinates agree on every other dimension.
+
+Communication of each collective (per rank, ring algorithm, N elements of b bytes):
+    all-reduce      2 (P-1)/P · N·b        reduce-scatter  (P-1)/P · N·b
+    all-gather      (P-1)/P · N·b          all-to-all      (P-1)/P · N·b
+    broadcast       N·b                    send/recv       N·b
+
+Expert parallel (ep) adds no dimension: it *borrows* ranks from the
+data-parallel dimensions, as torchtitan does. The flattened data-parallel rank
+d = r_i * D + d_i (0 <= d < dp_replicate*dp_shard) is split as d = e_out * ep + e_i:
+  - "ep"  group: ranks with the same e_out  (ep consecutive dp ranks, which hold
+    different experts and exchange tokens with all-to-all);
+  - "edp" group: ranks with the same e_i (they hold copies of the same experts,
+    and average those experts' gradients). ep must divide dp_replicate*dp_shard.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Flattened dimensions the lessons need: data parallel (gradients averaged over it),
+# data x context parallel (the loss and gradients are averaged over all of it: cp
+# ranks hold different tokens of the same sequences), and the FSDP shard group
+# when cp > 1 (parameters are sharded over dp_shard x cp, as torchtitan does).
+FLAT = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+}
+
+
+# torch 2.13 renamed the flat-tensor all-gather and reduce-scatter (the old names now warn);
+# torch 2.11 has only the old names. Lessons call these two, which work on both.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timeout_seconds() -> float:
+    """How long a collective may wait before it fails (COURSE_TIMEOUT, default 120 s)."""
+    return float(os.environ.get("COURSE_TIMEOUT", "120"))
+
+
+def init_distributed(backend: str | None = None) -> torch.device:
+    """Join the default process group and return this rank's device.
+
+    Under torchrun the environment names rank and world size. Under plain
+    `python file.py` there is none, and we start a world of one rank, so every
+    lesson runs unchanged (its collectives then move nothing).
+    NCCL when CUDA is available, gloo otherwise; `backend` overrides.
+    """
+    if "RANK" not in os.environ:  # plain `python file.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds()))
+        if backend == "nccl":
+            kwargs["device_id"] = device  # binds the communicator to our GPU up front
+        dist.init_process_group(**kwargs)
+    return device
+
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only (or always, outside a process group)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+class Mesh:
+    """The 5-D grid of ranks [pp, dp_replicate, dp_shard, cp, tp] and its process groups.
+
+    Every group is built by hand from rank arithmetic. `dist.new_group` is itself
+    a collective over the *whole world*: every rank must call it for every group,
+    members or not, and in the same order, or ranks would pair up different
+    groups under the same internal id (and hang or mix up traffic). So each rank
+    walks the same nested loops and keeps only the groups it belongs to.
+    """
+
+    def __init__(self, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1,
+                 cp: int = 1, tp: int = 1, ep: int = 1, world_size: int | None = None,
+                 rank: int | None = None):
+        self.shape = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+        self.ep = ep
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if rank is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+        validate_mesh(self.shape, world_size, ep)  # pure arithmetic: raises on every rank alike
+        self.world_size, self.global_rank = world_size, rank
+
+        # Coordinates: tp varies fastest (row-major with tp last).
+        self.coords, r = {}, rank
+        for d in reversed(DIMS):
+            self.coords[d] = r % self.shape[d]
+            r //= self.shape[d]
+
+        self._groups: dict[str, object] = {}
+        self._ranks: dict[str, list[int]] = {}
+        for name, dims in [(d, (d,)) for d in DIMS] + list(FLAT.items()):
+            self._build(name, self._group_rank_lists(dims))
+        self._build("ep", self._ep_rank_lists(inner=True))
+        self._build("edp", self._ep_rank_lists(inner=False))
+
+    # ---- rank arithmetic -------------------------------------------------------
+    def rank_of(self, coords: dict) -> int:
+        r = 0
+        for d in DIMS:
+            r = r * self.shape[d] + coords[d]
+        return r
+
+    def _group_rank_lists(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """All groups along `dims`: one per setting of the other dimensions."""
+        others = [d for d in DIMS if d not in dims]
+        groups = []
+        for fixed in itertools.product(*(range(self.shape[d]) for d in others)):
+            c = dict(zip(others, fixed))
+            ranks = []
+            for varying in itertools.product(*(range(self.shape[d]) for d in dims)):
+                c.update(zip(dims, varying))
+                ranks.append(self.rank_of(c))
+            groups.append(sorted(ranks))
+        return groups
+
+    def _ep_rank_lists(self, inner: bool) -> list[list[int]]:
+        """Split every dp group (d = e_out*ep + e_i) into ep groups (inner) or edp groups."""
+        groups = []
+        for dp_ranks in self._group_rank_lists(FLAT["dp"]):
+            n_out = len(dp_ranks) // self.ep
+            if inner:
+                groups += [dp_ranks[o * self.ep:(o + 1) * self.ep] for o in range(n_out)]
+            else:
+                groups += [dp_ranks[i::self.ep] for i in range(self.ep)]
+        return groups
+
+    def _build(self, name: str, rank_lists: list[list[int]]) -> None:
+        for ranks in rank_lists:
+            # Every rank calls new_group for every list, in the same order (see class doc).
+            group = dist.new_group(ranks) if dist.is_initialized() else None
+            if self.global_rank in ranks:
+                self._groups[name], self._ranks[name] = group, ranks
+
+    # ---- accessors ---------------------------------------------------------------
+    def size(self, dim: str) -> int:
+        return len(self._ranks[dim])
+
+    def rank(self, dim: str) -> int:
+        """This rank's index inside its `dim` group."""
+        return self._ranks[dim].index(self.global_rank)
+
+    def group(self, dim: str):
+        return self._groups[dim]
+
+    def ranks(self, dim: str) -> list[int]:
+        """The global ranks of this rank's `dim` group, in group order."""
+        return list(self._ranks[dim])
+
+    def __repr__(self) -> str:
+        return "Mesh(" + ", ".join(f"{d}={self.shape[d]}" for d in DIMS) + f", ep={self.ep})"
+
+
+def validate_mesh(shape: dict, world_size: int, ep: int = 1) -> None:
+    """Raise ValueError if the sizes are not a valid mesh for `world_size` ranks."""
+    sizes = ", ".join(f"{d}={shape[d]}" for d in DIMS)
+    bad = [d for d in DIMS if not isinstance(shape[d], int) or shape[d] < 1]
+    if bad or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"mesh sizes must be integers >= 1, got {sizes}, ep={ep}")
+    product = 1
+    for d in DIMS:
+        product *= shape[d]
+    if product != world_size:
+        raise ValueError(
+            f"mesh {sizes} has {product} ranks but the world size is {world_size}: "
+            f"choose sizes whose product pp*dp_replicate*dp_shard*cp*tp equals {world_size} "
+            f"(or launch with torchrun --nproc_per_node {product})")
+    dp = shape["dp_replicate"] * shape["dp_shard"]
+    if dp % ep != 0:
+        raise ValueError(f"ep={ep} borrows ranks from data parallel (dp_replicate*dp_shard={dp}) "
+                         f"and must divide it: choose ep from "
+                         f"{[e for e in range(1, dp + 1) if dp % e == 0]}")
+
+
+def _demo() -> None:
+    device = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Any shape whose product is the world size works; default: everything on tp ... unless 4.
+    shape = dict(dp_shard=2, tp=2) if world == 4 else dict(dp_shard=world)
+    mesh = Mesh(**shape, ep=min(2, world) if world % 2 == 0 else 1)
+    print0(f"world size {world}, {mesh}, backend {dist.get_backend()}, device {device}")
+    lines = [f"rank {rank}: coords {mesh.coords}"]
+    for d in DIMS + tuple(FLAT) + ("ep", "edp"):
+        lines.append(f"    {d:12s} group {mesh.ranks(d)} (my index {mesh.rank(d)})")
+    # Print rank by rank so lines do not interleave.
+    for r in range(world):
+        if r == rank:
+            print("\n".join(lines), flush=True)
+        dist.barrier()
+
+    P, checks = world, []
+    x = torch.full((3,), float(rank + 1), device=device)
+    dist.all_reduce(x)  # sum of 1..P
+    checks.append(("all_reduce", torch.allclose(x, torch.full_like(x, P * (P + 1) / 2))))
+
+    out = torch.empty(P * 2, device=device)
+    all_gather_single(out, torch.full((2,), float(rank), device=device))
+    checks.append(("all_gather", torch.equal(out, torch.arange(P, device=device).float().repeat_interleave(2))))
+
+    shard = torch.empty(1, device=device)  # rank r gets sum over ranks of (r + rank)
+    reduce_scatter_single(shard, torch.arange(P, device=device).float() + rank)
+    checks.append(("reduce_scatter", shard.item() == P * rank + P * (P - 1) / 2))
+
+    b = torch.full((2,), float(rank), device=device)
+    dist.broadcast(b, src=0)
+    checks.append(("broadcast", bool((b == 0).all())))
+
+    # all-to-all: rank r sends value 10*r + j to rank j, so it receives 10*i + r from rank i.
+    sent = torch.tensor([10.0 * rank + j for j in range(P)], device=device)
+    got = torch.empty(P, device=device)
+    dist.all_to_all_single(got, sent)
+    checks.append(("all_to_all", torch.equal(got, torch.tensor([10.0 * i + rank for i in range(P)], device=device))))
+
+    # send/recv around a ring: every rank sends its rank right and receives from the left.
+    if P > 1:
+        recv = torch.empty(1, device=device)
+        ops = [dist.P2POp(dist.isend, torch.tensor([float(rank)], device=device), (rank + 1) % P),
+               dist.P2POp(dist.irecv, recv, (rank - 1) % P)]
+        for w in dist.batch_isend_irecv(ops):  # batched so no pair of ranks can deadlock
+            w.wait()
+        checks.append(("send/recv ring", recv.item() == (rank - 1) % P))
+
+    # A collective on a sub-group: all-reduce inside this rank's tp (or dp_shard) group.
+    dim = "tp" if mesh.size("tp") > 1 else "dp_shard"
+    y = torch.ones(1, device=device)
+    dist.all_reduce(y, group=mesh.group(dim))
+    checks.append((f"all_reduce on {dim} group", y.item() == mesh.size(dim)))
+
+    for name, ok in checks:
+        print0(f"  {name:26s} {'ok' if ok else 'WRONG'}")
+    all_ok = torch.tensor([float(all(ok for _, ok in checks))], device=device)
+    dist.all_reduce(all_ok, op=dist.ReduceOp.MIN)
+    print0("every collective checked on every rank:", "ok" if all_ok.item() == 1 else "FAILED")
+    dist.destroy_process_group()
+    if all_ok.item() != 1:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    _demo()

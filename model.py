@@ -1,0 +1,318 @@
+"""The one model every lesson shares: a small Llama-style decoder.
+
+    tokens [B, S] -> Embedding -> L x Block -> RMSNorm -> Linear head -> logits [B, S, V]
+    Block:  h = h + Attention(RMSNorm(h));  h = h + MLP(RMSNorm(h))
+    Attention: grouped-query (n_kv_heads <= n_heads), rotary positions, SDPA, causal.
+    MLP: SwiGLU  w2(silu(w1 x) * w3 x),  or a mixture of experts of such MLPs.
+
+Written so a strategy can swap the part it parallelises by assignment, without
+forking this file:
+  - every Linear / Embedding is a plain attribute (block.attn.wq = ColumnParallel(...));
+  - attention infers its local head counts from the projections' output sizes, so a
+    tensor-parallel slice of wq/wk/wv just works;
+  - the core attention op is a module attribute (`block.attn.sdpa`), for ring attention;
+  - `forward(tokens, targets, positions)` takes explicit positions, for a sequence shard;
+  - the loss is a module attribute (`model.loss_fn`), for a vocab-parallel loss.
+
+Parameters are initialised from (seed, parameter name) alone — see `init_weights` —
+so a sharded lesson can materialise exactly its slice of the same model.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256        # byte-level tokens
+    dim: int = 32                # hidden size H
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2          # grouped-query attention: n_heads % n_kv_heads == 0
+    ffn_dim: int = 64            # SwiGLU inner width
+    max_seq_len: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    n_experts: int = 0           # 0: dense SwiGLU MLP; > 0: mixture of experts
+    top_k: int = 2
+    capacity_factor: float | None = None  # None: dropless
+    aux_loss_coef: float = 0.01
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self):
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) "
+                             f"and n_heads by n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})")
+
+
+CONFIGS = {
+    # for tests: heads 4 / kv 2 exercises GQA, and tp=4 the replicated-kv case
+    "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64),
+    # ~10M parameters: CPU demos
+    "small": ModelConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=256),
+    # ~125M and ~1B: GPUs
+    "medium": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, max_seq_len=1024),
+    "large": ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=5632, max_seq_len=2048),
+}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}: choose one of {sorted(CONFIGS)}")
+    return replace(CONFIGS[name], **overrides)
+
+
+# ---- building blocks ------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in at least fp32 (bf16 sums of squares lose too much); float64 stays float64.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape [S, head_dim/2] for the given absolute positions [S]."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim)
+    angles = positions.to(work)[:, None] * inv_freq[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x[..., i], x[..., i + D/2]) by the position's angle. x: [B, S, heads, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class SDPA(nn.Module):
+    """Causal scaled-dot-product attention on [B, heads, S, D]; the part ring attention replaces."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.sdpa = SDPA()
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        # -1 heads: the local head count follows the projection's size (tensor parallel slices it).
+        q = self.wq(x).view(B, S, -1, self.head_dim)   # [B, S, Hq, D]
+        k = self.wk(x).view(B, S, -1, self.head_dim)   # [B, S, Hkv, D]
+        v = self.wv(x).view(B, S, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, Hq, S, D]
+        return self.wo(o.transpose(1, 2).reshape(B, S, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Mixture of E SwiGLU experts, top-k routing — the single-device reference.
+
+    Router: p = softmax(x Wr) over E experts; each token goes to its top-k experts,
+    weighted by their probabilities renormalised to sum to 1.
+    Capacity (if capacity_factor is set): each expert takes at most
+        C = ceil(T * k / E * capacity_factor)
+    of the T*k assignments it sees in this call; it keeps them in token order
+    (earlier tokens first) and drops the rest (their contribution is zero).
+    Aux loss (Switch): coef * E * sum_i f_i * P_i, f_i = share of assignments routed to
+    expert i, P_i = mean router probability of expert i; equals coef under uniform routing.
+    Expert weights are stacked [E, ...] so expert parallel slices them along dim 0.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, F_ = cfg.n_experts, cfg.dim, cfg.ffn_dim
+        self.n_experts, self.top_k = E, cfg.top_k
+        self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, F_, H))
+        self.w3 = nn.Parameter(torch.empty(E, F_, H))
+        self.w2 = nn.Parameter(torch.empty(E, H, F_))
+        self.aux_loss = None          # set by forward
+        self.tokens_per_expert = None  # [E] assignments kept, set by forward
+        self.dropped = 0
+
+    def route(self, x):
+        """x [T, H] -> probs [T, E], topk weights [T, k], topk experts [T, k], aux loss."""
+        probs = F.softmax(self.router(x).to(torch.promote_types(x.dtype, torch.float32)), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        f = torch.bincount(experts.flatten(), minlength=self.n_experts).to(probs.dtype) / experts.numel()
+        aux = self.aux_loss_coef * self.n_experts * (f * probs.mean(0)).sum()
+        return probs, weights, experts, aux
+
+    def capacity(self, n_tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(n_tokens * self.top_k / self.n_experts * self.capacity_factor)
+
+    def expert(self, e: int, x):
+        return F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T) @ self.w2[e].T
+
+    def forward(self, x):
+        B, S, H = x.shape
+        x = x.reshape(-1, H)                               # [T, H]
+        _, weights, experts, self.aux_loss = self.route(x)
+        cap = self.capacity(x.shape[0])
+        out = torch.zeros_like(x)
+        kept = []
+        for e in range(self.n_experts):
+            token, slot = (experts == e).nonzero(as_tuple=True)  # assignments to e, in token order
+            if cap is not None:
+                token, slot = token[:cap], slot[:cap]
+            kept.append(token.numel())
+            y = self.expert(e, x[token]) * weights[token, slot, None]
+            out = out.index_add(0, token, y)
+        self.tokens_per_expert = torch.tensor(kept)
+        self.dropped = experts.numel() - sum(kept)
+        return out.view(B, S, H)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MoE(cfg) if cfg.n_experts else SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, h, cos, sin):
+        h = h + self.attn(self.attn_norm(h), cos, sin)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class CrossEntropy(nn.Module):
+    """Mean token cross-entropy; the part a vocab-parallel loss replaces."""
+
+    def forward(self, logits, targets):
+        # bf16 logits are upcast: the log-sum-exp over the vocabulary needs fp32.
+        logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits, targets.flatten())
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, seed: int | None = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.loss_fn = CrossEntropy()
+        if seed is not None and not any(p.is_meta for p in self.parameters()):
+            self.init_weights(seed)
+
+    def forward(self, tokens, targets=None, positions=None):
+        """tokens [B, S] -> logits [B, S, V], or the loss if targets [B, S] are given.
+
+        positions [S]: absolute positions of these tokens (default 0..S-1); a context-
+        parallel shard passes the positions it holds.
+        """
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens)                                   # [B, S, H]
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        logits = self.output(self.norm(h))                                # [B, S, V]
+        if targets is None:
+            return logits
+        return self.loss_fn(logits, targets) + self.aux_loss()
+
+    def aux_loss(self):
+        aux = [l.mlp.aux_loss for l in self.layers if isinstance(l.mlp, MoE) and l.mlp.aux_loss is not None]
+        return sum(aux) if aux else 0.0
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0):
+        for name, p in self.named_parameters():
+            p.copy_(init_tensor(self.cfg, name, tuple(p.shape), seed))
+
+
+def init_tensor(cfg: ModelConfig, name: str, shape: tuple, seed: int = 0) -> torch.Tensor:
+    """The initial value of parameter `name`, from (seed, name) alone, in float32 on CPU.
+
+    Independent of every other parameter, of the device and of the dtype, so a
+    sharded or meta-initialised model can rebuild exactly the same numbers.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    std = 0.02
+    if name.endswith(("wo.weight", "w2.weight", ".w2")):  # residual outputs: GPT-2's 1/sqrt(2L)
+        std /= math.sqrt(2 * cfg.n_layers)
+    return torch.randn(shape, generator=gen) * std
+
+
+def build_model(cfg: ModelConfig | str = "tiny", seed: int = 0, dtype=torch.float32, device=None):
+    """The shared model, initialised from `seed` (on the meta device: shapes only, no data)."""
+    cfg = get_config(cfg) if isinstance(cfg, str) else cfg
+    return Transformer(cfg, seed).to(device=device, dtype=dtype)
+
+
+# ---- sizes ---------------------------------------------------------------------------
+
+def num_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Total parameters, computed from the config (tests check it against the model).
+    active=True counts only top_k of the experts (the parameters one token uses)."""
+    H, hd = cfg.dim, cfg.head_dim
+    attn = H * cfg.n_heads * hd * 2 + H * cfg.n_kv_heads * hd * 2
+    if cfg.n_experts:
+        experts = cfg.top_k if active else cfg.n_experts
+        mlp = H * cfg.n_experts + experts * 3 * H * cfg.ffn_dim
+    else:
+        mlp = 3 * H * cfg.ffn_dim
+    per_layer = attn + mlp + 2 * H
+    return cfg.vocab_size * H * 2 + cfg.n_layers * per_layer + H
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B).
+
+    N: parameters a token touches in matrix multiplies — all but the embedding table
+    (a lookup), counting only top_k experts. The second term is attention's
+    score and value products (L layers, H heads, Q head dim, T sequence length).
+    """
+    n = num_params(cfg, active=True) - cfg.vocab_size * cfg.dim
+    return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

@@ -1,0 +1,44 @@
+"""The harness itself: results per rank, a raising rank, a hanging rank."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import RankError, run_ranks
+
+
+def _rank_and_sum():
+    x = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(x)
+    return dist.get_rank(), dist.get_world_size(), x.item()
+
+
+def _rank1_raises():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 waits for a rank that is gone: the harness must not wait for it
+
+
+def _rank1_hangs():
+    if dist.get_rank() == 1:
+        time.sleep(1000)
+    return "done"
+
+
+def test_results_in_rank_order():
+    assert run_ranks(_rank_and_sum, 3, timeout=60) == [(0, 3, 6.0), (1, 3, 6.0), (2, 3, 6.0)]
+
+
+def test_a_raising_rank_fails_with_its_traceback():
+    t = time.monotonic()
+    with pytest.raises(RankError, match=r"(?s)rank 1 of 2 raised.*ValueError: boom on purpose"):
+        run_ranks(_rank1_raises, 2, timeout=60)
+    assert time.monotonic() - t < 50
+
+
+def test_a_hanging_rank_fails_within_the_timeout():
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish within 8"):
+        run_ranks(_rank1_hangs, 2, timeout=8)
+    assert time.monotonic() - t < 20

@@ -1,0 +1,112 @@
+"""mesh.py: group ranks by arithmetic, against PyTorch's DeviceMesh, and its errors."""
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from harness import run_ranks
+from mesh import DIMS, FLAT, Mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _all_groups(shape, world, dim, ep=1):
+    """The set of distinct `dim` groups over all ranks, from pure arithmetic (no processes)."""
+    return {tuple(Mesh(**shape, ep=ep, world_size=world, rank=r).ranks(dim)) for r in range(world)}
+
+
+@pytest.mark.parametrize("shape", [dict(tp=8), dict(dp_shard=2, tp=4), dict(pp=2, dp_replicate=2, cp=2),
+                                   dict(pp=2, dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2, cp=2)])
+def test_groups_partition_the_world(shape):
+    for dim in DIMS + tuple(FLAT) + ("ep", "edp"):
+        groups = _all_groups(shape, 8, dim)
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(8)), (dim, groups)  # every rank in exactly one group
+        dims = FLAT.get(dim, (dim,)) if dim not in ("ep", "edp") else ()
+        want = 1
+        for d in dims:
+            want *= shape.get(d, 1)
+        if dims:
+            assert all(len(g) == want for g in groups), (dim, groups)
+
+
+def test_tp_is_innermost_and_coords_roundtrip():
+    m = [Mesh(pp=2, dp_shard=2, tp=2, world_size=8, rank=r) for r in range(8)]
+    assert m[0].ranks("tp") == [0, 1] and m[2].ranks("tp") == [2, 3]
+    assert m[0].ranks("dp_shard") == [0, 2] and m[0].ranks("pp") == [0, 4]
+    for r in range(8):
+        assert m[r].rank_of(m[r].coords) == r
+
+
+def test_ep_borrows_from_data_parallel():
+    shape = dict(dp_replicate=2, dp_shard=2, tp=2)
+    ep = _all_groups(shape, 8, "ep", ep=2)
+    edp = _all_groups(shape, 8, "edp", ep=2)
+    # dp groups are {0,2,4,6} and {1,3,5,7}; ep splits each into consecutive pairs.
+    assert ep == {(0, 2), (4, 6), (1, 3), (5, 7)}
+    assert edp == {(0, 4), (2, 6), (1, 5), (3, 7)}
+
+
+@pytest.mark.parametrize("bad, msg", [(dict(dp_shard=3), "world size is 4"), (dict(tp=0, dp_shard=4), ">= 1"),
+                                      (dict(dp_shard=2, tp=2, ep=4), "must divide"),
+                                      (dict(dp_shard=2, tp=1), "has 2 ranks")])
+def test_bad_mesh_raises_without_processes(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        Mesh(**bad, world_size=4, rank=0)
+
+
+def _bad_mesh_on_every_rank():
+    from instruments import CommCounter
+    with CommCounter() as c:
+        try:
+            Mesh(dp_shard=3)
+        except ValueError as e:
+            return str(e), c.calls()
+    return None, c.calls()
+
+
+def _compare_with_device_mesh(shapes):
+    from torch.distributed.device_mesh import init_device_mesh
+    out = []
+    for shape in shapes:
+        mine = Mesh(**shape)
+        sizes = tuple(shape.get(d, 1) for d in DIMS)
+        dm = init_device_mesh("cpu", sizes, mesh_dim_names=DIMS)
+        for d in DIMS:
+            theirs = dist.get_process_group_ranks(dm.get_group(d))
+            out.append((shape, d, mine.ranks(d), theirs))
+        for name, dims in FLAT.items():
+            out.append((shape, name, mine.ranks(name), sorted(dm[dims].mesh.flatten().tolist())))
+    return out
+
+
+def test_bad_mesh_raises_on_every_rank_before_any_collective():
+    for msg, calls in run_ranks(_bad_mesh_on_every_rank, 2, timeout=60):
+        assert msg is not None and "dp_shard=3" in msg and "world size is 2" in msg
+        assert calls == 0
+
+
+def test_groups_equal_init_device_mesh_on_8_ranks():
+    shapes = [dict(tp=8), dict(dp_shard=2, tp=4), dict(pp=2, dp_replicate=2, dp_shard=2),
+              dict(pp=2, dp_shard=2, cp=2), dict(dp_replicate=2, cp=2, tp=2)]
+    results = run_ranks(_compare_with_device_mesh, 8, shapes, timeout=180)
+    n = 0
+    for per_rank in results:
+        for shape, dim, mine, theirs in per_rank:
+            assert mine == theirs, (shape, dim, mine, theirs)
+            n += 1
+    assert n == 8 * len(shapes) * (len(DIMS) + len(FLAT))
+
+
+@pytest.mark.parametrize("cmd", [[sys.executable, "mesh.py"],
+                                 [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "mesh.py"]])
+def test_demo_runs(cmd):
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "every collective checked on every rank: ok" in p.stdout
+    assert "WRONG" not in p.stdout
+    assert "Warning" not in p.stderr, p.stderr  # runs warning-free (no deprecated calls)
