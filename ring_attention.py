@@ -25,6 +25,7 @@ Communication per attention layer, per rank (c = S/cp tokens held, d_kv = H_kv·
 per element, times the batch B; THEORY.md "Ring attention"):
     ring forward     (cp-1) · 2·c·d_kv·b                  k, v passed on cp-1 times
     ring backward    (cp-1) · 2·c·d_kv·b + cp · 2·c·d_kv·4   k, v again + fp32 dk, dv going home
+                     (float64 inputs: 8 for 4, the accumulators stay float64)
     Ulysses forward  all-to-all of c·(H+2·H_kv)·D·b  and of c·H·D·b (each sends (cp-1)/cp of it);
                      the backward: the same two, reversed.
 Memory per rank: q, k, v, output O(S/cp) instead of O(S); the ring computes scores one
@@ -326,7 +327,8 @@ class ContextParallelAttention(nn.Module):
 def ring_bytes(B, c, Hkv, D, cp, b):
     """Formula: bytes one rank sends per ring-attention layer (forward, backward)."""
     block = 2 * B * c * Hkv * D
-    return (cp - 1) * block * b, (cp - 1) * block * b + (cp if cp > 1 else 0) * block * 4
+    acc = max(b, 4)  # the dk, dv accumulators are fp32 (float64 stays float64)
+    return (cp - 1) * block * b, (cp - 1) * block * b + (cp if cp > 1 else 0) * block * acc
 
 
 def ulysses_bytes(B, c, H, Hkv, D, cp, b):
