@@ -1,0 +1,451 @@
+"""Lesson 2 — ZeRO stages 1-3 and FSDP: shard what data parallel keeps P times.
+
+The idea
+--------
+Plain data parallel (stage 0) keeps on every one of P ranks the whole model state:
+parameters (b_p bytes per element), gradients (b_g) and the optimizer state
+(K bytes: Adam's two fp32 moments, 8, plus a 4-byte fp32 master copy when the
+parameters are computed in bf16). ZeRO removes the redundancy in three steps:
+
+    stage 1  shard the optimizer state        (b_p + b_g)·Ψ + K·Ψ/P
+    stage 2  + shard the gradients             b_p·Ψ + (b_g + K)·Ψ/P
+    stage 3  + shard the parameters (FSDP)     (b_p + b_g + K)·Ψ/P
+    stage 0  (no sharding)                     (b_p + b_g + K)·Ψ
+
+Every unit's parameters are flattened into one buffer of N elements (N padded to
+a multiple of P), so "my shard" is the contiguous slice [r·N/P, (r+1)·N/P).
+
+Communication per step (elements; gradients are reduced in fp32, parameters are
+gathered in their compute dtype; a ring sends (P-1)/P of the API bytes per
+all-gather or reduce-scatter and 2(P-1)/P per all-reduce):
+    stage 0     all-reduce(grads)                          = RS + AG  -> 2Ψ
+    stage 1, 2  reduce-scatter(grads) + all-gather(params)            -> 2Ψ
+    stage 3     all-gather before forward, again before backward, reduce-scatter -> 3Ψ
+                (the root unit is not freed between its forward and backward, and
+                 reshard_after_forward=False skips the second all-gather: 2Ψ)
+
+The user's loop does not change:  loss = model(x, y); loss.backward(); opt.step();
+opt.zero_grad() — the one extra call is `opt = shard_model(model, stage=...)`.
+Stage 1 also works alone on any parameters: `ZeroOptimizer.from_params(...)`.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from instruments import model_state_bytes
+from mesh import all_gather_single, reduce_scatter_single
+
+# ---- the formulas the measurements are compared with ---------------------------------------------
+
+
+def zero_state_formula(stage: int, numel: int, P: int, param_bytes: int = 4, master_bytes: int = 0,
+                       grad_bytes: int | None = None, state_bytes: int = 8) -> dict:
+    """Model-state bytes per rank by category (Rajbhandari et al.; K = master_bytes + state_bytes).
+
+    grad_bytes: bytes a *held* gradient takes; stages 0-1 hold the local gradient in the
+    compute dtype (default param_bytes), stages 2-3 hold the reduced fp32 shard (4).
+    """
+    Psi = numel
+    if grad_bytes is None:
+        grad_bytes = param_bytes if stage <= 1 else 4
+    sharded = lambda on: Psi / P if on else Psi  # noqa: E731
+    out = dict(parameters=param_bytes * sharded(stage >= 3), master=master_bytes * sharded(stage >= 1),
+               gradients=grad_bytes * sharded(stage >= 2), optimizer=state_bytes * sharded(stage >= 1))
+    out["total"] = sum(out.values())
+    return out
+
+
+def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root_numel: int = 0,
+                      reshard_after_forward: bool = True, replicas: int = 1) -> dict:
+    """API bytes per step by collective ({op: bytes}); Ψ = numel padded, gradients reduced in fp32.
+
+    replicas > 1 (HSDP): the reduced gradient shards are all-reduced across replicas."""
+    if P == 1 and replicas == 1:
+        return {}
+    out = {}
+    if stage == 0:
+        out["all_reduce"] = 4 * numel
+    else:
+        out["reduce_scatter"] = 4 * numel
+        gathers = numel
+        if stage == 3 and reshard_after_forward:
+            gathers += numel - root_numel  # again before backward, except the root unit
+        out["all_gather"] = param_bytes * gathers
+        if replicas > 1:
+            out["all_reduce"] = 4 * numel // P
+    return {k: v for k, v in out.items() if P > 1 or k == "all_reduce"}
+
+
+# ---- one unit's parameters, flattened -------------------------------------------------------------
+
+class FlatUnit:
+    """The parameters of one unit in one flat buffer [N]; this rank keeps the slice [r·n, (r+1)·n).
+
+    buf     [N] compute dtype: what forward uses; the module's parameters are views of it
+            (stage 3 frees its storage between uses).
+    shard   [n] compute dtype: my slice (a view of buf in stages 0-2; its own tensor in stage 3).
+    master  nn.Parameter, fp32 (the parameters' own dtype): [N] in stage 0, [n] otherwise;
+            the tensor the optimizer steps. It *is* the shard when no cast is needed.
+    """
+
+    def __init__(self, entries, stage, group, param_dtype=None, init_fn=None, device=None):
+        # entries: [(qualified name, owning module or None, attribute name, parameter)]
+        self.stage, self.group = stage, group
+        self.P = dist.get_world_size(group) if stage > 0 else 1
+        self.r = dist.get_rank(group) if stage > 0 else 0
+        self.names = [e[0] for e in entries]
+        self.shapes = [tuple(e[3].shape) for e in entries]
+        self.numels = [math.prod(s) for s in self.shapes]
+        self.numel = sum(self.numels)
+        self.N = -(-self.numel // self.P) * self.P  # padded: every rank gets n = N/P elements
+        self.n = self.N // self.P
+        p0 = entries[0][3]
+        master_dtype = torch.float32 if p0.is_meta else p0.dtype
+        self.dtype = param_dtype or master_dtype
+        device = device or (torch.device("cpu") if p0.is_meta else p0.device)
+
+        # The fp32 master slice, materialised from my part of each parameter only.
+        lo, length = (0, self.N) if stage == 0 else (self.r * self.n, self.n)
+        master = torch.zeros(length, dtype=master_dtype, device=device)
+        for name, shape, off, p in zip(self.names, self.shapes, self.offsets(), (e[3] for e in entries)):
+            a, b = max(off, lo), min(off + math.prod(shape), lo + length)
+            if a < b:  # this parameter overlaps my slice
+                full = init_fn(name, shape) if p.is_meta else p.detach()
+                master[a - lo:b - lo] = full.reshape(-1)[a - off:b - off].to(device)
+
+        self.buf = torch.zeros(self.N, dtype=self.dtype, device=device)
+        if stage == 3:
+            self.shard = master if self.dtype == master_dtype else master.to(self.dtype)
+        else:
+            self.shard = self.buf[lo:lo + length]
+            self.shard.copy_(master)
+            if self.dtype == master_dtype:
+                master = self.shard  # no cast: the optimizer steps my slice of buf in place
+            if stage > 0:  # every rank materialised only its slice: gather the rest
+                all_gather_single(self.buf, self.shard, group=group)
+        self.master = nn.Parameter(master)
+
+        # Replace every parameter by a view of buf. `.data` gives the views their own version
+        # counter, so refilling buf (stage 3) does not trip autograd's saved-tensor check.
+        base, self.params = self.buf.data, []
+        for (name, owner, attr, p), shape, off, k in zip(entries, self.shapes, self.offsets(), self.numels):
+            view = base[off:off + k].view(shape)
+            if owner is None:  # bare parameters (ZeroOptimizer.from_params): re-point in place
+                p.data = view
+                new = p
+            else:
+                new = nn.Parameter(view, requires_grad=p.requires_grad)
+                owner._parameters[attr] = new
+            self.params.append(new)
+        self.gather_work = None
+        self.is_full = stage != 3
+        if stage == 3:
+            self.free()
+
+    def offsets(self):
+        out, off = [], 0
+        for k in self.numels:
+            out.append(off)
+            off += k
+        return out
+
+    # stage 3: unshard / reshard ---------------------------------------------------------------
+    def unshard(self, async_op=False):
+        """All-gather buf from the shards: [n] per rank -> [N] (async: a prefetch)."""
+        if not self.is_full and self.gather_work is None:
+            self.buf.untyped_storage().resize_(self.N * self.buf.element_size())
+            self.gather_work = all_gather_single(self.buf, self.shard, group=self.group, async_op=True)
+        if not async_op:  # the caller needs the parameters now (a prefetch may be in flight)
+            self.wait()
+
+    def wait(self):
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work, self.is_full = None, True
+
+    def free(self):
+        self.wait()
+        self.buf.untyped_storage().resize_(0)  # every parameter view now has no bytes
+        self.is_full = False
+
+    def flat_grad(self, dtype):
+        """The local gradients of my parameters as one [N] tensor (zeros where there are none)."""
+        g = torch.zeros(self.N, dtype=dtype, device=self.buf.device)
+        for p, off, k in zip(self.params, self.offsets(), self.numels):
+            if p.grad is not None:
+                g[off:off + k] = p.grad.reshape(-1)
+        return g
+
+
+# ---- the optimizer that owns the shards -----------------------------------------------------------
+
+class ZeroOptimizer:
+    """Steps this rank's fp32 master slices with any torch.optim class; reduces gradients first.
+
+    stage 0: all-reduce the full gradient at step() (the naive data-parallel baseline)
+    stage 1: reduce-scatter the gradient at step(); step my slice; all-gather the parameters
+    stage 2: gradients were reduce-scattered during backward (hooks); step; all-gather
+    stage 3: same as 2, but there is nothing to all-gather: forward gathers what it needs
+    """
+
+    def __init__(self, units, optimizer_cls, stage, group=None, replicate_group=None,
+                 max_grad_norm=None, **optimizer_kwargs):
+        self.units, self.stage = units, stage
+        self.group, self.replicate_group = group, replicate_group
+        self.max_grad_norm = max_grad_norm
+        # gloo has no ReduceOp.AVG: sum, then divide by all the data-parallel ranks.
+        self.dp_size = (dist.get_world_size(group) if stage > 0 else dist.get_world_size()) * \
+            (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
+        self.inner = optimizer_cls([u.master for u in units], **optimizer_kwargs)
+        self.pending = []       # reduce-scatters in flight: (unit, work, out, input kept alive)
+        self.grad_norm = None
+
+    @classmethod
+    def from_params(cls, params, optimizer_cls=torch.optim.AdamW, group=None, **optimizer_kwargs):
+        """Stage 1 on its own, like ZeroRedundancyOptimizer: any parameters, any optimizer."""
+        params = [p for p in params if p.requires_grad]
+        unit = FlatUnit([(f"param{i}", None, None, p) for i, p in enumerate(params)], 1, group)
+        return cls([unit], optimizer_cls, 1, group, **optimizer_kwargs)
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        for u in self.units:
+            for p in u.params + [u.master]:
+                p.grad = None
+
+    # gradients ------------------------------------------------------------------------------
+    def reduce_unit(self, u, async_op=True):
+        """Reduce-scatter one unit's fp32 gradient [N] -> my slice [n] (stages 1-3)."""
+        g = u.flat_grad(u.master.dtype)
+        out = torch.empty(u.n, dtype=g.dtype, device=g.device)
+        work = reduce_scatter_single(out, g, group=self.group, async_op=True)
+        self.pending.append((u, work, out, g))
+
+    def finish_reduction(self):
+        """Wait for the reduce-scatters; average; all-reduce shards across replicas (HSDP)."""
+        for u, work, out, _ in self.pending:
+            work.wait()
+            if self.replicate_group is not None:
+                dist.all_reduce(out, group=self.replicate_group)
+            out.div_(self.dp_size)
+            u.master.grad = out if u.master.grad is None else u.master.grad + out
+        self.pending.clear()
+
+    @torch.no_grad()
+    def step(self):
+        if self.stage == 0:  # the baseline: every rank all-reduces and steps everything
+            works = []
+            for u in self.units:
+                g = u.flat_grad(u.master.dtype)
+                works.append((u, g, dist.all_reduce(g, async_op=True)))
+            for u, g, w in works:
+                w.wait()
+                u.master.grad = g.div_(self.dp_size)
+                for p, off, k in zip(u.params, u.offsets(), u.numels):  # DDP semantics: averaged .grad
+                    p.grad = g[off:off + k].view_as(p).to(p.dtype)
+        elif self.stage == 1:
+            for u in self.units:
+                self.reduce_unit(u)
+        self.finish_reduction()
+        if self.max_grad_norm is not None:
+            self.clip_grad_norm_(self.max_grad_norm)
+        self.inner.step()
+        for u in self.units:
+            if u.master is not u.shard and self.stage > 0:
+                u.shard.copy_(u.master)          # new compute copy of my slice (e.g. fp32 -> bf16)
+            if self.stage == 0 and u.master.data_ptr() != u.buf.data_ptr():
+                u.buf.copy_(u.master)
+            if self.stage in (1, 2):
+                all_gather_single(u.buf, u.shard, group=self.group)  # shard is buf's own slice
+            if self.stage <= 1:
+                u.master.grad = None  # the reduced gradient lived only for this step
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most max_norm (torch's formula)."""
+        sq = sum(u.master.grad.float().pow(2).sum() for u in self.units if u.master.grad is not None)
+        sq = torch.as_tensor(sq, dtype=torch.float32)
+        if self.stage > 0:
+            dist.all_reduce(sq, group=self.group)  # shards of one replica make the whole gradient
+        self.grad_norm = sq.sqrt()
+        coef = (max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0)
+        for u in self.units:
+            if u.master.grad is not None:
+                u.master.grad.mul_(coef.to(u.master.grad.dtype))
+        return self.grad_norm
+
+    # measurements and checkpoints ----------------------------------------------------------------
+    def state_bytes(self) -> dict:
+        """Model-state bytes this rank holds, by category (storage-based)."""
+        compute = [p for u in self.units for p in u.params] + [u.shard for u in self.units]
+        masters = [u.master for u in self.units
+                   if u.master.untyped_storage().data_ptr() not in
+                   (u.buf.untyped_storage().data_ptr(), u.shard.untyped_storage().data_ptr())]
+        shards = [u.master.grad for u in self.units if u.master.grad is not None]
+        ms = model_state_bytes(compute, self.inner, extra={"master": masters, "grad_shards": shards})
+        ms["gradients"] += ms.pop("grad_shards")
+        return ms
+
+    def full_state_dict(self) -> dict:
+        """{name: full fp32 tensor} on every rank, gathered from the master shards."""
+        out = {}
+        for u in self.units:
+            full = u.master.detach()
+            if self.stage > 0:
+                full = torch.empty(u.N, dtype=u.master.dtype, device=u.master.device)
+                all_gather_single(full, u.master.detach().clone(), group=self.group)
+            for name, shape, off, k in zip(u.names, u.shapes, u.offsets(), u.numels):
+                out[name] = full[off:off + k].view(shape).clone()
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, sd: dict | None, src: int = 0):
+        """Load a full state dict held by global rank `src` into every rank's shards."""
+        for u in self.units:
+            full = torch.zeros(u.N, dtype=u.master.dtype, device=u.master.device)
+            if dist.get_rank() == src:
+                for name, off, k in zip(u.names, u.offsets(), u.numels):
+                    full[off:off + k] = sd[name].reshape(-1)
+            dist.broadcast(full, src=src)
+            lo = 0 if self.stage == 0 else u.r * u.n
+            u.master.copy_(full[lo:lo + u.master.numel()])
+            if u.master is not u.shard:
+                u.shard.copy_(full[lo:lo + u.shard.numel()])
+            if self.stage == 0:
+                u.buf.copy_(full)
+            elif self.stage in (1, 2):
+                all_gather_single(u.buf, u.shard, group=self.group)
+
+
+# ---- the entry point: hooks that drive the units ---------------------------------------------------
+
+def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *, group=None,
+                replicate_group=None, units=None, param_dtype=None, reshard_after_forward=True,
+                prefetch=True, max_grad_norm=None, init_fn=None, **optimizer_kwargs) -> ZeroOptimizer:
+    """Shard `model` in place by ZeRO stage 0-3 and return the optimizer that owns the shards.
+
+    units: module classes (default: the model's transformer Block) or a list of submodules; each
+    is one flat unit, the remaining parameters form the root unit. group: the ranks parameters are
+    sharded over; replicate_group: HSDP's replicas (stages 1-3). param_dtype: compute dtype (bf16
+    for mixed precision; master, optimizer state and gradient reduction stay fp32). init_fn(name,
+    shape): values for parameters on the meta device (only my slice is kept).
+    """
+    from model import Block
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage == 0 and replicate_group is not None:
+        raise ValueError("stage 0 already replicates everything: pass replicate_group only with stage 1, 2 or 3")
+    if param_dtype is not None and not param_dtype.is_floating_point:
+        raise ValueError(f"param_dtype must be a floating dtype such as torch.bfloat16, got {param_dtype}")
+    if init_fn is None and any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model is on the meta device: pass init_fn(name, shape) to materialise the shards")
+    units = (Block,) if units is None else units
+    if isinstance(units, tuple) and all(isinstance(c, type) for c in units):
+        unit_modules = [m for m in model.modules() if isinstance(m, units) and m is not model]
+    else:
+        unit_modules = list(units)
+        known = {id(m) for m in model.modules()}
+        if not all(isinstance(m, nn.Module) and id(m) in known and m is not model for m in unit_modules):
+            raise ValueError("units must be module classes or a list of submodules of the model")
+
+    names = {id(m): n for n, m in model.named_modules()}
+    taken, per_unit = set(), []
+    for um in unit_modules + [model]:  # the root unit last: it gets what no unit took
+        entries = []
+        for mname, m in um.named_modules(prefix=names[id(um)]):
+            for attr, p in m.named_parameters(recurse=False):
+                if id(p) not in taken and p.requires_grad:
+                    taken.add(id(p))
+                    entries.append((f"{mname}.{attr}" if mname else attr, m, attr, p))
+        per_unit.append((um, entries))
+    flat = [(um, FlatUnit(e, stage, group, param_dtype, init_fn)) for um, e in per_unit if e]
+    opt = ZeroOptimizer([u for _, u in flat], optimizer_cls, stage, group, replicate_group,
+                        max_grad_norm, **optimizer_kwargs)
+    root = flat[-1][1] if flat[-1][0] is model else None
+    if stage >= 2:
+        _add_gradient_hooks(opt, free_after=stage == 3)
+    if stage == 3:
+        _add_unshard_hooks(opt, flat, root, reshard_after_forward, prefetch)
+    return opt
+
+
+def _add_gradient_hooks(opt: ZeroOptimizer, free_after: bool):
+    """Stages 2-3: when every parameter of a unit has its gradient, reduce-scatter the unit's
+    gradient at once (async) and drop the full-size one; at the end of backward, wait."""
+    state = dict(queued=False)
+
+    def finish():
+        opt.finish_reduction()
+        state["queued"] = False
+        for u in opt.units:
+            u.ready, u.backward_started = 0, False
+
+    for u in opt.units:
+        u.ready, u.backward_started = 0, False
+
+        def on_grad(p, u=u):
+            u.ready += 1
+            if u.ready < len(u.params):
+                return
+            opt.reduce_unit(u)
+            for q in u.params:
+                q.grad = None  # the full gradient is gone: I keep only my reduced slice
+            if free_after:
+                u.free()
+            if not state["queued"]:
+                state["queued"] = True
+                torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+        for p in u.params:
+            p.register_post_accumulate_grad_hook(on_grad)
+
+
+def _add_unshard_hooks(opt, flat, root, reshard_after_forward, prefetch):
+    """Stage 3: all-gather a unit before its forward and before its backward, free it after its
+    forward; prefetch the next unit's all-gather (forward order, then reverse in backward)."""
+    order = []  # units in the order their forwards ran (recorded on the first step)
+
+    def pre_forward(module, args, u):
+        if u not in order:
+            order.append(u)
+        u.unshard()
+        i = order.index(u)
+        if prefetch and i + 1 < len(order):
+            order[i + 1].unshard(async_op=True)  # overlaps with this unit's compute
+
+    def pre_backward(u):
+        if u.backward_started:
+            return
+        u.backward_started = True
+        u.unshard()
+        i = order.index(u)
+        if prefetch and i > 0 and order[i - 1] is not root:
+            order[i - 1].unshard(async_op=True)
+
+    def post_forward(module, args, output, u):
+        if u is root:
+            return  # backward starts right here: keep the root gathered until its gradients are reduced
+        if reshard_after_forward:
+            u.free()
+        if torch.is_grad_enabled():
+            tensors = output if isinstance(output, (tuple, list)) else [output]
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, u=u: pre_backward(u))  # runs before the unit's backward
+
+    for um, u in flat:
+        um.register_forward_pre_hook(lambda m, a, u=u: pre_forward(m, a, u))
+        um.register_forward_hook(lambda m, a, o, u=u: post_forward(m, a, o, u))
