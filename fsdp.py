@@ -67,8 +67,6 @@ def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root
     """API bytes per step by collective ({op: bytes}); Ψ = numel padded, gradients reduced in fp32.
 
     replicas > 1 (HSDP): the reduced gradient shards are all-reduced across replicas."""
-    if P == 1 and replicas == 1:
-        return {}
     out = {}
     if stage == 0:
         out["all_reduce"] = 4 * numel
@@ -80,7 +78,7 @@ def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root
         out["all_gather"] = param_bytes * gathers
         if replicas > 1:
             out["all_reduce"] = 4 * numel // P
-    return {k: v for k, v in out.items() if P > 1 or k == "all_reduce"}
+    return out
 
 
 # ---- one unit's parameters, flattened -------------------------------------------------------------
@@ -201,7 +199,7 @@ class ZeroOptimizer:
         self.group, self.replicate_group = group, replicate_group
         self.max_grad_norm = max_grad_norm
         # gloo has no ReduceOp.AVG: sum, then divide by all the data-parallel ranks.
-        self.dp_size = (dist.get_world_size(group) if stage > 0 else dist.get_world_size()) * \
+        self.dp_size = dist.get_world_size(group) * \
             (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
         self.inner = optimizer_cls([u.master for u in units], **optimizer_kwargs)
         self.pending = []       # reduce-scatters in flight: (unit, work, out, input kept alive)
@@ -251,7 +249,7 @@ class ZeroOptimizer:
             works = []
             for u in self.units:
                 g = u.flat_grad(u.master.dtype)
-                works.append((u, g, dist.all_reduce(g, async_op=True)))
+                works.append((u, g, dist.all_reduce(g, group=self.group, async_op=True)))
             for u, g, w in works:
                 w.wait()
                 u.master.grad = g.div_(self.dp_size)
@@ -449,3 +447,160 @@ def _add_unshard_hooks(opt, flat, root, reshard_after_forward, prefetch):
     for um, u in flat:
         um.register_forward_pre_hook(lambda m, a, u=u: pre_forward(m, a, u))
         um.register_forward_hook(lambda m, a, o, u=u: post_forward(m, a, o, u))
+
+
+# ---- a measured training run (torchrun demo, tests and the notebook call it) ----------------------
+
+def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-2, param_dtype=None,
+                      group=None, replicate_group=None, dp_rank=None, dp_size=None, meta=False,
+                      seed=0, **shard_kwargs) -> dict:
+    """Shard the shared model at `stage`, train `steps` global batches with AdamW and return the
+    full parameters, the losses, and what the last step measured next to the formulas."""
+    from data import get_batch, load_corpus
+    from instruments import CommCounter
+    from model import build_model, get_config, init_tensor
+    cfg = get_config(model_name)
+    dp_rank = dist.get_rank() if dp_rank is None else dp_rank
+    dp_size = dist.get_world_size() if dp_size is None else dp_size
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    model = build_model(cfg, seed=seed, device="meta" if meta else device)
+    init_fn = (lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None
+    opt = shard_model(model, stage, torch.optim.AdamW, group=group, replicate_group=replicate_group,
+                      param_dtype=param_dtype, init_fn=init_fn, lr=lr, **shard_kwargs)
+    tokens, losses, times = load_corpus(), [], []
+    for s in range(steps):
+        x, y = get_batch(tokens, s, batch, seq, seed, dp_rank, dp_size, device=device or "cpu")
+        with CommCounter() as comm:
+            t = time.perf_counter()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            if device is not None:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t)
+        memory = opt.state_bytes()  # at rest, after the step (before zero_grad)
+        opt.zero_grad()
+        loss = loss.detach().float()
+        dist.all_reduce(loss)  # the global batch's loss, for printing (outside the counter)
+        losses.append(loss.item() / dp_size)
+    P = dist.get_world_size(group)
+    numel = sum(u.N for u in opt.units)
+    root_numel = opt.units[-1].N if opt.units[-1].names[0] == "tok_embeddings.weight" else 0
+    pb = torch.finfo(opt.units[0].dtype).bits // 8
+    mb = 0 if opt.units[0].dtype == opt.units[0].master.dtype else 4
+    reps = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    return dict(
+        state={k: v.cpu().numpy() for k, v in opt.full_state_dict().items()} if dist.get_backend() != "nccl"
+        else {k: v.cpu() for k, v in opt.full_state_dict().items()},
+        losses=losses, step_time=sorted(times[1:] or times)[len(times[1:] or times) // 2],
+        comm=comm.summary(), events=[(e.op, e.group_ranks, e.api_bytes) for e in comm.events],
+        memory=memory, numel=numel, root_numel=root_numel, P=P, param_bytes=pb,
+        memory_formula=zero_state_formula(stage, numel, P, pb, mb),
+        comm_formula=zero_comm_formula(stage, numel, P, pb,
+                                       root_numel, shard_kwargs.get("reshard_after_forward", True), reps),
+        grad_norm=None if opt.grad_norm is None else opt.grad_norm.item())
+
+
+if __name__ == "__main__":
+    # PyTorch's FSDP2 appears only here, as the reference the demo compares with (--compare).
+    from instruments import wire_bytes
+    from mesh import init_distributed, print0
+
+    def fsdp2_run(args, device):
+        """The same model, data and optimizer under PyTorch's fully_shard: (full state, step time)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from data import get_batch, load_corpus
+        from model import build_model
+        model = build_model(args.model, seed=0, device=device)
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype], reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, reshard_after_forward=not args.no_reshard, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        tokens, times = load_corpus(), []
+        for s in range(args.steps):
+            x, y = get_batch(tokens, s, args.batch, args.seq, 0, dist.get_rank(), dist.get_world_size(),
+                             device=device)
+            t = time.perf_counter()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t)
+        state = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+        return state, sorted(times[1:])[len(times[1:]) // 2]
+
+    def reference_run(args):
+        """The single-process run: the whole global batch, one AdamW step each."""
+        from data import get_batch, load_corpus
+        from model import build_model
+        model = build_model(args.model, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        tokens = load_corpus()
+        for s in range(args.steps):
+            x, y = get_batch(tokens, s, args.batch, args.seq, 0)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    def max_diff(a, b):
+        return max((torch.as_tensor(a[k]).float().cpu() - torch.as_tensor(b[k]).float().cpu()).abs().max().item()
+                   for k in b)
+
+    DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    ap = argparse.ArgumentParser(description="ZeRO stage 0-3 on the shared model, measured against the formulas")
+    ap.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (divisible by the number of ranks)")
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--param-dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--no-reshard", action="store_true", help="keep units gathered from forward to backward")
+    ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--compare", action="store_true", help="also run PyTorch's FSDP2 fully_shard, side by side")
+    args = ap.parse_args()
+
+    device = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pd = DTYPES[args.param_dtype]
+    res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr,
+                            None if pd == torch.float32 else pd,
+                            reshard_after_forward=not args.no_reshard, prefetch=not args.no_prefetch)
+    P, mib = res["P"], 1 / 2**20
+    print0(f"ZeRO stage {args.stage}, {world} ranks, model {args.model} (Ψ = {res['numel']:,} elements padded), "
+           f"compute {args.param_dtype}; losses {[round(x, 4) for x in res['losses']]}")
+    lines = [f"rank {rank}: model state at rest, MiB (measured | formula)"]
+    for k in ("parameters", "master", "gradients", "optimizer", "total"):
+        lines.append(f"    {k:10s} {res['memory'][k] * mib:9.4f} | {res['memory_formula'][k] * mib:9.4f}")
+    lines.append("  bytes per step (API measured | formula; ring wire bytes sent by this rank)")
+    for op in sorted(set(res["comm"]) | set(res["comm_formula"])):
+        got = res["comm"].get(op, dict(bytes=0, wire_bytes=0.0, calls=0))
+        lines.append(f"    {op:14s} {got['bytes']:>10,} | {res['comm_formula'].get(op, 0):>10,}   "
+                     f"wire {got['wire_bytes']:>12,.0f} | {wire_bytes(op, res['comm_formula'].get(op, 0), P):>12,.0f}"
+                     f"   ({got['calls']} calls)")
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    lines.append(f"  step time {res['step_time'] * 1e3:.1f} ms" + (f", CUDA peak {peak * mib:.1f} MiB" if peak else ""))
+    for r in range(world):  # rank by rank, so lines do not interleave
+        if r == rank:
+            print("\n".join(lines), flush=True)
+        dist.barrier()
+    ok = True
+    if rank == 0:
+        err = max_diff(res["state"], reference_run(args))
+        tol = 1e-4 if pd == torch.float32 else 5e-2
+        ok = err < tol
+        print(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol}) -> "
+              f"{'ok' if ok else 'MISMATCH'}", flush=True)
+    if args.compare:
+        fstate, ftime = fsdp2_run(args, device)
+        if rank == 0:
+            print(f"PyTorch FSDP2 fully_shard: max |diff| to ours = {max_diff(res['state'], fstate):.2e}; "
+                  f"step time ours {res['step_time'] * 1e3:.1f} ms vs FSDP2 {ftime * 1e3:.1f} ms "
+                  f"-> our throughput = {ftime / res['step_time']:.2f}x FSDP2's", flush=True)
+    dist.destroy_process_group()
+    if not ok:
+        raise SystemExit(1)
