@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from instruments import CommCounter, memory_tracker
+from instruments import CommCounter, memory_tracker, time_steps
 from mesh import Mesh, init_distributed, print0
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -261,6 +261,8 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, group, scatter_dim, gather_dim):
         ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
         cp = dist.get_world_size(group)
+        if cp == 1:
+            return x
         send = torch.stack(x.chunk(cp, dim=scatter_dim)).contiguous()   # [cp, ...]: row j goes to rank j
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)                  # row i came from rank i
@@ -334,7 +336,7 @@ def ring_bytes(B, c, Hkv, D, cp, b):
 def ulysses_bytes(B, c, H, Hkv, D, cp, b):
     """Formula: API bytes of the two all-to-alls per layer (forward; the backward is the same)."""
     hkv = Hkv if Hkv % cp == 0 else H
-    return B * c * (H + 2 * hkv) * D * b + B * c * H * D * b
+    return 0 if cp == 1 else B * c * (H + 2 * hkv) * D * b + B * c * H * D * b
 
 
 # ---- training the shared model with cp ranks ---------------------------------------------
@@ -376,39 +378,43 @@ def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=
 
 # ---- measured runs (the tests, the notebook and the demo call these on every rank) ------
 
+def _inputs(B, S, H, Hkv, D, dtype, seed):
+    """The seeded global q, k, v [B, h, S, D] and output gradient, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, S, D, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv, H)]
+
+
+def _measure(res, step, device, memory, repeats, group=None):
+    """Peak memory of one forward+backward (MemTracker: everything it allocates) and median time."""
+    if memory:
+        with memory_tracker() as mt:
+            step()
+        res["peak_bytes"] = mt.get_tracker_snapshot("peak")[device]["Total"]
+    if repeats:   # ranks start each call together, so the time is the ring's, not a straggler's
+        res["time"] = time_steps(lambda: (group is None or dist.barrier(group=group), step()), repeats)
+    return res
+
+
 def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layout="zigzag",
                    dtype=torch.float64, seed=0, group=None, repeats=0, memory=False):
     """One forward + backward of context-parallel attention on this rank's shard of a seeded
-    global batch. Returns this rank's shards of out, dq, dk, dv, its work, the bytes it sent
+    global batch: this rank's shards of out, dq, dk, dv, its work, the bytes it sent
     (forward, backward), and optionally its peak attention memory and the time per call."""
     group = group or dist.group.WORLD
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    gen = torch.Generator().manual_seed(seed)
-    full = [torch.randn(B, h, S, D, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv, H)]
-    q, k, v, dout = (shard_sequence(t, cp, rank, layout, dim=2) for t in full)   # [B, h, S/cp, D]
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    q, k, v, dout = (shard_sequence(t, cp, rank, layout, dim=2)          # [B, h, S/cp, D]
+                     for t in _inputs(B, S, H, Hkv, D, dtype, seed))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     attn = ContextParallelAttention(group, method, layout, causal)
     with CommCounter() as fwd:
         out = attn(q, k, v)
     with CommCounter() as bwd:
         out.backward(dout)
     res = dict(out=out.detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone(),
-               work={key: val for key, val in attn.work.items()},
+               work=dict(attn.work),
                bytes=(fwd.bytes("send") + fwd.bytes("all_to_all"), bwd.bytes("send") + bwd.bytes("all_to_all")),
                calls=(fwd.summary(), bwd.summary()))
-    if memory:   # everything the attention allocates on this rank, forward and backward
-        with memory_tracker() as mt:
-            attn(q, k, v).backward(dout)
-        res["peak_bytes"] = mt.get_tracker_snapshot("peak")[q.device]["Total"]
-    if repeats:
-        times = []
-        for _ in range(repeats + 1):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            attn(q, k, v).backward(dout)
-            times.append(time.perf_counter() - t0)
-        res["time"] = sorted(times[1:])[len(times[1:]) // 2]
-    return res
+    return _measure(res, lambda: attn(q, k, v).backward(dout), q.device, memory, repeats, group)
 
 
 def run_cases(cases: list[dict]) -> list[dict]:
@@ -419,121 +425,95 @@ def run_cases(cases: list[dict]) -> list[dict]:
 
 def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, repeats=0, memory=False):
     """The reference: the same seeded batch through full-sequence SDPA, in one process."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v, dout = [torch.randn(B, h, S, D, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv, H)]
+    q, k, v, dout = _inputs(B, S, H, Hkv, D, dtype, seed)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)  # noqa: E731
-    out = run()
-    out.backward(dout)
-    res = dict(out=out.detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone())
-    if memory:
-        with memory_tracker() as mt:
-            run().backward(dout)
-        res["peak_bytes"] = mt.get_tracker_snapshot("peak")[q.device]["Total"]
-    if repeats:
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            run().backward(dout)
-            times.append(time.perf_counter() - t0)
-        res["time"] = sorted(times[1:])[len(times[1:]) // 2]
-    return res
+    run().backward(dout)
+    res = dict(out=run().detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone())
+    return _measure(res, lambda: run().backward(dout), q.device, memory, repeats)
 
 
-def train_case(cfg="tiny", n_steps=3, B=2, S=32, method="ring", layout="zigzag", lr=1e-3):
-    """Rank function: train the shared model with cp = world size; return the losses."""
-    from data import get_batch, load_corpus
-    tokens = load_corpus()
-    batches = [get_batch(tokens, s, B, S, seed=0) for s in range(n_steps)]
+def memory_sweep(seq_lens, layouts=LAYOUTS, **shape) -> dict:
+    """Rank function: this rank's peak ring-attention memory (forward + backward) per layout and S."""
     group = Mesh(cp=dist.get_world_size()).group("cp")
-    losses, model = train_cp(cfg, batches, group, method, layout, lr)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {layout: [attention_case(S=S, method="ring", layout=layout, dtype=torch.float32, group=group,
+                                    memory=True, **shape)["peak_bytes"] for S in seq_lens]
+            for layout in layouts}
 
 
 # ---- demo --------------------------------------------------------------------------------
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=32)
+    for name, default in [("batch", 1), ("seq", 512), ("heads", 8), ("kv-heads", 4), ("head-dim", 32),
+                          ("repeats", 3), ("model-steps", 3)]:
+        ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--no-causal", action="store_true")
-    ap.add_argument("--repeats", type=int, default=3, help="timed forward+backward calls")
-    ap.add_argument("--model-steps", type=int, default=3, help="steps of the shared tiny model with cp ranks")
     args = ap.parse_args()
     device = init_distributed()
     cp, rank = dist.get_world_size(), dist.get_rank()
-    group = Mesh(cp=cp).group("cp")
-    causal = not args.no_causal
-    shape = dict(B=args.batch, S=args.seq, H=args.heads, Hkv=args.kv_heads, D=args.head_dim, causal=causal)
     check_layout(args.seq, cp, "zigzag")    # before any collective
-    ref = full_attention(**shape, dtype=torch.float32, repeats=args.repeats, memory=True)
-    c = args.seq // cp
+    group = Mesh(cp=cp).group("cp")
+    alone = [dist.new_group([r]) for r in range(cp)][rank]   # a cp=1 "ring": the same kernel, full S
+    shape = dict(B=args.batch, S=args.seq, H=args.heads, Hkv=args.kv_heads, D=args.head_dim,
+                 causal=not args.no_causal, dtype=torch.float32, repeats=args.repeats, memory=True)
+    ref = full_attention(**shape)
+    one = attention_case(**shape, layout="contiguous", group=alone)
     print0(f"cp={cp} ranks, B={args.batch} S={args.seq} heads={args.heads} kv_heads={args.kv_heads} "
-           f"head_dim={args.head_dim} {'causal' if causal else 'full'} fp32, device {device}")
-    print0(f"full-sequence SDPA on one rank: peak attention memory {ref['peak_bytes'] / 2**20:.2f} MiB, "
-           f"{ref['time'] * 1e3:.1f} ms per forward+backward")
-    print0(f"{'method':22s}{'max err':>10s}{'work per rank (fwd GFLOP computed)':>40s}{'peak MiB per rank':>28s}"
-           f"{'bytes/layer fwd+bwd (formula)':>34s}{'ms':>8s}")
-    ok = True
-    methods = [("ring", "contiguous"), ("ring", "zigzag")]
-    if args.heads % cp == 0:
-        methods.append(("ulysses", "contiguous"))
-    else:
-        print0(f"(Ulysses skipped: {args.heads} heads are not divisible by cp={cp})")
-    for method, layout in methods:
-        res = attention_case(**shape, method=method, layout=layout, dtype=torch.float32, group=group,
-                             repeats=args.repeats, memory=True)
+           f"head_dim={args.head_dim} {'full' if args.no_causal else 'causal'} fp32, device {device}")
+    print0(f"{'one rank, full S':24s}{'work (fwd GFLOP)':>18s}{'peak MiB':>10s}{'ms':>8s}")
+    print0(f"{'  PyTorch SDPA':24s}{'':>18s}{ref['peak_bytes'] / 2**20:10.2f}{ref['time'] * 1e3:8.1f}")
+    print0(f"{'  hand kernel (cp=1)':24s}{one['work']['flops'] / 1e9:18.3f}{one['peak_bytes'] / 2**20:10.2f}"
+           f"{one['time'] * 1e3:8.1f}")
+    print0(f"{'cp=' + str(cp) + ', per rank':24s}{'max err':>9s}{'work (fwd GFLOP)':>30s}{'peak MiB':>26s}"
+           f"{'bytes/layer fwd+bwd (formula)':>32s}{'ms':>8s}")
+    ok, c = True, args.seq // cp
+    for method, layout in [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "contiguous")]:
+        if method == "ulysses" and args.heads % cp:
+            print0(f"  (Ulysses skipped: {args.heads} heads are not divisible by cp={cp})")
+            continue
+        res = attention_case(**shape, method=method, layout=layout, group=group)
         err = max((res[n] - shard_sequence(ref[n], cp, rank, layout, dim=2)).abs().max().item()
                   for n in ("out", "dq", "dk", "dv"))
-        stats = torch.tensor([err, res["work"]["flops"] / 1e9, res["peak_bytes"] / 2**20, res["time"]])
-        every = [torch.empty_like(stats) for _ in range(cp)]
-        dist.all_gather(every, stats, group=group)
-        every = torch.stack(every)
-        formula = (ring_bytes(args.batch, c, args.kv_heads, args.head_dim, cp, 4) if method == "ring" else
-                   [ulysses_bytes(args.batch, c, args.heads, args.kv_heads, args.head_dim, cp, 4)] * 2)
-        sent = sum(res["bytes"])
-        ok &= every[:, 0].max().item() < 1e-4 and sent == sum(formula)
-        work = " ".join(f"{w:.3f}" for w in every[:, 1].tolist()) if method == "ring" else "(all equal: full S, H/cp)"
-        peak = " ".join(f"{m:.2f}" for m in every[:, 2].tolist())
-        print0(f"{method + ' ' + layout:22s}{every[:, 0].max().item():10.1e}{work:>40s}{peak:>28s}"
-               f"{sent:>20,d} ({sum(formula):,d}){every[:, 3].max().item() * 1e3:8.1f}")
-    ok &= train_demo(args, group)
+        every = [torch.empty(4) for _ in range(cp)]
+        dist.all_gather(every, torch.tensor([err, res["work"]["flops"] / 1e9, res["peak_bytes"] / 2**20,
+                                             res["time"]]), group=group)
+        err, work, peak, ms = torch.stack(every).T.tolist()
+        formula = sum(ring_bytes(args.batch, c, args.kv_heads, args.head_dim, cp, 4) if method == "ring" else
+                      [ulysses_bytes(args.batch, c, args.heads, args.kv_heads, args.head_dim, cp, 4)] * 2)
+        ok &= max(err) < 1e-4 and sum(res["bytes"]) == formula
+        work = " ".join(f"{w:.3f}" for w in work) if method == "ring" else "equal: H/cp heads, full S"
+        print0(f"  {method + ' ' + layout:22s}{max(err):9.1e}{work:>30s}{' '.join(f'{m:.2f}' for m in peak):>26s}"
+               f"{sum(res['bytes']):>17,d} ({formula:,d}){max(ms) * 1e3:8.1f}")
+    ok &= train_demo(args.model_steps, group)
     print0("all checks", "ok" if ok else "FAILED")
     dist.destroy_process_group()
     return 0 if ok else 1
 
 
-def train_demo(args, group) -> bool:
-    """The shared tiny model, cp ranks per sequence, against the single-process losses."""
+def train_demo(n_steps, group) -> bool:
+    """The shared tiny model, each sequence spread over the cp ranks, against one process."""
     from data import get_batch, load_corpus
-    from model import build_model, get_config
-    cp = dist.get_world_size(group)
-    cfg, S = get_config("tiny"), 32
+    from model import build_model
     tokens = load_corpus()
-    batches = [get_batch(tokens, s, 2, S, seed=0) for s in range(args.model_steps)]
-    ref_model = build_model(cfg, seed=0)
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
-    ref = []
+    batches = [get_batch(tokens, s, 2, 32, seed=0) for s in range(n_steps)]
+    model = build_model("tiny", seed=0)
+    opt, ref = torch.optim.AdamW(model.parameters(), lr=1e-3), []
     for x, y in batches:
-        loss = ref_model(x, y)
-        loss.backward()
+        ref.append(model(x, y))
+        ref[-1].backward()
         opt.step()
         opt.zero_grad()
-        ref.append(loss.item())
-    ok = True
-    print0(f"shared tiny model, {args.model_steps} steps, S={S}, cp={cp}; single-process losses "
+    ref, ok = [l.item() for l in ref], True
+    print0(f"tiny model, {n_steps} steps, S=32, cp={dist.get_world_size(group)}: one process "
            + " ".join(f"{l:.5f}" for l in ref))
     for method, layout in [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag")]:
-        if method == "ulysses" and cfg.n_heads % cp:
+        if method == "ulysses" and model.cfg.n_heads % dist.get_world_size(group):
             continue
-        losses, _ = train_cp(cfg, batches, group, method, layout)
+        losses, _ = train_cp("tiny", batches, group, method, layout)
         diff = max(abs(a - b) for a, b in zip(losses, ref))
         ok &= diff < 1e-5
-        print0(f"  {method + ' ' + layout:20s} losses " + " ".join(f"{l:.5f}" for l in losses)
-               + f"   max |diff| {diff:.1e}")
+        print0(f"  {method + ' ' + layout:20s} " + " ".join(f"{l:.5f}" for l in losses) + f"  max |diff| {diff:.1e}")
     return ok
 
 
