@@ -327,7 +327,7 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
 def _demo(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Naive, bucketed and PyTorch DDP side by side on the shared model.")
     ap.add_argument("--model", default="small", help="tiny | small | medium | large (default small, ~10M)")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps (after a warm-up and a counted step)")
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences), divisible by the world size")
     ap.add_argument("--seq", type=int, default=64, help="sequence length")
     ap.add_argument("--bucket-mb", type=float, default=25, help="bucket cap in MiB (0: one per parameter)")
@@ -343,18 +343,19 @@ def _demo(argv=None) -> int:
         raise ValueError(f"--batch {args.batch} must be divisible by the world size {P} and --steps >= 1")
     mesh = Mesh(dp_shard=P)
     tokens = load_corpus()
-    n = args.steps + 1
+    n = args.steps + 2  # step 0 warms up; step 1 is counted (PyTorch's DDP re-buckets after its first step)
     batches = [get_batch(tokens, s, args.batch, args.seq, dp_rank=rank, dp_size=P, device=device) for s in range(n)]
 
     # Each rank starts from a different initialisation (seed = rank): the wrappers' broadcast fixes it.
     ddp_kw = dict(device_ids=[device]) if device.type == "cuda" else {}
+    if (args.bucket_mb, args.first_bucket_mb) != (25, 1):  # PyTorch keeps a 1 MiB first bucket only by default
+        ddp_kw["bucket_cap_mb"] = args.bucket_mb
     models = {
         "naive": NaiveDDP(build_model(cfg, seed=rank, device=device), mesh),
         f"bucketed ({args.bucket_mb:g} MiB)": BucketedDDP(build_model(cfg, seed=rank, device=device), mesh,
                                                           args.bucket_mb, args.first_bucket_mb),
         "torch DDP": nn.parallel.DistributedDataParallel(build_model(cfg, seed=rank, device=device),
-                                                         process_group=mesh.group("dp"),
-                                                         bucket_cap_mb=args.bucket_mb, **ddp_kw),
+                                                         process_group=mesh.group("dp"), **ddp_kw),
     }
     opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr) for k, m in models.items()}
     names = list(models)
@@ -366,8 +367,8 @@ def _demo(argv=None) -> int:
         for k in names[step % 3:] + names[:step % 3]:
             m = models[k]
             dist.barrier(group=mesh.group("dp"))
-            if step == 0:  # the warm-up step counts the collectives (the counter slows every op)
-                with CommCounter() as c:
+            if step < 2:  # untimed: a warm-up, then a step that counts the collectives (the counter
+                with CommCounter() as c:  # slows every op down)
                     train_step(m, opts[k], x, y)
                 comm[k] = c
                 continue
