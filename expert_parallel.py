@@ -291,25 +291,34 @@ def train_ep(cfg, ep: int, steps: int = 3, global_batch: int = 4, seq_len: int =
     return out
 
 
-def drop_sweep(factors, n_experts: int = 8, top_k: int = 2, tokens: int = 256, seed: int = 0):
-    """Fraction of assignments dropped by one ep layer, per capacity factor (every rank)."""
+def train_many(cfgs, ep: int, **kw):
+    """train_ep for each config in turn, in one group of ranks (the notebook's load curves)."""
+    return [train_ep(cfg, ep, **kw) for cfg in cfgs]
+
+
+def drop_sweep(factors, skews=(0.0,), n_experts: int = 8, top_k: int = 2, tokens: int = 256, seed: int = 0):
+    """For each skew, per capacity factor: the fraction of each rank's assignments one ep
+    layer (ep = world) drops, and the single-device reference's fraction on all the tokens.
+    skew > 0 adds a common direction to every token, so the router favours a few experts."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = get_config("tiny", n_experts=n_experts, top_k=top_k)
-    moe = build_model(cfg, seed=seed).layers[0].mlp
-    with torch.no_grad():
-        moe.router.weight.mul_(50)  # a peaked router, as after training: uneven load
-    x = torch.randn(world * tokens, 1, cfg.dim, generator=torch.Generator().manual_seed(seed))
-    mine = x[rank * tokens:(rank + 1) * tokens]
-    rates = []
-    for cf in factors:
-        moe.capacity_factor = cf
-        layer = ExpertParallelMoE(moe, dist.group.WORLD)
-        with torch.no_grad():
-            layer(mine)
-        d = torch.tensor([float(layer.dropped)])
-        dist.all_reduce(d)
-        rates.append(d.item() / (world * tokens * top_k))
-    return rates
+    moe = build_model(get_config("tiny", n_experts=n_experts, top_k=top_k), seed=seed).layers[0].mlp
+    g = torch.Generator().manual_seed(seed)
+    noise, common = torch.randn(world * tokens, 1, moe.router.in_features, generator=g), torch.randn(1, 1, moe.router.in_features, generator=g)
+    out = {}
+    for skew in skews:
+        x, out[skew] = noise + skew * common, []
+        for cf in factors:
+            moe.capacity_factor = cf
+            layer = ExpertParallelMoE(moe, dist.group.WORLD)
+            with torch.no_grad():
+                layer(x[rank * tokens:(rank + 1) * tokens])
+                moe(x)
+            per_rank = torch.zeros(world)
+            per_rank[rank] = layer.dropped
+            dist.all_reduce(per_rank)
+            out[skew].append(dict(cf=cf, per_rank=(per_rank / (tokens * top_k)).tolist(),
+                                  reference=moe.dropped / (world * tokens * top_k)))
+    return out
 
 
 # ---- the demo ------------------------------------------------------------------------------
