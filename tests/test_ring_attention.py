@@ -11,7 +11,7 @@ import torch.distributed as dist
 from harness import global_batches, reference_model, run_ranks, train_reference
 from instruments import CommCounter
 from mesh import Mesh
-from ring_attention import (ContextParallelAttention, chunk_ids, full_attention, gather_sequence, run_cases,
+from ring_attention import (LAYOUTS, ContextParallelAttention, attention_case, chunk_ids, full_attention, gather_sequence, run_cases,
                             shard_positions, shard_sequence, train_cp)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +38,11 @@ def _attention_and_errors(cases):
     results = run_cases(cases)
     cp = dist.get_world_size()
     group = Mesh(cp=cp).group("cp")
+    # peak attention memory (MemTracker, forward + backward): cp ranks vs one rank on the full sequence
+    alone = [dist.new_group([r]) for r in range(cp)][dist.get_rank()]
+    mem = dict(S=128, B=1, H=4, Hkv=2, D=16, causal=True, dtype=torch.float32, memory=True)
+    memory = {layout: attention_case(group=group, layout=layout, **mem)["peak_bytes"] for layout in LAYOUTS}
+    memory["one rank"] = attention_case(group=alone, layout="contiguous", **mem)["peak_bytes"]
     errors = []
     bad = [
         # Ulysses with 3 heads on cp = 2 or 4 ranks: 3 % cp != 0
@@ -57,7 +62,7 @@ def _attention_and_errors(cases):
                 errors.append(("no error", c.calls()))
             except ValueError as e:
                 errors.append((str(e), c.calls()))
-    return results, errors
+    return results, errors, memory
 
 
 def _scores(cp, rank, layout, causal):
@@ -118,6 +123,14 @@ def test_attention_equals_sdpa_bytes_and_work(cp):
         assert f"{5 * cp} is not divisible by {2 * cp}" in msgs[1] and f"multiple of {2 * cp}" in msgs[1]
         assert f"{9 * cp} is not divisible by {2 * cp}" in msgs[2]
         assert "choose one of" in msgs[3]
+    # memory: every rank holds S/cp of q, k, v and one score block of (S/cp)² or (S/2cp)² entries, so
+    # its peak is below the one-rank peak divided by cp; zigzag ranks hold the same, contiguous
+    # rank 0 skips every block but its own
+    memory = [r[2] for r in per_rank]
+    for layout in LAYOUTS:
+        assert max(m[layout] for m in memory) < memory[0]["one rank"] / cp, memory
+    assert len({m["zigzag"] for m in memory}) == 1, memory
+    assert memory[0]["contiguous"] < memory[-1]["contiguous"], memory
 
 
 def test_shard_gather_positions():
