@@ -1,0 +1,204 @@
+"""train.py: every layout trains to the single-process loss curve; checkpoints; invalid layouts.
+
+The reference is an independent single-process loop (model.py + torch.optim.AdamW +
+torch.nn.utils.clip_grad_norm_ + the same warm-up/cosine learning rate) on the same global
+batches. Each run_ranks call trains MANY layouts of one world size in turn (train.run_layouts).
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from harness import run_ranks
+from train import check_args, lr_at, parse_args, run_layouts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, B, S = 10, 8, 16
+# float64, short sequences, a small clip so clipping is active (the reference norms exceed it)
+COMMON = ["--dtype", "float64", "--steps", str(STEPS), "--global-batch-size", str(B), "--seq-len", str(S),
+          "--lr", "3e-3", "--grad-clip", "1.5"]
+TOL64, TOL32 = 1e-9, 2e-5
+
+
+def reference(flags=(), dtype=torch.float64):
+    """The single-process run: (losses, gradient norms before clipping)."""
+    from data import get_batch, load_corpus
+    from model import build_model, get_config
+    args = parse_args(list(COMMON) + list(flags))
+    cfg = get_config(args.model, n_experts=args.experts, top_k=args.top_k)
+    model = build_model(cfg, seed=args.seed, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    tokens, losses, norms = load_corpus(), [], []
+    for s in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s + 1, args)
+        x, y = get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed)
+        loss = model(x, y)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, norms
+
+
+@pytest.fixture(scope="module")
+def ref_dense():
+    return reference()
+
+
+@pytest.fixture(scope="module")
+def ref_moe():
+    return reference(["--experts", "4"])
+
+
+def _check(results, want, tol, what=""):
+    """results: run_layouts' output on each rank; every rank reports the same global losses."""
+    for i, res in enumerate(results[0]):
+        got = res["losses"]
+        assert len(got) == len(want), res["flags"]
+        err = max(abs(a - b) for a, b in zip(got, want))
+        assert err < tol, f"{what} layout [{res['flags']}]: max |loss diff| {err:.2e} vs single process"
+        for r in results[1:]:
+            assert r[i]["losses"] == got, f"ranks disagree on the global loss of [{res['flags']}]"
+
+
+def test_lr_schedule_and_defaults():
+    a = parse_args(["--lr", "1", "--warmup", "2", "--steps", "10"])
+    assert [round(lr_at(s, a), 6) for s in (1, 2)] == [0.5, 1.0]
+    assert lr_at(10, a) == pytest.approx(0.1) and lr_at(6, a) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert parse_args(["--dp-shard", "2"]).zero_stage == 3 and parse_args([]).zero_stage == 0
+    assert parse_args(["--pp", "2"]).microbatches == 2
+
+
+def test_clipping_is_active_in_the_reference(ref_dense):
+    _, norms = ref_dense
+    assert max(norms) > 1.5 > min(norms)  # so the parity runs test the global norm
+
+
+def test_world_1_and_every_dimension_alone_on_2_ranks(ref_dense):
+    """dp_replicate 2, dp_shard 2 at each ZeRO stage, tp 2, cp 2, pp 2 with each schedule;
+    plus ZeRO-3 with activation checkpointing and gradient accumulation."""
+    want, norms = ref_dense
+    one = run_ranks(run_layouts, 1, [[]], COMMON, timeout=120)
+    _check(one, want, TOL64, "world 1")
+    assert max(abs(a - b) for a, b in zip(one[0][0]["grad_norms"], norms)) < 1e-9
+    layouts = [["--dp-replicate", "2"]] + [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + [
+        ["--tp", "2"], ["--cp", "2"], ["--pp", "2", "--schedule", "gpipe", "--microbatches", "2"],
+        ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
+        ["--dp-shard", "2", "--activation-checkpointing", "full", "--microbatches", "2"]]
+    res = run_ranks(run_layouts, 2, layouts, COMMON, timeout=240)
+    _check(res, want, TOL64, "2 ranks")
+    for r in res:  # the global norm (each parameter once) equals the single-process norm
+        for lay in r:
+            assert max(abs(a - b) for a, b in zip(lay["grad_norms"], norms)) < 1e-9, lay["flags"]
+    by = {lay["flags"]: lay for lay in res[0]}
+    # ZeRO memory: stage 3 holds half the parameters of stage 0 (float64 model state)
+    z0, z3 = by["--dp-shard 2 --zero-stage 0"]["state_bytes"], by["--dp-shard 2 --zero-stage 3"]["state_bytes"]
+    assert z3["parameters"] < 0.6 * z0["parameters"] and z3["optimizer"] < 0.6 * z0["optimizer"]
+    assert all(b > 0 for lay in res[0] for b in lay["comm_bytes"])
+
+
+def test_experts_ep_2(ref_moe):
+    want, _ = ref_moe
+    moe = ["--experts", "4"]
+    res = run_ranks(run_layouts, 2, [["--dp-shard", "2", "--ep", "2"], ["--dp-replicate", "2", "--ep", "2"],
+                                     ["--dp-shard", "2"]], COMMON + moe, timeout=180)
+    _check(res, want, TOL64, "MoE")
+    assert "all_to_all" in res[0][0]["comm_summary"]
+
+
+def test_combinations_on_4_ranks(ref_dense):
+    want, _ = ref_dense
+    layouts = [["--dp-replicate", "2", "--dp-shard", "2"],
+               ["--dp-shard", "2", "--tp", "2"],
+               ["--cp", "2", "--tp", "2"],
+               ["--pp", "2", "--tp", "2", "--microbatches", "2"],
+               ["--pp", "2", "--dp-shard", "2", "--microbatches", "2", "--schedule", "gpipe"]]
+    res = run_ranks(run_layouts, 4, layouts, COMMON, timeout=300)
+    _check(res, want, TOL64, "4 ranks")
+
+
+def test_pp_dp_shard_tp_on_8_ranks(ref_dense):
+    want, _ = ref_dense
+    res = run_ranks(run_layouts, 8, [["--pp", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"]],
+                    COMMON, timeout=300)
+    _check(res, want, TOL64, "8 ranks")
+
+
+def test_float32_tolerance():
+    want, _ = reference(["--dtype", "float32"], dtype=torch.float32)
+    common = COMMON + ["--dtype", "float32"]
+    res = run_ranks(run_layouts, 2, [["--dp-shard", "2"], ["--tp", "2"]], common, timeout=180)
+    _check(res, want, TOL32, "float32")
+
+
+def test_save_at_5_resume_to_10_equals_uninterrupted(ref_dense, tmp_path):
+    want, _ = ref_dense
+    lay = ["--dp-shard", "2", "--zero-stage", "3"]
+    d = str(tmp_path / "ckpt")
+    res = run_ranks(run_layouts, 2, [lay + ["--stop-at", "5", "--save", d], lay + ["--resume", d]],
+                    COMMON, timeout=180)
+    first, second = res[0]
+    assert len(first["losses"]) == 5 and second["start"] == 5 and len(second["losses"]) == 5
+    assert max(abs(a - b) for a, b in zip(first["losses"] + second["losses"], want)) < TOL64
+    assert sorted(os.listdir(d)) == ["meta.json", "rank0.pt", "rank1.pt"]
+
+
+INVALID = [
+    (["--dp-shard", "3"], 2, "world size is 2"),
+    (["--tp", "3"], 3, "does not divide the model's n_heads"),
+    (["--pp", "2", "--microbatches", "1"], 2, "1F1B needs at least as many micro-batches"),
+    (["--dp-shard", "2", "--global-batch-size", "6", "--microbatches", "2"], 2, "not divisible by the data-parallel"),
+    (["--dp-shard", "2", "--experts", "3", "--ep", "2"], 2, "--experts 3 is not divisible by --ep 2"),
+    (["--data", "/no/such/file.txt"], 1, "does not exist"),
+    (["--pp", "3"], 3, "more stages than the model's 2 layers"),
+    (["--cp", "2", "--seq-len", "6"], 2, "not divisible by 2*cp"),
+    (["--ep", "2", "--dp-shard", "2"], 2, "needs a mixture-of-experts"),
+    (["--tp", "2", "--experts", "4"], 2, "not supported yet"),
+]
+
+
+@pytest.mark.parametrize("flags, world, msg", INVALID)
+def test_invalid_layouts_are_named(flags, world, msg):
+    with pytest.raises(ValueError, match=msg.replace("*", r"\*")):
+        check_args(parse_args(flags), world)
+
+
+def _torchrun(n, flags, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+                           os.path.join(ROOT, "train.py")] + flags,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_invalid_layout_under_torchrun_fails_on_every_rank_without_hanging():
+    p = _torchrun(2, ["--dp-shard", "2", "--global-batch-size", "5"], timeout=90)
+    assert p.returncode != 0
+    for r in range(2):
+        assert f"[rank {r}] invalid training layout" in p.stderr, p.stderr[-2000:]
+    assert "use a multiple of 2" in p.stderr
+
+
+def test_torchrun_demo_and_log_file(tmp_path):
+    log = tmp_path / "log.jsonl"
+    p = _torchrun(2, ["--tp", "2", "--steps", "3", "--seq-len", "16", "--log-file", str(log)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Warning" not in p.stderr, p.stderr[-2000:]
+    assert p.stdout.count("tokens/s") == 3 and "comm" in p.stdout
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["loss"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 and r["comm_bytes"] > 0
+
+
+def test_plain_python_runs():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--steps", "2", "--seq-len", "16"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and p.stdout.count("tokens/s") == 2, p.stderr[-2000:]
+    assert "Warning" not in p.stderr

@@ -1,0 +1,601 @@
+"""Capstone — every strategy composed by mesh sizes, with the same loss curve on every layout.
+
+    torchrun --nproc_per_node N train.py --dp-replicate A --dp-shard B --cp C --tp D --pp E --ep F
+
+The mesh is [pp, dp_replicate, dp_shard, cp, tp] (mesh.py); A*B*C*D*E must equal N. Expert
+parallel borrows ep of the A*B data-parallel ranks. For a fixed seed and global batch every
+layout computes the same loss as one process: the global batch of step s is drawn from
+(seed, s) and each data-parallel rank takes its slice; context-parallel ranks take their
+slice of each sequence; the loss is the mean over all tokens of the global batch, so
+
+    gradient = 1/(dp·cp) · Σ over dp×cp ranks of ∇(local mean loss)      (what ZeRO divides by)
+
+Order in which the lessons are applied (each one sees the model the previous one left):
+  1. pipeline split   — cuts whole layers, so it must see the unmodified model;
+  2. tensor parallel  — slices the weights of the layers this stage kept;
+  3. context parallel — swaps each attention's core op for ring attention (any head count);
+  4. expert parallel  — swaps each MoE for its all-to-all version;
+  5. activation checkpointing — wraps the (now parallel) blocks, inside the ZeRO hooks;
+  6. data parallel / ZeRO / HSDP — last, because it flattens, shards and reduces exactly the
+     parameters the steps above left on this rank (shard group dp_shard×cp, replicas dp_replicate).
+Gradient clipping uses the norm of the WHOLE model's gradient: every rank adds the squares
+of the gradient elements it holds, each weighted by 1/(number of ranks holding a copy), and
+one all-reduce over the world sums them — so each parameter counts once.
+
+Communication per step is the sum of each lesson's (see their docstrings); model-state memory
+per rank is roughly the ZeRO formula applied to Ψ/(tp·pp) parameters (experts: /ep).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from data import get_batch, load_corpus
+from model import CONFIGS, MoE, build_model, flops_per_token, get_config, init_tensor, num_params
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 (THEORY.md)
+CP_METHOD, CP_LAYOUT = "ring", "zigzag"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for dim in ("dp-replicate", "dp-shard", "cp", "tp", "pp", "ep"):
+        p.add_argument(f"--{dim}", type=int, default=1)
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="how the data-parallel dims shard (default: 3 when dp-shard > 1 and the model "
+                        "is dense, else 0)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step (default: pp; without pp they accumulate gradients)")
+    p.add_argument("--model", choices=sorted(CONFIGS), default="tiny")
+    p.add_argument("--experts", type=int, default=0, help="0: dense MLP")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p.add_argument("--data", default=None, help="a text file (default: the built-in corpus)")
+    p.add_argument("--activation-checkpointing", choices=["none", "full"], default="none")
+    p.add_argument("--log-file", default=None, help="append one JSON object per step")
+    p.add_argument("--save", default=None, help="directory to write a checkpoint to at the end")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this step (the schedule still runs to --steps): an interrupted run")
+    p.add_argument("--resume", default=None, help="directory of a checkpoint to continue from")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    args = p.parse_args(argv)
+    if args.zero_stage is None:
+        args.zero_stage = 3 if args.dp_shard > 1 and not args.experts else 0
+    if args.microbatches is None:
+        args.microbatches = args.pp
+    return args
+
+
+def layout_of(args) -> dict:
+    """What a checkpoint must agree on to be resumed."""
+    return dict(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp,
+                tp=args.tp, ep=args.ep, zero_stage=args.zero_stage, model=args.model,
+                experts=args.experts, top_k=args.top_k, dtype=args.dtype)
+
+
+def check_args(args, world_size: int) -> None:
+    """Every invalid combination, found from the arguments alone (so every rank finds the same
+    problems before any collective). Raises ValueError listing what is wrong and what is valid."""
+    problems = []
+    dims = dict(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp, tp=args.tp)
+    if any(v < 1 for v in list(dims.values()) + [args.ep, args.microbatches]):
+        raise ValueError(f"invalid training layout:\n  - every size must be >= 1 (got {dims}, "
+                         f"ep={args.ep}, microbatches={args.microbatches})")
+    product = math.prod(dims.values())
+    if product != world_size:
+        problems.append(f"pp*dp_replicate*dp_shard*cp*tp = {product} but the world size is {world_size}: "
+                        f"choose sizes whose product is {world_size} "
+                        f"(or launch with torchrun --nproc_per_node {product})")
+    try:
+        cfg = get_config(args.model, n_experts=args.experts, top_k=args.top_k)
+    except ValueError as e:
+        raise ValueError(f"invalid training layout:\n  - {e}") from None
+    tp, dp, m = args.tp, args.dp_replicate * args.dp_shard, args.microbatches
+    for name, size in [("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)]:
+        if size % tp:
+            ok = [d for d in range(1, size + 1) if size % d == 0 and d <= 16]
+            problems.append(f"--tp {tp} does not divide the model's {name} ({size}): choose tp from {ok}")
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        problems.append(f"--tp {tp} and n_kv_heads {cfg.n_kv_heads}: one must divide the other")
+    if cfg.n_layers < args.pp:
+        problems.append(f"--pp {args.pp} is more stages than the model's {cfg.n_layers} layers: "
+                        f"use --pp <= {cfg.n_layers}")
+    if args.pp > 1 and args.schedule == "1f1b" and m < args.pp:
+        problems.append(f"1F1B needs at least as many micro-batches as stages: "
+                        f"--microbatches {m} < --pp {args.pp} (use >= {args.pp}, or --schedule gpipe)")
+    if args.global_batch_size % (dp * m):
+        problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel "
+                        f"size {dp} times --microbatches {m}: use a multiple of {dp * m}")
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        problems.append(f"--seq-len {args.seq_len} is not divisible by 2*cp = {2 * args.cp} "
+                        f"({CP_LAYOUT} layout): use a multiple of {2 * args.cp}")
+    if args.seq_len > cfg.max_seq_len:
+        problems.append(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    if args.ep > 1:
+        if not args.experts:
+            problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
+        elif args.experts % args.ep:
+            ok = [d for d in range(1, args.experts + 1) if args.experts % d == 0]
+            problems.append(f"--experts {args.experts} is not divisible by --ep {args.ep}: choose ep from {ok}")
+        if dp % args.ep:
+            problems.append(f"--ep {args.ep} borrows data-parallel ranks and must divide "
+                            f"dp_replicate*dp_shard = {dp}")
+    if args.zero_stage > 0 and dp * args.cp == 1:
+        problems.append(f"--zero-stage {args.zero_stage} shards over data-parallel (and cp) ranks, but there "
+                        f"is only one: use --zero-stage 0 or --dp-shard > 1")
+    if args.steps < 1 or (args.stop_at is not None and not 1 <= args.stop_at <= args.steps):
+        problems.append(f"--steps {args.steps} must be >= 1 and --stop-at between 1 and --steps")
+    if args.data is not None and not os.path.isfile(args.data):
+        problems.append(f"--data {args.data!r} does not exist: give an existing text file or leave it out")
+    if args.resume is not None:
+        meta = os.path.join(args.resume, "meta.json")
+        if not os.path.isfile(meta):
+            problems.append(f"--resume {args.resume!r} holds no checkpoint (meta.json missing)")
+        else:
+            with open(meta) as f:
+                saved = json.load(f)
+            if saved["layout"] != layout_of(args):
+                problems.append(f"--resume {args.resume!r} was written with {saved['layout']}; resume with the "
+                                f"same sizes, stage, model and dtype (got {layout_of(args)})")
+    # Combinations the lessons do not compose (yet): said plainly rather than computed wrongly.
+    unsupported = []
+    if args.experts and (tp > 1 or args.cp > 1 or args.pp > 1):
+        unsupported.append("a mixture-of-experts model with tp, cp or pp (experts compose with "
+                           "dp_replicate/dp_shard and ep only)")
+    if args.experts and args.zero_stage > 0:
+        unsupported.append("ZeRO stages 1-3 with experts (expert weights would need their own edp "
+                           "shard group): use --zero-stage 0")
+    if args.experts and m > 1:
+        unsupported.append("micro-batches with experts (the auxiliary loss is defined over a whole batch)")
+    if args.zero_stage >= 2 and tp > cfg.n_kv_heads:
+        unsupported.append(f"--zero-stage {args.zero_stage} with tp {tp} > n_kv_heads {cfg.n_kv_heads}: "
+                           f"replicated kv heads need their gradients summed over tp before the "
+                           f"reduce-scatter (use --zero-stage 0 or 1)")
+    problems += [f"not supported yet: {u}" for u in unsupported]
+    if problems:
+        raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warm-up to --lr over --warmup steps, then cosine decay to 10% at --steps (step from 1)."""
+    if step <= args.warmup:
+        return args.lr * step / max(1, args.warmup)
+    t = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+# ---- building the model for this rank, lesson by lesson ------------------------------------------
+
+def _blocks(model):
+    return list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+
+
+def make_stage_class():
+    from pipeline import Stage
+    from model import rope_cos_sin
+
+    class CPStage(Stage):
+        """pipeline.Stage that takes the absolute positions of a context-parallel shard."""
+        positions = None
+
+        def forward(self, x, targets=None):
+            h = self.tok_embeddings(x) if self.is_first else x
+            pos = self.positions if self.positions is not None else torch.arange(h.shape[1], device=h.device)
+            cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+            for layer in self.layers.values():
+                h = layer(h, cos, sin)
+            if not self.is_last:
+                return h
+            logits = self.output(self.norm(h))
+            return logits if targets is None else self.loss_fn(logits, targets)
+    return CPStage
+
+
+def tensor_parallel_stage(stage, cfg, group):
+    """tensor_parallel.apply_tensor_parallel for a pipeline Stage (which may lack the embedding
+    or the head): the same parallel layers, the same attributes for finish_grads."""
+    import tensor_parallel as tpl
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    tpl.check_divisible(cfg, t)
+    if stage.tok_embeddings is not None:
+        stage.tok_embeddings = tpl.VocabParallelEmbedding(stage.tok_embeddings.weight, group)
+    partial = []
+    for block in _blocks(stage):
+        block.attn = tpl.ParallelAttention(block.attn, cfg, group, False)
+        block.mlp = tpl.ParallelSwiGLU(block.mlp, group, False)
+        if block.attn.kv_slot is not None:
+            partial += [(block.attn.wk.weight, *block.attn.kv_slot), (block.attn.wv.weight, *block.attn.kv_slot)]
+    if stage.is_last:
+        rows = (r * cfg.vocab_size // t, (r + 1) * cfg.vocab_size // t)
+        stage.output = tpl.ColumnParallelLinear(stage.output.weight, group, rows, input_op="copy")
+        stage.loss_fn = tpl.VocabParallelCrossEntropy(rows[0], group)
+    stage.tp_group, stage.tp_partial_grads = group, partial
+    return stage
+
+
+def _checkpointed(block):
+    """Full activation checkpointing of one block: only its input is saved; the block's forward
+    runs again in backward. The wrapper sits INSIDE the module call, so ZeRO-3's hooks (which
+    gather the block's parameters around the call) also cover the recomputation."""
+    inner = block.forward
+
+    def forward(h, cos, sin):
+        return checkpoint(inner, h, cos, sin, use_reentrant=False)
+    block.forward = forward
+
+
+class Trainer:
+    """Everything one rank needs to take a training step of its part of the model."""
+
+    def __init__(self, args, mesh, device):
+        import ring_attention as ra
+        self.args, self.mesh, self.device = args, mesh, device
+        self.cfg = cfg = get_config(args.model, n_experts=args.experts, top_k=args.top_k)
+        self.store_dtype = torch.float64 if args.dtype == "float64" else torch.float32
+        self.bf16 = args.dtype == "bfloat16"
+        self.dp, self.dp_rank = mesh.size("dp"), mesh.rank("dp")
+        self.cp, self.cp_rank = mesh.size("cp"), mesh.rank("cp")
+        self.tp = mesh.size("tp")
+        self.use_zero = mesh.size("dp_cp") > 1 and not cfg.n_experts
+        # The meta device: shapes only, each rank materialises just its ZeRO-3 shard. The flat
+        # units keep an fp32 master for meta parameters, so float64 runs are built for real.
+        meta = self.use_zero and args.zero_stage == 3 and args.pp == 1 and self.store_dtype == torch.float32
+        full_shapes = {n: tuple(p.shape) for n, p in build_model(cfg, seed=None, device="meta").named_parameters()}
+
+        # 1. pipeline split
+        self.pg = None
+        if args.pp > 1:
+            from pipeline import SCHEDULES, PipeGroup
+            self.pg = PipeGroup.from_ranks(mesh.ranks("pp"))
+            self.actions = SCHEDULES[args.schedule](args.pp, args.microbatches)[self.pg.r]
+            model = make_stage_class()(cfg, self.pg.r, args.pp, args.seed, device, self.store_dtype)
+        else:
+            model = build_model(cfg, seed=args.seed, dtype=self.store_dtype, device="meta" if meta else device)
+        self.is_last = self.pg is None or self.pg.r == args.pp - 1
+        # 2. tensor parallel
+        if self.tp > 1:
+            if self.pg is None:
+                from tensor_parallel import apply_tensor_parallel
+                apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=False)
+            else:
+                tensor_parallel_stage(model, cfg, mesh.group("tp"))
+        # 3. context parallel
+        self.positions = None
+        if self.cp > 1:
+            for block in _blocks(model):
+                block.attn.sdpa = ra.ContextParallelAttention(mesh.group("cp"), CP_METHOD, CP_LAYOUT)
+            self.positions = ra.shard_positions(args.seq_len, self.cp, self.cp_rank, CP_LAYOUT).to(device)
+            if self.pg is not None:
+                model.positions = self.positions
+        # 4. expert parallel (also at ep=1 with dp>1: the aux loss then averages over all dp tokens)
+        if cfg.n_experts and self.dp > 1:
+            from expert_parallel import parallelize_experts
+            parallelize_experts(model, mesh)
+        # 5. activation checkpointing
+        if args.activation_checkpointing == "full":
+            for block in _blocks(model):
+                _checkpointed(block)
+
+        # What each parameter's gradient is: how many ranks hold a copy (for the global norm).
+        partial = {id(p): (slot, n) for p, slot, n in getattr(model, "tp_partial_grads", [])}
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.partial_names = {names[i]: v for i, v in partial.items()}
+        self.tp_copies = {}
+        for name, p in model.named_parameters():
+            if self.tp == 1:
+                c = 1
+            elif id(p) in partial:
+                c = self.tp // partial[id(p)][1]      # a kv head shared by t/n_kv ranks
+            elif hasattr(p, "tp_slice"):
+                c = 1                                  # a slice: every tp rank holds a different one
+            else:
+                c = self.tp                            # norms: the same on every tp rank
+            self.tp_copies[name] = c
+
+        # 6. data parallel / ZeRO / HSDP
+        opt_kw = dict(lr=args.lr)
+        if self.use_zero:
+            from fsdp import shard_model
+            stage = args.zero_stage
+            group = mesh.group("dp_shard_cp") if stage > 0 else mesh.group("dp_cp")
+            rep = mesh.group("dp_replicate") if stage > 0 and mesh.size("dp_replicate") > 1 else None
+            units = None
+            if self.pg is not None:  # every module with parameters is a unit: the root has none
+                units = _blocks(model) + [m for m in (model.tok_embeddings, getattr(model, "norm", None),
+                                                      getattr(model, "output", None)) if m is not None]
+
+            slices = {n: getattr(p, "tp_slice", None) for n, p in model.named_parameters()}
+
+            def init_fn(name, shape):  # my tensor-parallel slice of the parameter's initial value
+                full, sl = init_tensor(cfg, name, full_shapes[name], args.seed), slices[name]
+                return full.narrow(sl[0], sl[1], sl[2] - sl[1]) if sl else full
+            self.opt = shard_model(model, stage, torch.optim.AdamW, group=group, replicate_group=rep,
+                                   units=units, param_dtype=torch.bfloat16 if self.bf16 else None,
+                                   init_fn=init_fn if meta else None,
+                                   max_grad_norm=args.grad_clip or None, **opt_kw)
+            self.opt.clip_grad_norm_ = self._clip_zero  # the global norm over every dimension
+            self.inner = self.opt.inner
+            # dp copies of one master element: stage 0 every dp×cp rank, else the replicas
+            self.dp_copies = mesh.size("dp_cp") if stage == 0 else mesh.size("dp_replicate")
+        else:
+            self.opt = self.inner = torch.optim.AdamW(model.parameters(), **opt_kw)
+        if self.tp > 1 and self.partial_names:  # shard_model made new Parameters: re-point finish_grads
+            named = dict(model.named_parameters())
+            model.tp_partial_grads = [(named[n], s, k) for n, (s, k) in self.partial_names.items()]
+        self.model = model
+        self.world = dist.group.WORLD
+
+    # ---- gradient norm over the whole model -----------------------------------------------------
+    def _global_norm(self, items) -> torch.Tensor:
+        """items: (gradient tensor, 1/copies). One all-reduce over the world of Σ w·|g|²."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g, w in items:
+            sq += g.double().pow(2).sum() * w
+        dist.all_reduce(sq, group=self.world)
+        return sq.sqrt()
+
+    def _clip(self, grads_weights, max_norm):
+        norm = self._global_norm(grads_weights)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g, _ in grads_weights:
+            g.mul_(coef.to(g.dtype))
+        return norm
+
+    def _clip_zero(self, max_norm):
+        """ZeroOptimizer's clip hook: its master gradients are my slice of each unit's flat buffer."""
+        items = []
+        for u in self.opt.units:
+            g = u.master.grad
+            if g is None:
+                continue
+            lo = 0 if self.opt.stage == 0 else u.r * u.n
+            for name, off, k in zip(u.names, u.offsets(), u.numels):
+                a, b = max(off, lo), min(off + k, lo + g.numel())
+                if a < b:
+                    items.append((g[a - lo:b - lo], 1.0 / (self.tp_copies[name] * self.dp_copies)))
+        norm = self._global_norm(items)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for u in self.opt.units:
+            if u.master.grad is not None:
+                u.master.grad.mul_(coef.to(u.master.grad.dtype))
+        self.opt.grad_norm = self.grad_norm = norm
+        return norm
+
+    # ---- one optimizer step -------------------------------------------------------------------------
+    def batch(self, step: int, tokens):
+        """This rank's slice of the global batch of `step` (0-based): dp rows, cp tokens."""
+        a = self.args
+        x, y = get_batch(tokens, step, a.global_batch_size, a.seq_len, a.seed, self.dp_rank, self.dp,
+                         device=self.device)
+        if self.cp > 1:
+            from ring_attention import shard_sequence
+            x, y = (shard_sequence(t, self.cp, self.cp_rank, CP_LAYOUT) for t in (x, y))
+        return x, y
+
+    def step(self, step: int, tokens) -> torch.Tensor:
+        """Forward, backward, gradient reduction, clipping, AdamW. Returns this rank's local loss
+        (the mean over its tokens; zero on ranks that do not compute it)."""
+        a, model = self.args, self.model
+        for g in self.inner.param_groups:
+            g["lr"] = lr_at(step + 1, a)
+        x, y = self.batch(step, tokens)
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 and not self.use_zero \
+            else torch.autocast(self.device.type, enabled=False)
+        with autocast:
+            if self.pg is not None:
+                from pipeline import pipeline_step
+                res = pipeline_step(model, self.actions, self.pg, x, y, a.microbatches, None, measure=False)
+                loss = res["loss"] if res["loss"] is not None else torch.zeros((), device=self.device)
+            else:
+                m, loss = a.microbatches, 0.0
+                for xm, ym in zip(x.chunk(m), y.chunk(m)):  # gradient accumulation
+                    lm = model(xm, ym, positions=self.positions)
+                    (lm / m).backward()
+                    loss = loss + lm.detach() / m
+        if self.tp > 1:
+            from tensor_parallel import finish_grads
+            finish_grads(model)  # sums partial gradients of replicated kv heads (no-op otherwise)
+        if self.use_zero:
+            self.opt.step()      # reduce (stage 0/1 here, 2/3 already in backward), clip, AdamW
+            self.opt.zero_grad()
+        else:
+            if self.cfg.n_experts and self.dp > 1:
+                from expert_parallel import ExpertParallelMoE, sync_gradients
+                sync_gradients(model, self.mesh.group("dp"), self.mesh.group("edp"), self.dp)
+                expert = {id(p) for mod in model.modules() if isinstance(mod, ExpertParallelMoE)
+                          for p in mod.expert_parameters()}
+                edp = self.mesh.size("edp")
+                copies = {name: (edp if id(p) in expert else self.dp) for name, p in model.named_parameters()}
+            else:
+                copies = {name: 1 for name, _ in model.named_parameters()}
+            if a.grad_clip:
+                items = [(p.grad, 1.0 / (copies[n] * self.tp_copies[n])) for n, p in model.named_parameters()
+                         if p.grad is not None]
+                self.grad_norm = self._clip(items, a.grad_clip)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return loss.detach() if torch.is_tensor(loss) else torch.tensor(loss)
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        """Mean over the dp×cp ranks of the last stage (tp ranks agree: count tp rank 0 only)."""
+        counts = self.is_last and self.mesh.rank("tp") == 0
+        v = torch.tensor(float(local) / (self.dp * self.cp) if counts else 0.0, dtype=torch.float64,
+                         device=self.device)
+        dist.all_reduce(v, group=self.world)
+        return v.item()
+
+    def state_bytes(self) -> dict:
+        from instruments import model_state_bytes
+        if self.use_zero:
+            return self.opt.state_bytes()
+        return model_state_bytes(self.model.parameters(), self.opt)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save(self, path: str, step: int) -> None:
+        """Each rank writes its own shards; rank 0 writes meta.json LAST (a complete checkpoint)."""
+        os.makedirs(path, exist_ok=True)
+        if self.use_zero:
+            params = [u.master.detach().cpu() for u in self.opt.units]
+        else:
+            params = {k: v.cpu() for k, v in self.model.state_dict().items()}
+        state = dict(step=step, params=params, optimizer=self.inner.state_dict(),
+                     rng=torch.get_rng_state(),
+                     cuda_rng=torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        torch.save(state, os.path.join(path, f"rank{dist.get_rank()}.pt"))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(path, "meta.json"), "w") as f:
+                json.dump(dict(step=step, world_size=dist.get_world_size(), layout=layout_of(self.args)), f)
+        dist.barrier()
+
+    @torch.no_grad()
+    def load(self, path: str) -> int:
+        state = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), map_location=self.device,
+                           weights_only=False)
+        if self.use_zero:
+            from mesh import all_gather_single
+            for u, saved in zip(self.opt.units, state["params"]):
+                u.master.copy_(saved)
+                if u.master is not u.shard and self.opt.stage > 0:
+                    u.shard.copy_(u.master)
+                if self.opt.stage == 0 and u.master.data_ptr() != u.buf.data_ptr():
+                    u.buf.copy_(u.master)
+                if self.opt.stage in (1, 2):
+                    all_gather_single(u.buf, u.shard, group=self.opt.group)
+        else:
+            self.model.load_state_dict(state["params"])
+        self.inner.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        return state["step"]
+
+
+# ---- the loop ---------------------------------------------------------------------------------------
+
+def _peak_memory(device) -> int:
+    """CUDA allocator peak on a GPU; the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _peak_flops(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def train(args, device=None, verbose: bool = True) -> dict:
+    """Train on every rank of an initialised process group. Returns (on every rank) the global
+    losses per step and this rank's measurements."""
+    from instruments import CommCounter
+    from mesh import Mesh
+    device = device or torch.device("cpu")
+    check_args(args, dist.get_world_size())                    # every rank, before any collective
+    mesh = Mesh(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp,
+                tp=args.tp, ep=args.ep)
+    tokens = load_corpus(args.data)
+    trainer = Trainer(args, mesh, device)
+    start = trainer.load(args.resume) if args.resume else 0
+    rank0 = dist.get_rank() == 0
+    world = dist.get_world_size()
+    fpt = flops_per_token(trainer.cfg, args.seq_len)
+    peak = _peak_flops(device) if args.dtype == "bfloat16" else None
+    if verbose and rank0:
+        print(f"train.py: {mesh}, zero stage {args.zero_stage}, model {args.model} "
+              f"({num_params(trainer.cfg):,} parameters), {args.dtype}, global batch "
+              f"{args.global_batch_size}x{args.seq_len}, {device}"
+              + (f", resuming after step {start}" if start else ""), flush=True)
+    out = dict(losses=[], tokens_per_s=[], comm_bytes=[], peak_memory_bytes=[], grad_norms=[], start=start)
+    last = args.stop_at or args.steps
+    for s in range(start, last):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with CommCounter() as comm:
+            local = trainer.step(s, tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        loss = trainer.global_loss(local)
+        tps = args.global_batch_size * args.seq_len / dt
+        mem, nbytes = _peak_memory(device), comm.bytes()
+        mfu = fpt * tps / (peak * world) if peak else None
+        norm = getattr(trainer, "grad_norm", None)
+        out["losses"].append(loss)
+        out["tokens_per_s"].append(tps)
+        out["comm_bytes"].append(nbytes)
+        out["peak_memory_bytes"].append(mem)
+        out["grad_norms"].append(None if norm is None else float(norm))
+        if rank0 and verbose and not args.quiet:
+            print(f"step {s + 1:4d}  loss {loss:.6f}  lr {lr_at(s + 1, args):.2e}  {tps:10.0f} tokens/s"
+                  + (f"  MFU {mfu:5.1%}" if mfu is not None else "")
+                  + f"  peak mem {mem / 2**20:8.1f} MiB  comm {nbytes / 2**20:8.3f} MiB (rank 0)", flush=True)
+        if rank0 and args.log_file:
+            with open(args.log_file, "a") as f:
+                f.write(json.dumps(dict(step=s + 1, loss=loss, lr=lr_at(s + 1, args), tokens_per_s=tps,
+                                        peak_memory_bytes=mem, comm_bytes=nbytes, mfu=mfu)) + "\n")
+    out["comm_summary"] = comm.summary() if last > start else {}
+    out["state_bytes"] = trainer.state_bytes()
+    out["coords"] = dict(mesh.coords)
+    if args.save:
+        trainer.save(args.save, last)
+    return out
+
+
+def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
+    """A rank function (launch.run_ranks): train each layout in turn on the same ranks; every
+    layout's flags are `common + layout`. Returns each layout's result on this rank."""
+    results = []
+    for flags in layouts:
+        args = parse_args(list(common) + list(flags) + ["--quiet"])
+        res = train(args, verbose=False)
+        res["flags"] = " ".join(flags)
+        results.append(res)
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_args(args, world)   # before joining the process group: every rank alike, no hang
+    except ValueError as e:
+        print(f"[rank {os.environ.get('RANK', '0')}] {e}", file=sys.stderr, flush=True)
+        return 2
+    from mesh import init_distributed
+    device = init_distributed()
+    try:
+        train(args, device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
