@@ -21,7 +21,12 @@ Capacity. Dropless by default. With a capacity factor the reference keeps, per e
 the first C = ceil(T_all·k/E·cf) assignments in token order. Our reference is the
 single-device MoE on the concatenation of the ep ranks' tokens in rank order, so the owner
 of expert e keeps C of them counting rank 0's first, then rank 1's, ... — it alone decides,
-and tells each sender how many of its rows to send (a second small all-to-all).
+and tells each sender how many of its rows to send (a second small all-to-all). A
+consequence worth seeing: when an expert overflows, the later ranks' tokens are dropped.
+
+Aux loss (Switch): coef·E·Σ_i f_i·P_i with f_i (share of assignments) and P_i (mean router
+probability) summed over all ranks' tokens by one all-reduce, so every rank reports the
+single-device value of the global batch (coef exactly, when routing is uniform).
 
 Communication per MoE layer and step, per rank (H hidden, b bytes per element):
     counts      all-to-all of ep·(E/ep + 1) int64 (+ ep·E/ep back with a capacity)
@@ -46,6 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from data import get_batch, load_corpus
+from instruments import CommCounter, sync
 from mesh import Mesh, init_distributed, print0
 from model import MoE, build_model, get_config
 
@@ -239,6 +245,8 @@ def sync_gradients(model, dp_group, edp_group, dp_size: int) -> None:
               for p in m.expert_parameters()}
     for group, keep in ((dp_group, False), (edp_group, True)):
         params = [p for p in model.parameters() if (id(p) in expert) == keep and p.requires_grad]
+        if not params:
+            continue
         for p in params:
             if p.grad is None:  # every rank must contribute the same sizes
                 p.grad = torch.zeros_like(p)
@@ -252,7 +260,7 @@ def sync_gradients(model, dp_group, edp_group, dp_size: int) -> None:
 # ---- training, load and drops: the demo, the tests and the notebook use these ---------
 
 def train_ep(cfg, ep: int, steps: int = 3, global_batch: int = 4, seq_len: int = 16, lr: float = 1e-3,
-             seed: int = 0, reference_a2a=None):
+             seed: int = 0, reference_a2a=None, device=None):
     """Train the shared model with ep expert parallel on a dp = world mesh (runs on every rank).
 
     Returns dict(losses [global mean per step], loads [per step: layer-0 tokens per global
@@ -260,7 +268,7 @@ def train_ep(cfg, ep: int, steps: int = 3, global_batch: int = 4, seq_len: int =
     """
     world = dist.get_world_size()
     mesh = Mesh(dp_shard=world, ep=ep)
-    model = parallelize_experts(build_model(cfg, seed=seed), mesh)
+    model = parallelize_experts(build_model(cfg, seed=seed, device=device), mesh)
     if reference_a2a is not None:
         for m in model.modules():
             if isinstance(m, ExpertParallelMoE):
@@ -269,19 +277,22 @@ def train_ep(cfg, ep: int, steps: int = 3, global_batch: int = 4, seq_len: int =
     tokens, D = load_corpus(), mesh.size("dp")
     out = dict(losses=[], loads=[], dropped=[], times=[])
     for s in range(steps):
-        x, y = get_batch(tokens, s, global_batch, seq_len, seed, dp_rank=mesh.rank("dp"), dp_size=D)
+        x, y = get_batch(tokens, s, global_batch, seq_len, seed, mesh.rank("dp"), D, device)
+        sync(device)
         t0 = time.perf_counter()
         loss = model(x, y)
         loss.backward()
         sync_gradients(model, mesh.group("dp"), mesh.group("edp"), D)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync(device)
         out["times"].append(time.perf_counter() - t0)
         mlp = model.layers[0].mlp
         # [ep] loads of the ep group, summed over ep groups: global tokens per expert
-        load = torch.zeros(cfg.n_experts)
+        load = torch.zeros(cfg.n_experts, device=device)
         load[mlp.first:mlp.first + mlp.n_local] = mlp.tokens_per_expert.float()
-        stats = torch.cat([loss.detach().reshape(1).float(), load, torch.tensor([float(mlp.dropped)])])
+        dropped = torch.tensor([float(mlp.dropped)], device=device)
+        stats = torch.cat([loss.detach().reshape(1).float(), load, dropped])
         dist.all_reduce(stats, group=mesh.group("dp"))
         out["losses"].append(stats[0].item() / D)
         out["loads"].append(stats[1:-1].tolist())
@@ -303,7 +314,8 @@ def drop_sweep(factors, skews=(0.0,), n_experts: int = 8, top_k: int = 2, tokens
     world, rank = dist.get_world_size(), dist.get_rank()
     moe = build_model(get_config("tiny", n_experts=n_experts, top_k=top_k), seed=seed).layers[0].mlp
     g = torch.Generator().manual_seed(seed)
-    noise, common = torch.randn(world * tokens, 1, moe.router.in_features, generator=g), torch.randn(1, 1, moe.router.in_features, generator=g)
+    H = moe.router.in_features
+    noise, common = torch.randn(world * tokens, 1, H, generator=g), torch.randn(1, 1, H, generator=g)
     out = {}
     for skew in skews:
         x, out[skew] = noise + skew * common, []
@@ -334,14 +346,13 @@ def routed_rows(experts, cap, tokens_per_rank: int, n_local: int):
     return n
 
 
-def _layer_check(cfg, ep_group, rank, world, tokens, seed=1):
+def _layer_check(cfg, ep_group, rank, world, tokens, device, seed=1):
     """EP layer vs the single-device MoE on all ranks' tokens: max errors, plan, comm counts."""
-    from instruments import CommCounter
-    ref = build_model(cfg, seed=0, dtype=torch.float64).layers[0].mlp
+    ref = build_model(cfg, seed=0, dtype=torch.float64, device=device).layers[0].mlp
     layer = ExpertParallelMoE(copy.deepcopy(ref), ep_group)  # its own copy of the router and experts
     g = torch.Generator().manual_seed(seed)
-    x_all = torch.randn(world * tokens, 1, cfg.dim, generator=g, dtype=torch.float64)
-    dy = torch.randn(world * tokens, 1, cfg.dim, generator=g, dtype=torch.float64)
+    x_all = torch.randn(world * tokens, 1, cfg.dim, generator=g, dtype=torch.float64).to(device)
+    dy = torch.randn(world * tokens, 1, cfg.dim, generator=g, dtype=torch.float64).to(device)
     x_ref = x_all.clone().requires_grad_()
     ((ref(x_ref) * dy).sum(-1).mean() + ref.aux_loss).backward()
     sl = slice(rank * tokens, (rank + 1) * tokens)
@@ -358,7 +369,7 @@ def _layer_check(cfg, ep_group, rank, world, tokens, seed=1):
     lo = layer.first
     for p, q in zip(layer.expert_parameters(), (ref.w1, ref.w3, ref.w2)):
         err = max(err, (p.grad / world - q.grad[lo:lo + layer.n_local]).abs().max().item())
-    n = routed_rows(ref.route(x_all.view(-1, cfg.dim))[2], ref.capacity(world * tokens), tokens, layer.n_local)
+    n = routed_rows(ref.route(x_all.view(-1, cfg.dim))[2].cpu(), ref.capacity(world * tokens), tokens, layer.n_local)
     return err, layer, c, n, ref.dropped
 
 
@@ -375,7 +386,7 @@ def main(argv=None, reference_a2a=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--compare", action="store_true", help="also run with PyTorch's autograd all-to-all")
     args = p.parse_args(argv)
-    init_distributed("gloo")
+    device = init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = args.ep or world
     mesh = Mesh(dp_shard=world, ep=ep)  # raises on every rank if ep does not divide the world
@@ -388,8 +399,8 @@ def main(argv=None, reference_a2a=None):
     lines = []
     for cf in (None, args.capacity_factor):
         err, layer, c, n, ref_dropped = _layer_check(get_config(args.model, n_experts=args.experts, top_k=args.top_k,
-                                                capacity_factor=cf), dist.group.WORLD, rank, world, args.tokens)
-        worst, dropped = torch.tensor([err]), torch.tensor([layer.dropped])
+                                                capacity_factor=cf), dist.group.WORLD, rank, world, args.tokens, device)
+        worst, dropped = torch.tensor([err], device=device), torch.tensor([layer.dropped], device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         dist.all_reduce(dropped)
         name = "dropless" if cf is None else f"capacity factor {cf}"
@@ -413,22 +424,24 @@ def main(argv=None, reference_a2a=None):
     print0("\n".join(every))
 
     # training: the shared model, ep experts per group, against one process on the global batch
-    res = train_ep(cfg, ep, args.steps, args.batch, args.seq)
+    res = train_ep(cfg, ep, args.steps, args.batch, args.seq, device=device)
     runs = [("ours", res)]
     if reference_a2a is not None:
         runs.append(("PyTorch all_to_all_single_autograd", train_ep(cfg, ep, args.steps, args.batch, args.seq,
-                                                                    reference_a2a=reference_a2a)))
+                                                                    reference_a2a=reference_a2a, device=device)))
     if rank == 0:
-        model = build_model(cfg, seed=0)
+        model = build_model(cfg, seed=0, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tokens, ref, times = load_corpus(), [], []
         for s in range(args.steps):
-            x, y = get_batch(tokens, s, args.batch, args.seq, 0)
+            x, y = get_batch(tokens, s, args.batch, args.seq, 0, device=device)
+            sync(device)
             t0 = time.perf_counter()
             loss = model(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sync(device)
             times.append(time.perf_counter() - t0)
             ref.append(loss.item())
         t_ref = sorted(times[1:] or times)[len(times[1:] or times) // 2]
