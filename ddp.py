@@ -324,6 +324,30 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
+def profile_buckets(model="small", bucket_mbs=(0, 1, 4, 16, 64), steps=3, batch=8, seq=32) -> dict:
+    """Per rank (run under launch.run_ranks): median step seconds and the last step's timeline
+    for naive DDP and bucketed DDP at each bucket cap (first bucket = cap). For the notebook."""
+    from data import get_batch, load_corpus
+    from model import build_model
+    rank, P = dist.get_rank(), dist.get_world_size()
+    tokens = load_corpus()
+    batches = [get_batch(tokens, s, batch, seq, dp_rank=rank, dp_size=P) for s in range(steps + 1)]
+    out = {}
+    for mb in [None, *bucket_mbs]:
+        m = NaiveDDP(build_model(model)) if mb is None else BucketedDDP(build_model(model), None, mb, mb)
+        opt, times = torch.optim.AdamW(m.parameters(), lr=1e-3), []
+        for x, y in batches:
+            dist.barrier()
+            m.timeline.spans.clear()
+            t = time.perf_counter()
+            train_step(m, opt, x, y)
+            times.append(time.perf_counter() - t)
+        out["naive" if mb is None else mb] = dict(
+            step_s=sorted(times[1:])[len(times[1:]) // 2], spans=list(m.timeline.spans),
+            n_calls=len(m.params) if mb is None else len(m.buckets))
+    return out
+
+
 def _demo(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Naive, bucketed and PyTorch DDP side by side on the shared model.")
     ap.add_argument("--model", default="small", help="tiny | small | medium | large (default small, ~10M)")
