@@ -453,7 +453,7 @@ def _add_unshard_hooks(opt, flat, root, reshard_after_forward, prefetch):
 
 def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-2, param_dtype=None,
                       group=None, replicate_group=None, dp_rank=None, dp_size=None, meta=False,
-                      seed=0, **shard_kwargs) -> dict:
+                      seed=0, dtype=torch.float32, **shard_kwargs) -> dict:
     """Shard the shared model at `stage`, train `steps` global batches with AdamW and return the
     full parameters, the losses, and what the last step measured next to the formulas."""
     from data import get_batch, load_corpus
@@ -463,7 +463,7 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
     dp_rank = dist.get_rank() if dp_rank is None else dp_rank
     dp_size = dist.get_world_size() if dp_size is None else dp_size
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    model = build_model(cfg, seed=seed, device="meta" if meta else device)
+    model = build_model(cfg, seed=seed, dtype=dtype, device="meta" if meta else device)
     init_fn = (lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None
     opt = shard_model(model, stage, torch.optim.AdamW, group=group, replicate_group=replicate_group,
                       param_dtype=param_dtype, init_fn=init_fn, lr=lr, **shard_kwargs)
