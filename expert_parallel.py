@@ -302,9 +302,9 @@ def train_ep(cfg, ep: int, steps: int = 3, global_batch: int = 4, seq_len: int =
     return out
 
 
-def train_many(cfgs, ep: int, **kw):
-    """train_ep for each config in turn, in one group of ranks (the notebook's load curves)."""
-    return [train_ep(cfg, ep, **kw) for cfg in cfgs]
+def run_in_turn(*calls):
+    """[fn(*args) for (fn, args) in calls] on every rank: several measurements, one spawn."""
+    return [fn(*args) for fn, args in calls]
 
 
 def drop_sweep(factors, skews=(0.0,), n_experts: int = 8, top_k: int = 2, tokens: int = 256, seed: int = 0):
