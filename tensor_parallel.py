@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mesh import Mesh, all_gather_single, init_distributed, print0, reduce_scatter_single
-from model import Attention, SwiGLU, build_model, get_config
+from model import Attention, SwiGLU, build_model, get_config, rope_cos_sin
 
 
 # ---- the conjugate operators ---------------------------------------------------------------
@@ -95,7 +95,9 @@ def _gather_seq(x, group):
     xs = x.transpose(0, 1).contiguous()                       # [S/t, B, H]
     out = xs.new_empty((t * xs.shape[0],) + xs.shape[1:])     # [S, B, H]
     all_gather_single(out, xs, group=group)
-    return out.transpose(0, 1)
+    # One contiguous copy: q, k, v (or w1, w3) then save ONE [B, S, H] input between them
+    # (a strided view would make each linear save its own flattened copy).
+    return out.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x, group):
@@ -325,8 +327,9 @@ def check_divisible(cfg, t: int) -> None:
     if cfg.n_experts:
         raise ValueError("tensor_parallel.py splits dense SwiGLU MLPs; for experts use expert "
                          "parallel (n_experts=0 here)")
-    for what, n in [("n_heads", cfg.n_heads), ("dim (hidden)", cfg.dim),
-                    ("ffn_dim (MLP width)", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)]:
+    # (the hidden size dim = n_heads·head_dim divides whenever n_heads does)
+    for what, n in [("n_heads", cfg.n_heads), ("ffn_dim (MLP width)", cfg.ffn_dim),
+                    ("vocab_size", cfg.vocab_size)]:
         if n % t:
             ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
             raise ValueError(f"tp={t} does not divide {what}={n}: choose tp from {ok} "
@@ -387,138 +390,156 @@ def finish_grads(model) -> None:
         p.grad = part.view((n,) + p.shape)[slot].clone()
 
 
-# ---- PyTorch's own TP, for comparison only (tests and the demo) -------------------------------
-
-def dtensor_tensor_parallel(model, group):
-    """The same split with DTensor's parallelize_module (Colwise/RowwiseParallel)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    device = next(model.parameters()).device
-    dmesh = DeviceMesh.from_group(group, device_type=device.type)
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate())}
-    for i in range(len(model.layers)):
-        for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
-            plan[f"layers.{i}.{n}"] = ColwiseParallel()
-        for n in ("attn.wo", "mlp.w2"):
-            plan[f"layers.{i}.{n}"] = RowwiseParallel()
-    return parallelize_module(model, dmesh, plan)
-
-
-# ---- demo: torchrun --nproc_per_node 2 tensor_parallel.py [--sp] [--no-compare] ------------------
-
-def _max_grad_err(tp_model, ref) -> float:
-    """Largest |tp gradient - matching slice of the single-process gradient|."""
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    err = 0.0
-    for n, p in tp_model.named_parameters():
-        g = ref_grads[n]
-        if hasattr(p, "tp_slice"):
-            dim, a, b = p.tp_slice
-            g = g.narrow(dim, a, b - a)
-        err = max(err, (p.grad - g).abs().max().item())
-    return err
-
-
-def _train_step(model, opt, x, y, finish=None):
+def train_step(model, opt, x, y):
+    """One optimizer step of a tensor-parallel model (finish_grads between backward and step)."""
     loss = model(x, y)
     loss.backward()
-    if finish is not None:
-        finish(model)
+    if hasattr(model, "tp_partial_grads"):
+        finish_grads(model)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
 
 
-def main():
-    import os
+# ---- measurements for the notebook -------------------------------------------------------------
 
-    from data import get_batch, load_corpus
-    from instruments import CommCounter
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="small", help="tiny | small | ...")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (noise)")
-    p.add_argument("--sp", action="store_true", help="sequence parallel")
-    p.add_argument("--no-compare", action="store_true", help="skip PyTorch's DTensor TP")
-    args = p.parse_args()
-    device = init_distributed()
-    t, group = dist.get_world_size(), dist.group.WORLD
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
-    cfg = get_config(args.model)
-    check_divisible(cfg, t)  # before any collective: a clear error on every rank
-    ref = build_model(cfg, seed=0, device=device)
-    x, y = get_batch(load_corpus(), 0, args.batch, args.seq, device=device)  # same batch on every rank
-    print0(f"tensor parallel: tp={t}, model {args.model}, batch {args.batch}x{args.seq}, "
-           f"sequence parallel {'on' if args.sp else 'off'}, {dist.get_backend()} on {device}")
+def _saved_activation_bytes(model, cfg, batch, seq):
+    """Bytes ONE layer keeps for backward on this rank (once per storage; weights excluded)."""
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    h = model.tok_embeddings(x).detach().requires_grad_()               # [B, S(/t), H]
+    cos, sin = rope_cos_sin(torch.arange(seq), cfg.head_dim, cfg.rope_theta, h.dtype)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
 
-    # 1. Check against the single-process model: loss, logits, every gradient.
-    ref_loss = ref(x, y)
-    ref_loss.backward()
-    ref_logits = ref(x).detach()
-    mine = apply_tensor_parallel(copy.deepcopy(ref), group, sequence_parallel=args.sp)
-    with CommCounter() as fwd:
-        loss = mine(x, y)
-    with CommCounter() as bwd:
-        loss.backward()
-    with CommCounter() as fin:
-        finish_grads(mine)
-    logits = gather_last_dim(mine(x).detach(), group)
-    errs = dict(loss=abs(loss.item() - ref_loss.item()), logits=(logits - ref_logits).abs().max().item(),
-                grads=_max_grad_err(mine, ref))
-    print0("vs single process: " + ", ".join(f"max |diff| {k} {v:.1e}" for k, v in errs.items()))
-    if max(errs.values()) > 1e-4:
-        raise SystemExit("tensor-parallel model does NOT match the single-process model")
-    L, N = cfg.n_layers, args.batch * args.seq
-    act = N * cfg.dim * 4  # bytes of one [B, S, H] fp32 activation
-    rows = []
-    for name, c in (("forward", fwd), ("backward", bwd), ("finish_grads", fin)):
-        for op, s in c.summary().items():
-            rows.append(f"  {name:12s} {op:15s} {s['calls']:3d} calls  {s['bytes'] / 1e6:8.3f} MB API  "
-                        f"{s['wire_bytes'] / 1e6:8.3f} MB wire")
-    print0(f"collectives of one step (L={L} layers; [B,S,H] = {act / 1e6:.3f} MB):\n" + "\n".join(rows))
-    print0(f"  expected: forward 1 (embedding) + 2 per layer x {L} + 3 (loss) = {3 + 2 * L + 1}, "
-           f"backward 2 per layer x {L} + 1 (head) = {2 * L + 1} "
-           + ("(SP: each all-reduce is a reduce-scatter + all-gather pair)" if args.sp else "all-reduces"))
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[0](h, cos, sin)
+    return sum(saved.values())
 
-    # 2. Step time, alternating with PyTorch's DTensor TP on the same model.
-    impls = {"by hand" + (" +SP" if args.sp else ""): (mine, finish_grads)}
-    if not args.no_compare and cfg.n_kv_heads % t:
-        print0(f"DTensor compare skipped: Colwise would cut n_kv_heads={cfg.n_kv_heads} kv heads into "
-               f"{t} pieces (mid-head); choose tp dividing the kv heads")
-    elif not args.no_compare:
-        dt = dtensor_tensor_parallel(copy.deepcopy(ref), group)
-        ref.zero_grad(set_to_none=True)
-        ref(x, y).backward()
-        with CommCounter() as dc:
-            dl = dt(x, y)
-            dl.backward()
-        print0(f"DTensor parallelize_module: loss |diff| {abs(dl.item() - ref_loss.item()):.1e}; "
-               + ", ".join(f"{op} {s['calls']} calls {s['wire_bytes'] / 1e6:.3f} MB wire"
-                           for op, s in dc.summary().items()))
-        impls["DTensor Colwise/Rowwise"] = (dt, None)
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for k, (m, _) in impls.items()}
-    times = {k: [] for k in impls}
-    for _ in range(args.rounds):
-        for k, (m, fin_fn) in impls.items():
-            _train_step(m, opts[k], x, y, fin_fn)  # warm-up
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                last = _train_step(m, opts[k], x, y, fin_fn)
-            last.item()
-            times[k].append((time.perf_counter() - t0) / args.steps)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    for k, s in med.items():
-        print0(f"  {k:26s} {s * 1e3:8.1f} ms/step   {N / s:9.0f} tokens/s")
-    if len(med) == 2:
-        a, b = med.values()
-        print0(f"throughput ratio by hand / DTensor: {b / a:.2f}x")
-    dist.destroy_process_group()
 
+def notebook_measurements(model_name="tiny", batch=2, seq=64):
+    """For the notebook (run on t ranks): which slice of each weight this rank keeps (layer 0,
+    embedding, head), and its parameter and one-layer activation bytes without and with SP."""
+    cfg = get_config(model_name)
+    out = {}
+    for sp in (False, True):
+        full = build_model(cfg)
+        shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
+        m = apply_tensor_parallel(full, None, sequence_parallel=sp)
+        out["layout"] = {n: (shapes[n], p.tp_slice) for n, p in m.named_parameters()
+                         if hasattr(p, "tp_slice") and not n.startswith("layers.1")}
+        out[sp] = dict(params=sum(p.numel() * p.element_size() for p in m.parameters()),
+                       activations=_saved_activation_bytes(m, cfg, batch, seq))
+    return out
+
+
+# ---- demo: torchrun --nproc_per_node 2 tensor_parallel.py [--sp] [--no-compare] ------------------
+# PyTorch's DTensor TP appears only here, as the reference the demo is timed against.
 
 if __name__ == "__main__":
+    def dtensor_tensor_parallel(model, group):
+        """The same split with DTensor's parallelize_module (Colwise/RowwiseParallel)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        device = next(model.parameters()).device
+        dmesh = DeviceMesh.from_group(group, device_type=device.type)
+        plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                "output": ColwiseParallel(output_layouts=Replicate())}
+        for i in range(len(model.layers)):
+            for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
+                plan[f"layers.{i}.{n}"] = ColwiseParallel()
+            for n in ("attn.wo", "mlp.w2"):
+                plan[f"layers.{i}.{n}"] = RowwiseParallel()
+        return parallelize_module(model, dmesh, plan)
+
+    def main():
+        import os
+
+        from data import get_batch, load_corpus
+        from instruments import CommCounter
+        p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+        p.add_argument("--model", default="small", help="tiny | small | ...")
+        p.add_argument("--batch", type=int, default=4)
+        p.add_argument("--seq", type=int, default=128)
+        p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+        p.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (against noise)")
+        p.add_argument("--sp", action="store_true", help="sequence parallel")
+        p.add_argument("--no-compare", action="store_true", help="skip PyTorch's DTensor TP")
+        args = p.parse_args()
+        device = init_distributed()
+        t, group = dist.get_world_size(), dist.group.WORLD
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
+        cfg = get_config(args.model)
+        check_divisible(cfg, t)  # before any collective: a clear error on every rank
+        ref = build_model(cfg, seed=0, device=device)
+        x, y = get_batch(load_corpus(), 0, args.batch, args.seq, device=device)  # same batch on every rank
+        print0(f"tensor parallel: tp={t}, model {args.model}, batch {args.batch}x{args.seq}, "
+               f"sequence parallel {'on' if args.sp else 'off'}, {dist.get_backend()} on {device}")
+
+        # 1. Check against the single-process model: loss, logits, every gradient (my slice of it).
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        mine = apply_tensor_parallel(copy.deepcopy(ref), group, sequence_parallel=args.sp)
+        with CommCounter() as fwd:
+            loss = mine(x, y)
+        with CommCounter() as bwd:
+            loss.backward()
+        with CommCounter() as fin:
+            finish_grads(mine)
+        full = dict(ref.named_parameters())
+        errs = dict(loss=abs(loss.item() - ref_loss.item()),
+                    logits=(gather_last_dim(mine(x).detach(), group) - ref(x)).abs().max().item(),
+                    grads=max((q.grad - full[n].grad.narrow(*q.tp_slice[:2], q.tp_slice[2] - q.tp_slice[1])
+                               if hasattr(q, "tp_slice") else q.grad - full[n].grad).abs().max().item()
+                              for n, q in mine.named_parameters()))
+        print0("vs single process: " + ", ".join(f"max |diff| {k} {v:.1e}" for k, v in errs.items()))
+        if max(errs.values()) > 1e-4:
+            raise SystemExit("tensor-parallel model does NOT match the single-process model")
+        L, act = cfg.n_layers, args.batch * args.seq * cfg.dim * 4  # bytes of one [B, S, H] fp32 activation
+        print0(f"collectives of one step (L={L} layers; one [B,S,H] = {act / 1e6:.3f} MB):")
+        for name, c in (("forward", fwd), ("backward", bwd), ("finish_grads", fin)):
+            for op, s in c.summary().items():
+                print0(f"  {name:12s} {op:15s} {s['calls']:3d} calls  {s['bytes'] / 1e6:8.3f} MB API  "
+                       f"{s['wire_bytes'] / 1e6:8.3f} MB wire")
+        print0(f"  expected: forward 1 (embedding) + 2/layer x {L} + 3 (loss) = {2 * L + 4}, backward "
+               f"2/layer x {L} + 1 (head) = {2 * L + 1} all-reduces"
+               + (" (SP: activation all-reduces -> all-gather + reduce-scatter)" if args.sp else ""))
+
+        # 2. Step time, alternating rounds with PyTorch's DTensor TP on the same model.
+        impls = {"by hand" + (" +SP" if args.sp else ""): mine}
+        if not args.no_compare and cfg.n_kv_heads % t:
+            print0(f"DTensor compare skipped: Colwise would cut n_kv_heads={cfg.n_kv_heads} into {t} pieces")
+        elif not args.no_compare:
+            dt = dtensor_tensor_parallel(copy.deepcopy(ref), group)
+            with CommCounter() as dc:
+                dl = dt(x, y)
+                dl.backward()
+            print0(f"DTensor parallelize_module: loss |diff| {abs(dl.item() - ref_loss.item()):.1e}; "
+                   + ", ".join(f"{op} {s['calls']} calls {s['wire_bytes'] / 1e6:.3f} MB wire"
+                               for op, s in dc.summary().items()))
+            impls["DTensor Colwise/Rowwise"] = dt
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for k, m in impls.items()}
+        times = {k: [] for k in impls}
+        for _ in range(args.rounds):
+            for k, m in impls.items():
+                train_step(m, opts[k], x, y)  # warm-up
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    last = train_step(m, opts[k], x, y)
+                last.item()
+                times[k].append((time.perf_counter() - t0) / args.steps)
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        for k, s in med.items():
+            print0(f"  {k:26s} {s * 1e3:8.1f} ms/step   {args.batch * args.seq / s:9.0f} tokens/s")
+        if len(med) == 2:
+            a, b = med.values()
+            print0(f"throughput ratio by hand / DTensor: {b / a:.2f}x")
+        dist.destroy_process_group()
+
     main()

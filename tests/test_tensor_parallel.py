@@ -136,6 +136,19 @@ def test_matches_single_process_and_counts_collectives(t):
             2 * cfg.vocab_size * H // t + cfg.n_layers * per_layer + H
 
 
+def _dtensor_tensor_parallel(model, group):
+    """PyTorch's reference: the same split with DTensor's parallelize_module."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.layers)):
+        plan.update({f"layers.{i}.{n}": ColwiseParallel() for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")})
+        plan.update({f"layers.{i}.{n}": RowwiseParallel() for n in ("attn.wo", "mlp.w2")})
+    return parallelize_module(model, DeviceMesh.from_group(group, device_type="cpu"), plan)
+
+
 def _train_vs_dtensor_rank(steps):
     """A few AdamW steps: by hand (TP and TP+SP) and DTensor, all against one process."""
     cfg = get_config("tiny")
@@ -145,11 +158,11 @@ def _train_vs_dtensor_rank(steps):
     out = {}
     for name in ("tp", "tp_sp", "dtensor"):
         if name == "dtensor":
-            m, fin = tp.dtensor_tensor_parallel(copy.deepcopy(ref), dist.group.WORLD), None
+            m = _dtensor_tensor_parallel(copy.deepcopy(ref), dist.group.WORLD)
         else:
-            m, fin = tp.apply_tensor_parallel(copy.deepcopy(ref), None, name == "tp_sp"), tp.finish_grads
+            m = tp.apply_tensor_parallel(copy.deepcopy(ref), None, name == "tp_sp")
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
-        losses = [tp._train_step(m, opt, x, y, fin).item() for x, y in batches]
+        losses = [tp.train_step(m, opt, x, y).item() for x, y in batches]
         full = dict(trained.named_parameters())
         err = 0.0
         for n, p in m.named_parameters():
