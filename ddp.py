@@ -414,7 +414,7 @@ def _demo(argv=None) -> int:
         ref(x, y).backward()
         opt.step()
         opt.zero_grad()
-    tol = 1e-5
+    tol = 1e-4  # fp32: Adam turns rounding in near-zero gradients into ~1e-6 parameter noise
     grad_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     print0(f"{P} rank(s), model {args.model} ({sum(p.numel() for p in ref.parameters()):,} parameters, "
            f"gradient {grad_bytes / MiB:.2f} MiB), global batch {args.batch}x{args.seq}, {args.steps} timed steps")
