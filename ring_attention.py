@@ -34,7 +34,6 @@ block at a time, [B, H, S/cp, S/cp] (zigzag: [B, H, S/2cp, S/2cp]) instead of [B
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -341,7 +340,7 @@ def ulysses_bytes(B, c, H, Hkv, D, cp, b):
 
 # ---- training the shared model with cp ranks ---------------------------------------------
 
-def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=0):
+def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=0, device=None):
     """Train the shared model, each rank holding S/cp tokens of every sequence. Returns the
     global losses and the trained model (every rank's parameters stay identical)."""
     from model import build_model, get_config
@@ -351,14 +350,15 @@ def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=
     check_layout(S, cp, layout)          # before any collective, on every rank alike
     if method == "ulysses":
         check_ulysses(cfg.n_heads, cp)
-    model = build_model(cfg, seed=seed)
+    model = build_model(cfg, seed=seed, device=device)
     for blk in model.layers:
         blk.attn.sdpa = ContextParallelAttention(group, method, layout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    pos = shard_positions(S, cp, rank, layout)
+    pos = shard_positions(S, cp, rank, layout).to(device)
     losses = []
     for x, y in batches:
-        loss = model(shard_sequence(x, cp, rank, layout), shard_sequence(y, cp, rank, layout), positions=pos)
+        x, y = (shard_sequence(t, cp, rank, layout).to(device) for t in (x, y))   # [B, S/cp]
+        loss = model(x, y, positions=pos)
         # global loss = mean over ranks of the local means (equal token counts); the ring's
         # backward already sent each rank's dk, dv home, so summing the ranks' parameter
         # gradients of loss/cp gives the gradient of the global mean.
@@ -378,10 +378,10 @@ def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=
 
 # ---- measured runs (the tests, the notebook and the demo call these on every rank) ------
 
-def _inputs(B, S, H, Hkv, D, dtype, seed):
+def _inputs(B, S, H, Hkv, D, dtype, seed, device=None):
     """The seeded global q, k, v [B, h, S, D] and output gradient, the same on every rank."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, S, D, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv, H)]
+    return [torch.randn(B, h, S, D, generator=gen, dtype=torch.float64).to(device, dtype) for h in (H, Hkv, Hkv, H)]
 
 
 def _measure(res, step, device, memory, repeats, group=None):
@@ -396,14 +396,14 @@ def _measure(res, step, device, memory, repeats, group=None):
 
 
 def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layout="zigzag",
-                   dtype=torch.float64, seed=0, group=None, repeats=0, memory=False):
+                   dtype=torch.float64, seed=0, group=None, repeats=0, memory=False, device=None):
     """One forward + backward of context-parallel attention on this rank's shard of a seeded
     global batch: this rank's shards of out, dq, dk, dv, its work, the bytes it sent
     (forward, backward), and optionally its peak attention memory and the time per call."""
     group = group or dist.group.WORLD
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, dout = (shard_sequence(t, cp, rank, layout, dim=2)          # [B, h, S/cp, D]
-                     for t in _inputs(B, S, H, Hkv, D, dtype, seed))
+                     for t in _inputs(B, S, H, Hkv, D, dtype, seed, device))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     attn = ContextParallelAttention(group, method, layout, causal)
     with CommCounter() as fwd:
@@ -423,9 +423,10 @@ def run_cases(cases: list[dict]) -> list[dict]:
     return [attention_case(group=group, **c) for c in cases]
 
 
-def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, repeats=0, memory=False):
+def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, repeats=0, memory=False,
+                   device=None):
     """The reference: the same seeded batch through full-sequence SDPA, in one process."""
-    q, k, v, dout = _inputs(B, S, H, Hkv, D, dtype, seed)
+    q, k, v, dout = _inputs(B, S, H, Hkv, D, dtype, seed, device)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)  # noqa: E731
     run().backward(dout)
@@ -456,7 +457,7 @@ def main() -> int:
     group = Mesh(cp=cp).group("cp")
     alone = [dist.new_group([r]) for r in range(cp)][rank]   # a cp=1 "ring": the same kernel, full S
     shape = dict(B=args.batch, S=args.seq, H=args.heads, Hkv=args.kv_heads, D=args.head_dim,
-                 causal=not args.no_causal, dtype=torch.float32, repeats=args.repeats, memory=True)
+                 causal=not args.no_causal, dtype=torch.float32, repeats=args.repeats, memory=True, device=device)
     ref = full_attention(**shape)
     one = attention_case(**shape, layout="contiguous", group=alone)
     print0(f"cp={cp} ranks, B={args.batch} S={args.seq} heads={args.heads} kv_heads={args.kv_heads} "
@@ -475,9 +476,9 @@ def main() -> int:
         res = attention_case(**shape, method=method, layout=layout, group=group)
         err = max((res[n] - shard_sequence(ref[n], cp, rank, layout, dim=2)).abs().max().item()
                   for n in ("out", "dq", "dk", "dv"))
-        every = [torch.empty(4) for _ in range(cp)]
+        every = [torch.empty(4, device=device) for _ in range(cp)]
         dist.all_gather(every, torch.tensor([err, res["work"]["flops"] / 1e9, res["peak_bytes"] / 2**20,
-                                             res["time"]]), group=group)
+                                             res["time"]], device=device), group=group)
         err, work, peak, ms = torch.stack(every).T.tolist()
         formula = sum(ring_bytes(args.batch, c, args.kv_heads, args.head_dim, cp, 4) if method == "ring" else
                       [ulysses_bytes(args.batch, c, args.heads, args.kv_heads, args.head_dim, cp, 4)] * 2)
@@ -485,22 +486,22 @@ def main() -> int:
         work = " ".join(f"{w:.3f}" for w in work) if method == "ring" else "equal: H/cp heads, full S"
         print0(f"  {method + ' ' + layout:22s}{max(err):9.1e}{work:>30s}{' '.join(f'{m:.2f}' for m in peak):>26s}"
                f"{sum(res['bytes']):>17,d} ({formula:,d}){max(ms) * 1e3:8.1f}")
-    ok &= train_demo(args.model_steps, group)
+    ok &= train_demo(args.model_steps, group, device)
     print0("all checks", "ok" if ok else "FAILED")
     dist.destroy_process_group()
     return 0 if ok else 1
 
 
-def train_demo(n_steps, group) -> bool:
+def train_demo(n_steps, group, device) -> bool:
     """The shared tiny model, each sequence spread over the cp ranks, against one process."""
     from data import get_batch, load_corpus
     from model import build_model
     tokens = load_corpus()
     batches = [get_batch(tokens, s, 2, 32, seed=0) for s in range(n_steps)]
-    model = build_model("tiny", seed=0)
+    model = build_model("tiny", seed=0, device=device)
     opt, ref = torch.optim.AdamW(model.parameters(), lr=1e-3), []
     for x, y in batches:
-        ref.append(model(x, y))
+        ref.append(model(x.to(device), y.to(device)))
         ref[-1].backward()
         opt.step()
         opt.zero_grad()
@@ -510,7 +511,7 @@ def train_demo(n_steps, group) -> bool:
     for method, layout in [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag")]:
         if method == "ulysses" and model.cfg.n_heads % dist.get_world_size(group):
             continue
-        losses, _ = train_cp("tiny", batches, group, method, layout)
+        losses, _ = train_cp("tiny", batches, group, method, layout, device=device)
         diff = max(abs(a - b) for a, b in zip(losses, ref))
         ok &= diff < 1e-5
         print0(f"  {method + ' ' + layout:20s} " + " ".join(f"{l:.5f}" for l in losses) + f"  max |diff| {diff:.1e}")

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from harness import global_batches, reference_model, run_ranks, train_reference
 from instruments import CommCounter
 from mesh import Mesh
-from ring_attention import (LAYOUTS, ContextParallelAttention, attention_case, chunk_ids, full_attention, gather_sequence, run_cases,
-                            shard_positions, shard_sequence, train_cp)
+from ring_attention import (LAYOUTS, ContextParallelAttention, attention_case, chunk_ids, full_attention,
+                            gather_sequence, run_cases, shard_positions, shard_sequence, train_cp)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S, H, HKV, D = 2, 32, 4, 2, 8
