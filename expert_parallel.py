@@ -396,7 +396,7 @@ def main(argv=None, reference_a2a=None):
            f"top-{cfg.top_k}, model {args.model}")
     if ep != world:
         print0("(the layer check uses ep = world; training below uses ep =", ep, ")")
-    lines = []
+    lines, ok = [], True
     for cf in (None, args.capacity_factor):
         err, layer, c, n, ref_dropped = _layer_check(get_config(args.model, n_experts=args.experts, top_k=args.top_k,
                                                 capacity_factor=cf), dist.group.WORLD, rank, world, args.tokens, device)
@@ -414,6 +414,7 @@ def main(argv=None, reference_a2a=None):
         sent_rows = [int(n[me].sum() - n[me, me]), int(n[:, me].sum() - n[me, me])]
         want = [r * rb for r in sent_rows * 2]
         uniform = args.tokens * cfg.top_k * rb * (world - 1) / world
+        ok &= got == want and worst.item() < 1e-9 and dropped.item() == ref_dropped
         lines.append(f"  rank {rank} [{name}]: tokens received per local expert {layer.tokens_per_expert.tolist()}, "
                      f"dropped {layer.dropped}/{args.tokens * cfg.top_k} assignments\n"
                      f"      bytes sent per all-to-all (dispatch, combine, combine-bwd, dispatch-bwd) {got}\n"
@@ -429,6 +430,12 @@ def main(argv=None, reference_a2a=None):
     if reference_a2a is not None:
         runs.append(("PyTorch all_to_all_single_autograd", train_ep(cfg, ep, args.steps, args.batch, args.seq,
                                                                     reference_a2a=reference_a2a, device=device)))
+    n_full = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+    n_experts = cfg.n_layers * 3 * cfg.n_experts * cfg.dim * cfg.ffn_dim
+    n_mine = sum(p.numel() for p in res["params"].values())
+    ok &= n_mine == n_full - n_experts * (1 - 1 / ep)
+    print0(f"parameters per rank {n_mine:,} = all {n_full:,} - (1 - 1/ep) x experts {n_experts:,}: "
+           f"{'ok' if n_mine == n_full - n_experts * (1 - 1 / ep) else 'MISMATCH'}")
     if rank == 0:
         model = build_model(cfg, seed=0, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -449,13 +456,18 @@ def main(argv=None, reference_a2a=None):
         print(f"  single process losses {[round(v, 6) for v in ref]}  step {t_ref * 1e3:.1f} ms")
         for name, r in runs:
             diff = max(abs(a - b) for a, b in zip(r["losses"], ref))
+            ok &= diff < 1e-4
             print(f"  ep={ep} ({name}) losses {[round(v, 6) for v in r['losses']]}  max |diff| {diff:.1e}  "
                   f"step {r['step_time'] * 1e3:.1f} ms ({r['step_time'] / t_ref:.2f}x single process)")
         print(f"  global tokens per expert (layer 0, last step) {[int(v) for v in res['loads'][-1]]}")
         if len(runs) == 2:
             print(f"  step time ours / PyTorch's: {runs[0][1]['step_time'] / runs[1][1]['step_time']:.2f}")
-    dist.barrier()
+    flag = torch.tensor([float(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    print0("expert parallel matches the single-device model:", "ok" if flag.item() == 1 else "FAILED")
     dist.destroy_process_group()
+    if flag.item() != 1:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,12 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import global_batches, reference_model, run_ranks, train_reference
 from instruments import CommCounter
 from mesh import Mesh
-from model import get_config
+from model import get_config, num_params
 
-import expert_parallel as ep_lesson
 from expert_parallel import ExpertParallelMoE, parallelize_experts, sync_gradients, train_ep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,6 +206,9 @@ def _check_training(runs, cfg, ep, steps, global_batch, seq_len):
             torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert all(sum(load) == global_batch * seq_len * cfg.top_k - d
                    for load, d in zip(run["loads"], run["dropped"]))
+        # memory: a rank holds 1/ep of the expert weights and all the rest
+        experts = cfg.n_layers * 3 * cfg.n_experts * cfg.dim * cfg.ffn_dim
+        assert sum(p.numel() for p in run["params"].values()) == num_params(cfg) - experts * (ep - 1) // ep
 
 
 def test_training_ep2_matches_single_process(two):
@@ -241,6 +242,7 @@ def test_torchrun_demo_runs_and_checks():
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Warning" not in p.stderr, p.stderr[-3000:]
     assert p.stdout.count(" ok;") == 8 and "MISMATCH" not in p.stdout
+    assert "matches the single-device model: ok" in p.stdout
     assert "PyTorch all_to_all_single_autograd" in p.stdout
 
 
@@ -248,3 +250,4 @@ def test_plain_python_demo_runs():
     p = _run([sys.executable, "expert_parallel.py", "--tokens", "16", "--batch", "2", "--seq", "16", "--steps", "2"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Warning" not in p.stderr and "ep=1 (ours)" in p.stdout
+    assert "matches the single-device model: ok" in p.stdout
