@@ -563,6 +563,8 @@ def train(args, device=None, verbose: bool = True) -> dict:
     out["comm_summary"] = comm.summary() if last > start else {}
     out["state_bytes"] = trainer.state_bytes()
     out["coords"] = dict(mesh.coords)
+    if trainer.use_zero:  # the flat units' padded sizes, for the ZeRO formulas (fsdp.py)
+        out["zero_units"] = [(u.N, u.names[0]) for u in trainer.opt.units]
     if args.save:
         trainer.save(args.save, last)
     return out
