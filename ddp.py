@@ -97,7 +97,8 @@ class _DataParallel(nn.Module):
         self.compute_dtype = compute_dtype
         self.device = params[0].device
         self.timeline = Timeline()               # "backward" and "all_reduce" spans (seconds)
-        self._sync = True
+        self._sync = True             # False inside no_sync()
+        self._sync_backward = True    # what the last forward decided for its backward
         self._bwd_start = None
         broadcast_module(module, group)          # the ranks may have been initialised differently
 
@@ -107,6 +108,7 @@ class _DataParallel(nn.Module):
         with torch.autocast(self.device.type, dtype=self.compute_dtype,
                             enabled=self.compute_dtype is not None):
             out = self.module(*args, **kwargs)
+        self._sync_backward = self._sync  # as in PyTorch, the forward decides: no_sync must wrap it
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._mark_backward_start)  # the output's gradient comes first
         return out
@@ -116,8 +118,8 @@ class _DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: no communication for the forward+backward passes inside; the
-        first backward outside all-reduces the sum of everything accumulated."""
+        """Gradient accumulation: the backward of a forward run inside sends nothing, and gradients
+        accumulate locally; the next backward outside all-reduces the sum of them all."""
         before, self._sync = self._sync, False
         try:
             yield
@@ -133,7 +135,7 @@ class NaiveDDP(_DataParallel):
 
     @torch.no_grad()
     def all_reduce_gradients(self) -> None:
-        if not self._sync:  # inside no_sync(): keep accumulating locally
+        if not self._sync_backward:  # forward ran inside no_sync(): keep accumulating locally
             return
         end = self.timeline.now()
         self.timeline.add("backward", end if self._bwd_start is None else self._bwd_start, end)
@@ -226,7 +228,7 @@ class BucketedDDP(_DataParallel):
             # once; from then on (zero_grad(set_to_none=False)) backward accumulates in place.
             view.copy_(p.grad)
             p.grad = view
-        if not self._sync:
+        if not self._sync_backward:
             return
         if not self._in_backward:  # the first hook of this backward: wait for the rest at its end
             self._in_backward = True

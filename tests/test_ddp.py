@@ -84,8 +84,10 @@ def _train(ddp, dp_rank, dp_size, batches, micro=1):
         ddp.timeline.spans.clear()
         quiet = 0
         for m in range(micro - 1):
-            with CommCounter() as c, ddp.no_sync():
-                (ddp(xs[m], ys[m]) / micro).backward()
+            with CommCounter() as c:
+                with ddp.no_sync():  # as with PyTorch's DDP, the forward decides (backward may be outside)
+                    loss = ddp(xs[m], ys[m]) / micro
+                loss.backward()
                 if isinstance(ddp, NaiveDDP):
                     ddp.all_reduce_gradients()
             quiet += c.calls()
