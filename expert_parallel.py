@@ -389,9 +389,9 @@ def main(argv=None, reference_a2a=None):
     device = init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = args.ep or world
-    mesh = Mesh(dp_shard=world, ep=ep)  # raises on every rank if ep does not divide the world
+    validate_ep(args.experts, args.top_k, ep, args.capacity_factor)  # before any collective
     cfg = get_config(args.model, n_experts=args.experts, top_k=args.top_k)
-    validate_ep(cfg.n_experts, cfg.top_k, ep, args.capacity_factor)
+    Mesh(dp_shard=world, ep=ep)  # raises on every rank if ep does not divide the world
     print0(f"expert parallel: world {world}, ep {ep}, E {cfg.n_experts} ({cfg.n_experts // ep} per rank), "
            f"top-{cfg.top_k}, model {args.model}")
     if ep != world:
