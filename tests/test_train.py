@@ -152,7 +152,11 @@ def test_combinations_on_4_ranks(ref_dense):
                ["--dp-shard", "2", "--tp", "2"],
                ["--cp", "2", "--tp", "2"],
                ["--pp", "2", "--tp", "2", "--microbatches", "2"],
-               ["--pp", "2", "--dp-shard", "2", "--microbatches", "2", "--schedule", "gpipe"]]
+               ["--pp", "2", "--dp-shard", "2", "--microbatches", "2", "--schedule", "gpipe"],
+               # beyond the list: cp inside the ZeRO shard group, pp x cp, and tp 4 > n_kv_heads
+               # (each kv head replicated on 2 ranks: finish_grads, and the norm counts it once)
+               ["--dp-shard", "2", "--cp", "2"], ["--pp", "2", "--cp", "2", "--microbatches", "2"],
+               ["--tp", "4"]]
     res = run_ranks(run_layouts, 4, layouts, COMMON, timeout=300)
     _check(res, want, TOL64, "4 ranks")
 
