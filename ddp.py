@@ -17,6 +17,9 @@ Communication per step (Ψ gradient elements of b bytes each):
     handed to all-reduce         Ψ·b                  (the whole gradient, once per step)
     sent by each rank (ring)     2(P-1)/P · Ψ·b       (reduce-scatter, then all-gather)
     all-reduce calls             naive: one per parameter tensor;  bucketed: one per bucket
+    once, when wrapping          a broadcast of the parameters and buffers from the first rank
+b is the bucket's dtype: compute_dtype=bf16 (autocast) keeps fp32 gradients, b = 4;
+reduce_dtype=bf16 sums in bf16, b = 2 (half the bytes, less precise sums).
 Memory saved: none — every rank holds all parameters, gradients and optimizer state, e.g.
 (4 + 4 + 8)·Ψ bytes for fp32 AdamW. (ZeRO/FSDP, the next lessons, shard them.) Keeping each
 gradient as a view into its flat bucket avoids a second gradient-sized buffer: Ψ·b saved.
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
 import sys
 import time
