@@ -441,21 +441,27 @@ def notebook_measurements(model_name="tiny", batch=2, seq=64):
 # PyTorch's DTensor TP appears only here, as the reference the demo is timed against.
 
 if __name__ == "__main__":
-    def dtensor_tensor_parallel(model, group):
-        """The same split with DTensor's parallelize_module (Colwise/RowwiseParallel)."""
+    def dtensor_tensor_parallel(model, group, sp=False):
+        """The same split with DTensor's parallelize_module (torchtitan-style plan)."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        device = next(model.parameters()).device
-        dmesh = DeviceMesh.from_group(group, device_type=device.type)
-        plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-                "output": ColwiseParallel(output_layouts=Replicate())}
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+        seq = Shard(1) if sp else Replicate()  # the layout between the pairs
+        plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+                "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
         for i in range(len(model.layers)):
-            for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
-                plan[f"layers.{i}.{n}"] = ColwiseParallel()
-            for n in ("attn.wo", "mlp.w2"):
-                plan[f"layers.{i}.{n}"] = RowwiseParallel()
-        return parallelize_module(model, dmesh, plan)
+            p = f"layers.{i}."
+            plan.update({p + n: ColwiseParallel() for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")})
+            plan.update({p + n: RowwiseParallel(output_layouts=seq) for n in ("attn.wo", "mlp.w2")})
+            if sp:  # norms on the shard; gather once before attention and before the MLP
+                plan.update({p + "attn_norm": SequenceParallel(), p + "mlp_norm": SequenceParallel(),
+                             p + "attn": PrepareModuleInput(input_layouts=(seq, None, None),
+                                                            desired_input_layouts=(Replicate(), None, None)),
+                             p + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))})
+        if sp:
+            plan["norm"] = SequenceParallel()
+        return parallelize_module(model, DeviceMesh.from_group(group, device_type=model.output.weight.device.type), plan)
 
     def main():
         import os
@@ -515,14 +521,14 @@ if __name__ == "__main__":
         if not args.no_compare and cfg.n_kv_heads % t:
             print0(f"DTensor compare skipped: Colwise would cut n_kv_heads={cfg.n_kv_heads} into {t} pieces")
         elif not args.no_compare:
-            dt = dtensor_tensor_parallel(copy.deepcopy(ref), group)
+            dt = dtensor_tensor_parallel(copy.deepcopy(ref), group, sp=args.sp)
             with CommCounter() as dc:
                 dl = dt(x, y)
                 dl.backward()
             print0(f"DTensor parallelize_module: loss |diff| {abs(dl.item() - ref_loss.item()):.1e}; "
                    + ", ".join(f"{op} {s['calls']} calls {s['wire_bytes'] / 1e6:.3f} MB wire"
                                for op, s in dc.summary().items()))
-            impls["DTensor Colwise/Rowwise"] = dt
+            impls["DTensor Colwise/Rowwise" + (" +SP" if args.sp else "")] = dt
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for k, m in impls.items()}
         times = {k: [] for k in impls}
         for _ in range(args.rounds):
