@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from harness import global_batches, reference_model, run_ranks, train_reference
-from instruments import CommCounter
 from mesh import Mesh
 from model import get_config, num_params
 
-from expert_parallel import ExpertParallelMoE, parallelize_experts, sync_gradients, train_ep
+from expert_parallel import (ExpertParallelMoE, SafeCommCounter, parallelize_experts, sync_gradients,
+                             train_ep)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = 24  # tokens per rank in the layer checks
@@ -39,7 +39,7 @@ def _layer_case(mesh, cfg, dtype, seed=1, x_all=None, router=None):
     ((out_ref * dy).sum(-1).mean() + ref.aux_loss).backward()
     sl = slice(r * TOKENS, (r + 1) * TOKENS)
     x = x_all[sl].clone().requires_grad_()
-    with CommCounter() as c:
+    with SafeCommCounter() as c:  # CommCounter, and an all-to-all of no rows
         out = layer(x)
         ((out * dy[sl]).sum(-1).mean() + layer.aux_loss).backward()
     sync_gradients(layer, mesh.group("dp"), mesh.group("edp"), D)
@@ -70,7 +70,7 @@ def _uniform_case(mesh, E):
 def _errors(mesh):
     """Bad sizes: one ValueError each, raised before any collective."""
     msgs = []
-    with CommCounter() as c:
+    with SafeCommCounter() as c:
         for kw, change in ((dict(n_experts=3, top_k=2), {}), (dict(n_experts=4, top_k=2), dict(top_k=5)),
                            (dict(n_experts=4, top_k=2), dict(capacity_factor=0.0))):
             model = reference_model(get_config("tiny", **kw))
@@ -92,6 +92,9 @@ def _two_ranks():
     out = dict(errors=_errors(mesh))
     out["layer"] = {(dt, cf): _layer_case(mesh, get_config("tiny", **cfg, capacity_factor=cf), dt)
                     for dt in (torch.float64, torch.float32) for cf in (None, 0.5)}
+    # C = 2 per expert: rank 0's tokens fill every expert, rank 1 sends no rows at all
+    out["layer"][torch.float64, 0.05] = _layer_case(mesh, get_config("tiny", **cfg, capacity_factor=0.05),
+                                                    torch.float64)
     out["uniform"] = _uniform_case(mesh, 4)
     out["train"] = {cf: train_ep(get_config("tiny", **cfg, capacity_factor=cf), ep=2, steps=3,
                                  global_batch=4, seq_len=16) for cf in (None, 0.5)}
@@ -173,6 +176,8 @@ def _check_layer(results, dtype, ep, capacity):
 def test_layer_matches_single_device_moe_two_ranks(two):
     for (dtype, cf) in two[0]["layer"]:
         _check_layer([r["layer"][dtype, cf] for r in two], dtype, 2, cf)
+    # the edge case: a rank whose assignments are all dropped sends nothing, and nothing hangs
+    assert two[1]["layer"][torch.float64, 0.05]["dropped"] == TOKENS * 2
 
 
 def test_layer_matches_single_device_moe_four_ranks(four):
