@@ -144,8 +144,9 @@ def block_pairs(q_ids, k_ids, causal):
 
 
 def new_work() -> dict:
-    """Attention work a rank actually did (forward): block kernels, FLOPs computed, useful score entries."""
-    return dict(blocks=0, flops=0, scores=0, log=[])
+    """Attention work a rank actually did (forward): block kernels, FLOPs computed, useful score
+    entries, and seconds spent waiting for the next block (communication not hidden, or a slower neighbour)."""
+    return dict(blocks=0, flops=0, scores=0, log=[], wait_s=0.0)
 
 
 def _count(work, phase, step, qc, kc, q, k, diagonal):
@@ -205,7 +206,10 @@ class RingAttention(torch.autograd.Function):
                 outs[i], lses[i] = merge(outs[i], lses[i], bo, bl)
                 _count(work, "fwd", t, my_ids[i], src_ids[j], qs[i], ks[j], diag)
             if nxt is not None:
+                t0 = time.perf_counter()
                 kb, vb = nxt.wait()
+                if work is not None:
+                    work["wait_s"] += time.perf_counter() - t0
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)   # [B, H, c, D] fp32, [B, H, c]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout, ctx.causal, ctx.work = group, layout, causal, work
@@ -378,10 +382,12 @@ def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=
 
 # ---- measured runs (the tests, the notebook and the demo call these on every rank) ------
 
-def _inputs(B, S, H, Hkv, D, dtype, seed, device=None):
-    """The seeded global q, k, v [B, h, S, D] and output gradient, the same on every rank."""
+def _inputs(B, S, H, Hkv, D, dtype, seed, device=None, round_to=None):
+    """The seeded global q, k, v [B, h, S, D] and output gradient, the same on every rank
+    (round_to: first rounded to that dtype, e.g. the exact answer for bf16 inputs)."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, S, D, generator=gen, dtype=torch.float64).to(device, dtype) for h in (H, Hkv, Hkv, H)]
+    xs = [torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, Hkv, Hkv, H)]
+    return [x.to(round_to or dtype).to(device, dtype) for x in xs]
 
 
 def _measure(res, step, device, memory, repeats, group=None):
@@ -414,7 +420,13 @@ def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layou
                work=dict(attn.work),
                bytes=(fwd.bytes("send") + fwd.bytes("all_to_all"), bwd.bytes("send") + bwd.bytes("all_to_all")),
                calls=(fwd.summary(), bwd.summary()))
-    return _measure(res, lambda: attn(q, k, v).backward(dout), q.device, memory, repeats, group)
+    step = lambda: attn(q, k, v).backward(dout)  # noqa: E731
+    res = _measure(res, step, q.device, memory, 0)
+    if repeats:   # time_steps makes repeats + 1 calls (one warm-up)
+        attn.work["wait_s"] = 0.0
+        res = _measure(res, step, q.device, False, repeats, group)
+        res["wait"] = attn.work["wait_s"] / (repeats + 1)
+    return res
 
 
 def run_cases(cases: list[dict]) -> list[dict]:
@@ -424,9 +436,9 @@ def run_cases(cases: list[dict]) -> list[dict]:
 
 
 def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, repeats=0, memory=False,
-                   device=None):
+                   device=None, round_to=None):
     """The reference: the same seeded batch through full-sequence SDPA, in one process."""
-    q, k, v, dout = _inputs(B, S, H, Hkv, D, dtype, seed, device)
+    q, k, v, dout = _inputs(B, S, H, Hkv, D, dtype, seed, device, round_to)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)  # noqa: E731
     run().backward(dout)
@@ -476,16 +488,18 @@ def main() -> int:
         res = attention_case(**shape, method=method, layout=layout, group=group)
         err = max((res[n] - shard_sequence(ref[n], cp, rank, layout, dim=2)).abs().max().item()
                   for n in ("out", "dq", "dk", "dv"))
-        every = [torch.empty(4, device=device) for _ in range(cp)]
+        every = [torch.empty(5, device=device) for _ in range(cp)]
         dist.all_gather(every, torch.tensor([err, res["work"]["flops"] / 1e9, res["peak_bytes"] / 2**20,
-                                             res["time"]], device=device), group=group)
-        err, work, peak, ms = torch.stack(every).T.tolist()
+                                             res["time"], res.get("wait", 0.0)], device=device), group=group)
+        err, work, peak, ms, wait = torch.stack(every).T.tolist()
         formula = sum(ring_bytes(args.batch, c, args.kv_heads, args.head_dim, cp, 4) if method == "ring" else
                       [ulysses_bytes(args.batch, c, args.heads, args.kv_heads, args.head_dim, cp, 4)] * 2)
         ok &= max(err) < 1e-4 and sum(res["bytes"]) == formula
         work = " ".join(f"{w:.3f}" for w in work) if method == "ring" else "equal: H/cp heads, full S"
         print0(f"  {method + ' ' + layout:22s}{max(err):9.1e}{work:>30s}{' '.join(f'{m:.2f}' for m in peak):>26s}"
                f"{sum(res['bytes']):>17,d} ({formula:,d}){max(ms) * 1e3:8.1f}")
+        if method == "ring":   # forward only: time blocked in wait() for the next k, v block
+            print0(f"{'':24s}forward waits for the next block, ms per rank: " + " ".join(f"{w * 1e3:.1f}" for w in wait))
     ok &= train_demo(args.model_steps, group, device)
     print0("all checks", "ok" if ok else "FAILED")
     dist.destroy_process_group()
