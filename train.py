@@ -79,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step (the schedule still runs to --steps): an interrupted run")
     p.add_argument("--resume", default=None, help="directory of a checkpoint to continue from")
+    p.add_argument("--check", action="store_true",
+                   help="afterwards, train the same model in ONE process on rank 0 and compare the losses")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     args = p.parse_args(argv)
     if args.zero_stage is None:
@@ -567,7 +569,39 @@ def train(args, device=None, verbose: bool = True) -> dict:
         out["zero_units"] = [(u.N, u.names[0]) for u in trainer.opt.units]
     if args.save:
         trainer.save(args.save, last)
+    if args.check:
+        ok = torch.ones((), device=device)
+        if rank0:
+            want = single_process_losses(args, range(start, last), device)
+            err = max(abs(a - b) for a, b in zip(out["losses"], want))
+            tol = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}[args.dtype]
+            ok.fill_(float(err < tol))
+            print(f"losses vs the single-process run: max |diff| {err:.2e} (tolerance {tol}) -> "
+                  f"{'ok' if err < tol else 'MISMATCH'}", flush=True)
+        dist.all_reduce(ok)
+        out["check_ok"] = ok.item() > 0
     return out
+
+
+def single_process_losses(args, steps: range, device=None) -> list[float]:
+    """The reference: model.py's model in one process on the whole global batch, AdamW with
+    torch's own clip_grad_norm_ and the same learning rate (bf16 runs are compared with fp32)."""
+    cfg = get_config(args.model, n_experts=args.experts, top_k=args.top_k)
+    model = build_model(cfg, seed=args.seed, dtype=torch.float64 if args.dtype == "float64" else torch.float32,
+                        device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    tokens, losses = load_corpus(args.data), []
+    for s in range(steps.stop):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s + 1, args)
+        loss = model(*get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, device=device or "cpu"))
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses[steps.start:]
 
 
 def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
@@ -593,10 +627,10 @@ def main(argv=None) -> int:
     from mesh import init_distributed
     device = init_distributed()
     try:
-        train(args, device)
+        out = train(args, device)
     finally:
         dist.destroy_process_group()
-    return 0
+    return 0 if out.get("check_ok", True) else 1
 
 
 if __name__ == "__main__":

@@ -241,10 +241,11 @@ def test_invalid_layout_under_torchrun_fails_on_every_rank_without_hanging():
 
 def test_torchrun_demo_and_log_file(tmp_path):
     log = tmp_path / "log.jsonl"
-    p = _torchrun(2, ["--tp", "2", "--steps", "3", "--seq-len", "16", "--log-file", str(log)])
+    p = _torchrun(2, ["--tp", "2", "--steps", "3", "--seq-len", "16", "--log-file", str(log), "--check"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Warning" not in p.stderr, p.stderr[-2000:]
     assert p.stdout.count("tokens/s") == 3 and "comm" in p.stdout
+    assert "losses vs the single-process run" in p.stdout and "-> ok" in p.stdout, p.stdout
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
