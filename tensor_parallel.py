@@ -157,22 +157,19 @@ def _shard(full: torch.Tensor, dim: int, start: int, end: int) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[..., rows] = x @ W[rows].T  —  output features split; the input must be whole.
+    """y[..., rows] = x @ W[rows].T  —  output features split (the output stays split: gather
+    it with gather_last_dim to look at it). input_op: "copy" (f), "gather" (SP all-gather) or None
+    when the caller already entered the tp region (attention and MLP enter once for all)."""
 
-    input_op: "copy" (f), "gather" (SP all-gather) or None when the caller already entered
-    the tp region (attention and MLP enter once for all their column linears).
-    """
-
-    def __init__(self, weight, group, rows: tuple[int, int], input_op="copy", gather_output=False):
+    def __init__(self, weight, group, rows: tuple[int, int], input_op="copy"):
         super().__init__()
         self.weight = _shard(weight, 0, *rows)                  # [F/t, H]
-        self.group, self.input_op, self.gather_output = group, input_op, gather_output
+        self.group, self.input_op = group, input_op
 
     def forward(self, x):
         if self.input_op is not None:
             x = enter_tp(x, self.group, sp=self.input_op == "gather")
-        y = F.linear(x, self.weight)                             # [B, S, F/t]
-        return gather_last_dim(y, self.group) if self.gather_output else y
+        return F.linear(x, self.weight)                          # [B, S, F/t]
 
 
 class RowParallelLinear(nn.Module):
@@ -412,13 +409,11 @@ def _saved_activation_bytes(model, cfg, batch, seq):
     saved = {}
 
     def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in weights:
-            saved[s.data_ptr()] = s.nbytes()
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.layers[0](h, cos, sin)
-    return sum(saved.values())
+    return sum(n for ptr, n in saved.items() if ptr not in weights)
 
 
 def notebook_measurements(model_name="tiny", batch=2, seq=64):

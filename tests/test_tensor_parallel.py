@@ -236,10 +236,26 @@ def _vocab_ce_and_errors_rank():
         except ValueError as e:
             errors["sequence"] = (str(e), c.calls())
     out["errors"] = errors
+    # inside a 2-D mesh: tp=2 groups {0,1}, {2,3} next to data parallel (same batch here)
+    from mesh import Mesh
+    mesh = Mesh(dp_shard=2, tp=2)
+    x, y = _batch()
+    ref = build_model("tiny", dtype=torch.float64)
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    m = tp.apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=True)
+    with CommCounter() as c:
+        loss = m(x, y)
+        loss.backward()
+        tp.finish_grads(m)
+    full = dict(ref.named_parameters())
+    out["mesh"] = (abs(loss.item() - ref_loss.item()),
+                   max((p.grad - _slice(full[n].grad, p)).abs().max().item() for n, p in m.named_parameters()),
+                   {e.group_ranks for e in c.events}, mesh.ranks("tp"))
     return out
 
 
-def test_vocab_parallel_cross_entropy_and_errors():
+def test_vocab_parallel_cross_entropy_errors_and_mesh():
     for _, res in _results(4):
         loss_err, grad_err, calls, nbytes = res["ce"]
         assert loss_err < 1e-13 and grad_err < 1e-15
@@ -250,6 +266,9 @@ def test_vocab_parallel_cross_entropy_and_errors():
             assert res["errors"][key] is not None, key
             msg, calls = res["errors"][key]
             assert word in msg and calls == 0, (key, msg, calls)
+        loss_err, grad_err, groups, tp_ranks = res["mesh"]
+        assert loss_err < 1e-12 and grad_err < 1e-12
+        assert groups == {tuple(tp_ranks)} and len(tp_ranks) == 2  # only the tp group talks
 
 
 def _run(cmd, timeout=240):
