@@ -16,6 +16,7 @@ Timeline            named (start, end) spans on this rank, for timelines and ove
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -142,7 +143,7 @@ class CommCounter(TorchDispatchMode):
 def _all_to_all_sent(inp: torch.Tensor, in_splits, ranks) -> float:
     """Bytes an uneven all-to-all sends to *other* ranks (its own chunk stays home)."""
     me = ranks.index(dist.get_rank())
-    row = inp[0].numel() * inp.element_size() if inp.dim() > 1 else inp.element_size()
+    row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes of one row (an input may have none)
     return float(sum(s for i, s in enumerate(in_splits) if i != me) * row)
 
 

@@ -44,6 +44,13 @@ def _count_each_collective():
         dist.all_to_all_single(torch.empty(sum(splits_out), 3), torch.ones(sum(splits_in), 3),
                                splits_out, splits_in)
     out["all_to_all"] = (c.calls("all_to_all"), c.bytes(), c.wire_bytes())
+    # a rank with nothing to send (rows of 3): rank 0 sends no rows, the others one row to each rank
+    splits_in = [0] * P if r == 0 else [1] * P
+    splits_out = [0] + [1] * (P - 1)
+    with CommCounter() as c:
+        dist.all_to_all_single(torch.empty(sum(splits_out), 3), torch.ones(sum(splits_in), 3),
+                               splits_out, splits_in)
+    out["all_to_all_empty"] = (c.calls("all_to_all"), c.bytes(), c.wire_bytes())
     with CommCounter() as c:
         peer = (r + 1) % P
         ops = [dist.P2POp(dist.isend, torch.ones(K), peer), dist.P2POp(dist.irecv, torch.empty(K), (r - 1) % P)]
@@ -76,6 +83,7 @@ def test_comm_counter_counts_calls_and_bytes_exactly():
         assert out["broadcast"] == (1, 8 * K)
         sent_rows = sum(j + 1 for j in range(P))
         assert out["all_to_all"] == (1, sent_rows * 12, (sent_rows - (r + 1)) * 12)
+        assert out["all_to_all_empty"] == ((1, 0, 0.0) if r == 0 else (1, P * 12, (P - 1) * 12))
         assert out["p2p"] == (1, 1, b, b)
         assert out["funcol"] == (1, b)
         assert out["backward"] == (1, b)
