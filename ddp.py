@@ -201,7 +201,7 @@ class BucketedDDP(_DataParallel):
             for i, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, i))
         self._next = 0              # the next bucket to launch: every rank launches in this order
-        self._in_backward = False
+        self._in_backward, self._task = False, None
 
     def _make_buckets(self, cap: float, first_cap: float) -> list[Bucket]:
         buckets, cur, size, limit = [], [], 0, first_cap
@@ -232,15 +232,18 @@ class BucketedDDP(_DataParallel):
             p.grad = view
         if not self._sync_backward:
             return
+        task = torch._C._current_graph_task_id()  # which backward pass is running this hook
         if not self._in_backward:  # the first hook of this backward: wait for the rest at its end
-            self._in_backward = True
+            self._in_backward, self._task = True, task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             if self._bwd_start is None:
                 self._bwd_start = self.timeline.now()
-        if bucket.ready[i]:
-            raise RuntimeError(f"parameter {self.names[p]!r} got its gradient twice in one backward (a "
-                               f"reentrant checkpoint?): its bucket was already sent. Use "
-                               f"torch.utils.checkpoint(..., use_reentrant=False)")
+        if task != self._task or bucket.ready[i]:
+            # A backward nested inside ours (reentrant checkpointing) would end, and finish the
+            # buckets, before the outer backward had produced all gradients.
+            raise RuntimeError(f"the gradient of {self.names[p]!r} arrived from a second backward pass "
+                               f"inside this one (torch.utils.checkpoint with use_reentrant=True?): "
+                               f"use torch.utils.checkpoint(..., use_reentrant=False)")
         if not bucket.as_view:
             view.copy_(p.grad)  # cast into the reduce dtype
         bucket.ready[i] = True

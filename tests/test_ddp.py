@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from ddp import MiB, BucketedDDP, NaiveDDP, overlap_fraction
 from harness import global_batches, reference_model, run_ranks, train_reference
@@ -125,6 +126,28 @@ def _bad_input(group):
     return errors, c.calls()
 
 
+class _Reentrant(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block, self.mlp = block, block.mlp  # the model looks for layer.mlp
+
+    def forward(self, h, cos, sin):
+        return torch.utils.checkpoint.checkpoint(self.block, h, cos, sin, use_reentrant=True)
+
+
+def _reentrant(rank, P, batch):
+    """Reentrant checkpointing runs a backward inside the backward: a clear error, no collective."""
+    model = build_model("tiny", seed=rank)
+    model.layers[0] = _Reentrant(model.layers[0])
+    ddp = BucketedDDP(model, None, 25, 25)
+    with CommCounter() as c:
+        try:
+            ddp(*_local(batch, rank, P)).backward()
+        except RuntimeError as e:
+            return str(e), c.calls()
+    return None, c.calls()
+
+
 def _suite(dtype):
     rank, P = dist.get_rank(), dist.get_world_size()
     batches = global_batches(STEPS, B, S)
@@ -180,6 +203,7 @@ def _suite(dtype):
         out["subgroup"] = _train(ddp, sub.rank("dp"), sub.size("dp"), batches)
         out["subgroup"]["src"] = sub.ranks("dp")[0]
     out["bad"] = _bad_input(dist.group.WORLD)
+    out["reentrant"] = _reentrant(rank, P, batches[0])
     # As bytes: tensors sent through the result queue as shared memory can vanish with the rank.
     buf = io.BytesIO()
     torch.save(out, buf)
@@ -331,6 +355,14 @@ def test_bad_input_raises_on_every_rank_before_any_collective(run):
         assert "bucket_cap_mb" in errors[0] and "first_bucket_mb" in errors[1]
         assert "compute_dtype" in errors[2] and "reduce_dtype" in errors[3]
         assert "Mesh" in errors[4] and "requires_grad" in errors[5]
+
+
+def test_reentrant_checkpoint_is_a_clear_error(run):
+    P, dtype, results = run
+    for r in results:
+        msg, calls = r["reentrant"]
+        assert msg is not None and "use_reentrant=False" in msg and "layers.0" in msg
+        assert calls == 0
 
 
 def test_overlap_fraction():
