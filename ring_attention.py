@@ -143,10 +143,10 @@ def block_pairs(q_ids, k_ids, causal):
                 yield i, j, causal and kc == qc
 
 
-def new_work() -> dict:
+def new_work(log: bool = False) -> dict:
     """Attention work a rank actually did (forward): block kernels, FLOPs computed, useful score
     entries, and seconds spent waiting for the next block (communication not hidden, or a slower neighbour)."""
-    return dict(blocks=0, flops=0, scores=0, log=[], wait_s=0.0)
+    return dict(blocks=0, flops=0, scores=0, wait_s=0.0, log=[] if log else None)  # log: (phase, step, q, k)
 
 
 def _count(work, phase, step, qc, kc, q, k, diagonal):
@@ -154,7 +154,8 @@ def _count(work, phase, step, qc, kc, q, k, diagonal):
         return
     B, H, cq, D = q.shape
     ck = k.shape[2]
-    work["log"].append((phase, step, qc, kc))
+    if work["log"] is not None:
+        work["log"].append((phase, step, qc, kc))
     if phase == "fwd":
         work["blocks"] += 1
         work["flops"] += 4 * B * H * cq * ck * D                    # QK^T and PV, 2 FLOPs per multiply-add
@@ -309,13 +310,13 @@ class ContextParallelAttention(nn.Module):
     """Attention over a sequence sharded across `group` (the model's rotary already used
     the shard's absolute positions). method "ring" or "ulysses"; layout "contiguous" or "zigzag"."""
 
-    def __init__(self, group, method: str = "ring", layout: str = "zigzag", causal: bool = True):
+    def __init__(self, group, method: str = "ring", layout: str = "zigzag", causal: bool = True, log=False):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"method {method!r} unknown: choose one of {METHODS}")
         check_layout(2 * dist.get_world_size(group), dist.get_world_size(group), layout)
         self.group, self.method, self.layout, self.causal = group, method, layout, causal
-        self.work = new_work()
+        self.work = new_work(log)  # counters of what this rank's ring computed (and the blocks, if log)
 
     def forward(self, q, k, v):
         cp = dist.get_world_size(self.group)
@@ -411,7 +412,7 @@ def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layou
     q, k, v, dout = (shard_sequence(t, cp, rank, layout, dim=2)          # [B, h, S/cp, D]
                      for t in _inputs(B, S, H, Hkv, D, dtype, seed, device))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    attn = ContextParallelAttention(group, method, layout, causal)
+    attn = ContextParallelAttention(group, method, layout, causal, log=True)
     with CommCounter() as fwd:
         out = attn(q, k, v)
     with CommCounter() as bwd:
@@ -499,7 +500,8 @@ def main() -> int:
         print0(f"  {method + ' ' + layout:22s}{max(err):9.1e}{work:>30s}{' '.join(f'{m:.2f}' for m in peak):>26s}"
                f"{sum(res['bytes']):>17,d} ({formula:,d}){max(ms) * 1e3:8.1f}")
         if method == "ring":   # forward only: time blocked in wait() for the next k, v block
-            print0(f"{'':24s}forward waits for the next block, ms per rank: " + " ".join(f"{w * 1e3:.1f}" for w in wait))
+            print0(f"{'':24s}forward waits for the next block, ms per rank: "
+                   + " ".join(f"{w * 1e3:.1f}" for w in wait))
     ok &= train_demo(args.model_steps, group, device)
     print0("all checks", "ok" if ok else "FAILED")
     dist.destroy_process_group()
