@@ -366,7 +366,9 @@ def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=
         loss = model(x, y, positions=pos)
         # global loss = mean over ranks of the local means (equal token counts); the ring's
         # backward already sent each rank's dk, dv home, so summing the ranks' parameter
-        # gradients of loss/cp gives the gradient of the global mean.
+        # gradients of loss/cp gives the gradient of the global mean. (An MoE aux loss is not a
+        # mean of per-rank parts: this lesson trains the dense model.) The all-reduce over cp is
+        # the data-parallel one of lesson 1; torchtitan folds cp into its dp_shard_cp group.
         (loss / cp).backward()
         grads = [p.grad for p in model.parameters()]
         flat = torch.cat([g.flatten() for g in grads])
