@@ -51,8 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from data import get_batch, load_corpus
-import instruments
-from instruments import CommCounter, CommEvent, sync
+from instruments import CommCounter, sync
 from mesh import Mesh, init_distributed, print0
 from model import MoE, build_model, get_config
 
@@ -336,19 +335,6 @@ def drop_sweep(factors, skews=(0.0,), n_experts: int = 8, top_k: int = 2, tokens
 
 # ---- the demo ------------------------------------------------------------------------------
 
-class SafeCommCounter(CommCounter):
-    """CommCounter that also records an all-to-all whose input has no rows — a rank whose
-    tokens were all dropped sends nothing (instruments.py sizes a row from row 0, which an
-    empty input lacks). In every other case it is CommCounter itself."""
-
-    def _record(self, op, t_idx, g_idx, args, functional):
-        x = args[t_idx]
-        if op == "all_to_all" and isinstance(x, torch.Tensor) and x.dim() > 1 and x.shape[0] == 0:
-            self.events.append(CommEvent(op, 0, 0.0, instruments._group_ranks(args[g_idx])))
-        else:
-            super()._record(op, t_idx, g_idx, args, functional)
-
-
 def routed_rows(experts, cap, tokens_per_rank: int, n_local: int):
     """n[s, j]: assignments of rank s's tokens that rank j's experts keep, by the reference's
     rule on the concatenated tokens (experts [T_all, k]; first `cap` per expert in token order)."""
@@ -371,7 +357,7 @@ def _layer_check(cfg, ep_group, rank, world, tokens, device, seed=1):
     ((ref(x_ref) * dy).sum(-1).mean() + ref.aux_loss).backward()
     sl = slice(rank * tokens, (rank + 1) * tokens)
     x = x_all[sl].clone().requires_grad_()
-    with SafeCommCounter() as c:
+    with CommCounter() as c:
         out = layer(x)
         ((out * dy[sl]).sum(-1).mean() + layer.aux_loss).backward()
     router_grad = layer.router.weight.grad

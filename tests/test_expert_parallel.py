@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from harness import global_batches, reference_model, run_ranks, train_reference
+from instruments import CommCounter
 from mesh import Mesh
 from model import get_config, num_params
 
-from expert_parallel import (ExpertParallelMoE, SafeCommCounter, parallelize_experts, sync_gradients,
+from expert_parallel import (ExpertParallelMoE, parallelize_experts, sync_gradients,
                              train_ep)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,7 @@ def _layer_case(mesh, cfg, dtype, seed=1, x_all=None, router=None):
     ((out_ref * dy).sum(-1).mean() + ref.aux_loss).backward()
     sl = slice(r * TOKENS, (r + 1) * TOKENS)
     x = x_all[sl].clone().requires_grad_()
-    with SafeCommCounter() as c:  # CommCounter, and an all-to-all of no rows
+    with CommCounter() as c:  # CommCounter, and an all-to-all of no rows
         out = layer(x)
         ((out * dy[sl]).sum(-1).mean() + layer.aux_loss).backward()
     sync_gradients(layer, mesh.group("dp"), mesh.group("edp"), D)
@@ -70,7 +71,7 @@ def _uniform_case(mesh, E):
 def _errors(mesh):
     """Bad sizes: one ValueError each, raised before any collective."""
     msgs = []
-    with SafeCommCounter() as c:
+    with CommCounter() as c:
         for kw, change in ((dict(n_experts=3, top_k=2), {}), (dict(n_experts=4, top_k=2), dict(top_k=5)),
                            (dict(n_experts=4, top_k=2), dict(capacity_factor=0.0))):
             model = reference_model(get_config("tiny", **kw))
