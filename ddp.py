@@ -442,7 +442,9 @@ def _demo(argv=None) -> int:
         ov = f"{100 * sum(overlap[k]) / len(overlap[k]):7.0f}%" if overlap[k] else f"{'-':>8s}"
         print0(f"{k:24s} {1e3 * med:9.1f} {cols} {ov} {diff:17.2e}")
     bucketed, torch_ddp = names[1], names[2]
-    ratio = sorted(times[torch_ddp])[len(times[torch_ddp]) // 2] / sorted(times[bucketed])[len(times[bucketed]) // 2]
+    # Step by step (the two ran back to back on the same batch), then the median: robust to a busy machine.
+    ratios = sorted(t / b for t, b in zip(times[torch_ddp], times[bucketed]))
+    ratio = ratios[len(ratios) // 2]
     print0(f"bucketed DDP throughput / PyTorch DDP throughput: {ratio:.2f}x   "
            f"(formula: {grad_bytes / MiB:.2f} MiB handed to all-reduce per step, "
            f"ring sends 2(P-1)/P of it = {2 * (P - 1) / P * grad_bytes / MiB:.2f} MiB per rank)")
