@@ -264,6 +264,7 @@ class Trainer:
         # The meta device: shapes only, each rank materialises just its ZeRO-3 shard. The flat
         # units keep an fp32 master for meta parameters, so float64 runs are built for real.
         meta = self.use_zero and args.zero_stage == 3 and args.pp == 1 and self.store_dtype == torch.float32
+        self.meta = meta
         full_shapes = {n: tuple(p.shape) for n, p in build_model(cfg, seed=None, device="meta").named_parameters()}
 
         # 1. pipeline split
@@ -564,7 +565,7 @@ def train(args, device=None, verbose: bool = True) -> dict:
                                         peak_memory_bytes=mem, comm_bytes=nbytes, mfu=mfu)) + "\n")
     out["comm_summary"] = comm.summary() if last > start else {}
     out["state_bytes"] = trainer.state_bytes()
-    out["coords"] = dict(mesh.coords)
+    out["coords"], out["meta_init"] = dict(mesh.coords), trainer.meta
     if trainer.use_zero:  # the flat units' padded sizes, for the ZeRO formulas (fsdp.py)
         out["zero_units"] = [(u.N, u.names[0]) for u in trainer.opt.units]
     if args.save:

@@ -52,6 +52,11 @@ def ref_dense():
 
 
 @pytest.fixture(scope="module")
+def ref_f32():
+    return reference(["--dtype", "float32"], dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
 def ref_moe():
     return reference(["--experts", "4"])
 
@@ -146,7 +151,7 @@ def test_experts_ep_2(ref_moe):
     assert "all_to_all" in res[0][0]["comm_summary"]
 
 
-def test_combinations_on_4_ranks(ref_dense):
+def test_combinations_on_4_ranks(ref_dense, ref_f32):
     want, _ = ref_dense
     layouts = [["--dp-replicate", "2", "--dp-shard", "2"],
                ["--dp-shard", "2", "--tp", "2"],
@@ -157,8 +162,12 @@ def test_combinations_on_4_ranks(ref_dense):
                # (each kv head replicated on 2 ranks: finish_grads, and the norm counts it once)
                ["--dp-shard", "2", "--cp", "2"], ["--pp", "2", "--cp", "2", "--microbatches", "2"],
                ["--tp", "4"]]
-    res = run_ranks(run_layouts, 4, layouts, COMMON, timeout=300)
-    _check(res, want, TOL64, "4 ranks")
+    # float32 ZeRO-3 is built on the meta device: each rank materialises only its shard of its tp slice
+    meta = ["--dp-shard", "2", "--tp", "2", "--dtype", "float32"]
+    res = run_ranks(run_layouts, 4, layouts + [meta], COMMON, timeout=300)
+    _check([r[:-1] for r in res], want, TOL64, "4 ranks")
+    _check([r[-1:] for r in res], ref_f32[0], TOL32, "float32 meta-initialised")
+    assert all(r[-1]["meta_init"] for r in res) and not any(lay["meta_init"] for lay in res[0][:-1])
 
 
 def test_pp_dp_shard_tp_on_8_ranks(ref_dense):
@@ -168,10 +177,10 @@ def test_pp_dp_shard_tp_on_8_ranks(ref_dense):
     _check(res, want, TOL64, "8 ranks")
 
 
-def test_float32_and_bfloat16_tolerance():
+def test_float32_and_bfloat16_tolerance(ref_f32):
     """float32 within 2e-5 of the float32 single-process run; bf16 compute (fp32 master weights,
     optimizer and reductions) within 2e-2 of it."""
-    want, _ = reference(["--dtype", "float32"], dtype=torch.float32)
+    want, _ = ref_f32
     common = COMMON + ["--dtype", "float32"]
     bf16 = ["--dtype", "bfloat16"]
     res = run_ranks(run_layouts, 2, [["--dp-shard", "2"], ["--tp", "2"], ["--dp-shard", "2"] + bf16,
