@@ -118,7 +118,7 @@ class FlatUnit:
                 full = init_fn(name, shape) if p.is_meta else p.detach()
                 master[a - lo:b - lo] = full.reshape(-1)[a - off:b - off].to(device)
 
-        self.buf = torch.zeros(self.N, dtype=self.dtype, device=device)
+        self.buf = torch.empty(self.N, dtype=self.dtype, device=device)  # filled below (stage 3: on use)
         if stage == 3:
             self.shard = master if self.dtype == master_dtype else master.to(self.dtype)
         else:
@@ -458,12 +458,16 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
     full parameters, the losses, and what the last step measured next to the formulas."""
     from data import get_batch, load_corpus
     from instruments import CommCounter
-    from model import build_model, get_config, init_tensor
+    from model import Transformer, build_model, get_config, init_tensor
     cfg = get_config(model_name)
     dp_rank = dist.get_rank() if dp_rank is None else dp_rank
     dp_size = dist.get_world_size() if dp_size is None else dp_size
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    model = build_model(cfg, seed=seed, dtype=dtype, device="meta" if meta else device)
+    if meta:  # shapes only: nothing is allocated until shard_model materialises my slices
+        with torch.device("meta"):
+            model = Transformer(cfg, seed=None).to(dtype)
+    else:
+        model = build_model(cfg, seed=seed, dtype=dtype, device=device)
     init_fn = (lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None
     opt = shard_model(model, stage, torch.optim.AdamW, group=group, replicate_group=replicate_group,
                       param_dtype=param_dtype, init_fn=init_fn, lr=lr, **shard_kwargs)
@@ -500,6 +504,17 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
                                        root_numel, shard_kwargs.get("reshard_after_forward", True), reps),
         grad_norm=None if opt.grad_norm is None else opt.grad_norm.item())
 
+
+
+def measure_stages(stages=(0, 1, 2, 3), param_dtypes=(None,), **kwargs) -> list[dict]:
+    """A rank function for the notebook: train_and_measure per (stage, dtype), parameters left out."""
+    out = []
+    for pd in param_dtypes:
+        for s in stages:
+            r = train_and_measure(s, param_dtype=pd, **kwargs)
+            r.pop("state"), r.pop("events")
+            out.append(dict(r, stage=s, param_dtype=str(pd)))
+    return out
 
 if __name__ == "__main__":
     # PyTorch's FSDP2 appears only here, as the reference the demo compares with (--compare).
