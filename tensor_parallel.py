@@ -251,8 +251,8 @@ class VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         softmax, idx, hit, valid, n = ctx.saved_tensors
-        grad = softmax.clone()
-        grad[hit.nonzero(as_tuple=True)[0], idx[hit]] -= 1.0
+        # softmax - onehot(target) on the rank owning the target (no host sync: scatter, not indexing)
+        grad = softmax.scatter_add(1, idx[:, None], -hit[:, None].to(softmax.dtype))
         grad = grad * (valid[:, None].to(grad.dtype) * (g / n))
         return grad.to(ctx.in_dtype), None, None, None, None
 
