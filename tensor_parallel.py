@@ -511,6 +511,18 @@ if __name__ == "__main__":
                f"2/layer x {L} + 1 (head) = {2 * L + 1} all-reduces"
                + (" (SP: activation all-reduces -> all-gather + reduce-scatter)" if args.sp else ""))
 
+        def per_layer(model):  # the collectives of ONE block, counted alone
+            h = model.tok_embeddings(x).detach().requires_grad_()
+            cos, sin = rope_cos_sin(torch.arange(args.seq, device=device), cfg.head_dim, cfg.rope_theta, h.dtype)
+            with CommCounter() as f:
+                out = model.layers[0](h, cos, sin)
+            with CommCounter() as b:
+                out.backward(torch.ones_like(out))
+            model.zero_grad(set_to_none=True)
+            return " | ".join(f"{name}: " + ", ".join(f"{s['calls']} {op}" for op, s in c.summary().items())
+                              for name, c in (("forward", f), ("backward", b)))
+        print0(f"one layer, by hand:  {per_layer(mine)}")
+
         # 2. Step time, alternating rounds with PyTorch's DTensor TP on the same model.
         impls = {"by hand" + (" +SP" if args.sp else ""): mine}
         if not args.no_compare and cfg.n_kv_heads % t:
@@ -523,6 +535,7 @@ if __name__ == "__main__":
             print0(f"DTensor parallelize_module: loss |diff| {abs(dl.item() - ref_loss.item()):.1e}; "
                    + ", ".join(f"{op} {s['calls']} calls {s['wire_bytes'] / 1e6:.3f} MB wire"
                                for op, s in dc.summary().items()))
+            print0(f"one layer, DTensor:  {per_layer(dt)}")
             impls["DTensor Colwise/Rowwise" + (" +SP" if args.sp else "")] = dt
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for k, m in impls.items()}
         times = {k: [] for k in impls}
