@@ -161,6 +161,9 @@ def check_args(args, world_size: int) -> None:
             if saved["layout"] != layout_of(args):
                 problems.append(f"--resume {args.resume!r} was written with {saved['layout']}; resume with the "
                                 f"same sizes, stage, model and dtype (got {layout_of(args)})")
+            missing = [r for r in range(world_size) if not os.path.isfile(os.path.join(args.resume, f"rank{r}.pt"))]
+            if missing:  # found here, by every rank alike: not by one rank while the others wait
+                problems.append(f"--resume {args.resume!r} lacks the shards of ranks {missing}")
     # Combinations the lessons do not compose (yet): said plainly rather than computed wrongly.
     unsupported = []
     if args.experts and (tp > 1 or args.cp > 1 or args.pp > 1):
@@ -325,7 +328,9 @@ class Trainer:
             group = mesh.group("dp_shard_cp") if stage > 0 else mesh.group("dp_cp")
             rep = mesh.group("dp_replicate") if stage > 0 and mesh.size("dp_replicate") > 1 else None
             units = None
-            if self.pg is not None:  # every module with parameters is a unit: the root has none
+            # Pipeline: every module with parameters is a unit, so the root unit is empty. fsdp keeps
+            # its root gathered from forward until the end of THE backward; a stage runs m backwards.
+            if self.pg is not None:
                 units = _blocks(model) + [m for m in (model.tok_embeddings, getattr(model, "norm", None),
                                                       getattr(model, "output", None)) if m is not None]
 

@@ -209,8 +209,9 @@ def test_resume_with_another_layout_is_refused(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()
     (d / "meta.json").write_text(json.dumps(dict(step=5, world_size=2, layout=dict(tp=2))))
-    with pytest.raises(ValueError, match="resume with the\n?.*same sizes|was written with"):
+    with pytest.raises(ValueError, match="was written with") as e:
         check_args(parse_args(["--dp-shard", "2", "--resume", str(d)]), 2)
+    assert "lacks the shards of ranks [0, 1]" in str(e.value)
 
 
 INVALID = [
