@@ -234,6 +234,31 @@ def test_invalid_layouts_are_named(flags, world, msg):
         check_args(parse_args(flags), world)
 
 
+def _main_exit_codes(cases):
+    """Rank function: train.main on each invalid command line; (exit code, stderr) of each."""
+    import contextlib
+    import io
+
+    import train
+    out = []
+    for flags in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = train.main(flags)
+        out.append((code, err.getvalue()))
+    return out
+
+
+def test_every_invalid_layout_exits_nonzero_on_every_rank():
+    """train.main on 2 ranks (world size 2 makes the product check fire too where sizes differ):
+    each invalid command returns non-zero with its message on every rank, touching no collective
+    (a collective that only some ranks reached would hang and fail the call by timeout)."""
+    res = run_ranks(_main_exit_codes, 2, [f for f, _, _ in INVALID], timeout=60)
+    for rank, codes in enumerate(res):
+        for (flags, _, msg), (code, err) in zip(INVALID, codes):
+            assert code != 0 and msg in err and f"[rank {rank}]" in err, (flags, err)
+
+
 def _torchrun(n, flags, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
