@@ -365,6 +365,7 @@ class Trainer:
         return sq.sqrt()
 
     def _clip(self, grads_weights, max_norm):
+        """Scale every gradient by min(1, max_norm / global norm), as torch's clip_grad_norm_."""
         norm = self._global_norm(grads_weights)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g, _ in grads_weights:
@@ -383,13 +384,9 @@ class Trainer:
                 a, b = max(off, lo), min(off + k, lo + g.numel())
                 if a < b:
                     items.append((g[a - lo:b - lo], 1.0 / (self.tp_copies[name] * self.dp_copies)))
-        norm = self._global_norm(items)
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for u in self.opt.units:
-            if u.master.grad is not None:
-                u.master.grad.mul_(coef.to(u.master.grad.dtype))
-        self.opt.grad_norm = self.grad_norm = norm
-        return norm
+        # padding elements are left out: their gradient is zero, and stays zero
+        self.opt.grad_norm = self.grad_norm = self._clip(items, max_norm)
+        return self.grad_norm
 
     # ---- one optimizer step -------------------------------------------------------------------------
     def batch(self, step: int, tokens):
