@@ -11,6 +11,7 @@ child processes), and its return value picklable (tensors are).
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -37,7 +38,11 @@ def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout
     try:
         init_distributed("gloo")
         out = fn(*args, **kwargs)
-        results.put((rank, True, out))
+        # Serialise here: tensors put on a queue travel as shared memory that vanishes when
+        # this process exits, before the parent may have read them.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -78,7 +83,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90, **kwargs) -> list
                 continue
             if not ok:
                 raise RankError(f"rank {rank} of {world_size} raised:\n{out}")
-            got[rank] = out
+            got[rank] = torch.load(io.BytesIO(out), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=0.5 if len(got) < world_size else 10)
