@@ -168,6 +168,31 @@ def test_combinations_on_4_ranks(ref_dense, ref_f32):
     _check([r[:-1] for r in res], want, TOL64, "4 ranks")
     _check([r[-1:] for r in res], ref_f32[0], TOL32, "float32 meta-initialised")
     assert all(r[-1]["meta_init"] for r in res) and not any(lay["meta_init"] for lay in res[0][:-1])
+    _check_composed_bytes({lay["flags"]: lay for lay in res[0]})
+
+
+def _check_composed_bytes(by):
+    """A composition's bytes are the sum of its lessons' (rank 0, last step, float64 API bytes)."""
+    from fsdp import zero_comm_formula
+    from model import get_config
+    cfg, b = get_config("tiny"), 8
+    L, H = cfg.n_layers, cfg.dim
+    # dp_shard 2 x tp 2: ZeRO-3 on this rank's tp slice + tp's all-reduces on the local batch B/2
+    lay = by["--dp-shard 2 --tp 2"]
+    numel, root = sum(n for n, _ in lay["zero_units"]), lay["zero_units"][-1][0]
+    z = zero_comm_formula(3, numel, 2, b, root)
+    got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
+    Bl = B // 2
+    assert got["all_gather"] == z["all_gather"] and got["reduce_scatter"] == 2 * z["reduce_scatter"]
+    assert got["all_reduce"] == (4 * L + 2) * Bl * S * H * b + 3 * Bl * S * b + 8
+    # pp 2 x dp_shard 2 (gpipe, m = 2): every module is a ZeRO-3 unit, gathered before each
+    # micro-batch's forward AND backward, reduce-scattered after each backward: the gathers
+    # grow with m (why ZeRO-3 and pipelining combine badly); stage 0 also sends its activations.
+    lay, m = by["--pp 2 --dp-shard 2 --microbatches 2 --schedule gpipe"], 2
+    numel = sum(n for n, _ in lay["zero_units"])
+    got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
+    assert got["all_gather"] == 2 * m * numel * b and got["reduce_scatter"] == m * numel * b, got
+    assert got["send"] == got["recv"] == Bl * S * H * b and got["all_reduce"] == 8, got
 
 
 def test_pp_dp_shard_tp_on_8_ranks(ref_dense):
