@@ -161,7 +161,7 @@ def test_combinations_on_4_ranks(ref_dense, ref_f32):
                # beyond the list: cp inside the ZeRO shard group, pp x cp, and tp 4 > n_kv_heads
                # (each kv head replicated on 2 ranks: finish_grads, and the norm counts it once)
                ["--dp-shard", "2", "--cp", "2"], ["--pp", "2", "--cp", "2", "--microbatches", "2"],
-               ["--tp", "4"]]
+               ["--tp", "4"], ["--pp", "2", "--dp-shard", "2", "--zero-stage", "1", "--microbatches", "2"]]
     # float32 ZeRO-3 is built on the meta device: each rank materialises only its shard of its tp slice
     meta = ["--dp-shard", "2", "--tp", "2", "--dtype", "float32"]
     res = run_ranks(run_layouts, 4, layouts + [meta], COMMON, timeout=300)
@@ -193,6 +193,11 @@ def _check_composed_bytes(by):
     got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
     assert got["all_gather"] == 2 * m * numel * b and got["reduce_scatter"] == m * numel * b, got
     assert got["send"] == got["recv"] == Bl * S * H * b and got["all_reduce"] == 8, got
+    # ... while ZeRO-1 reduces once per step, whatever m
+    lay = by["--pp 2 --dp-shard 2 --zero-stage 1 --microbatches 2"]
+    numel = sum(n for n, _ in lay["zero_units"])
+    got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
+    assert got["all_gather"] == got["reduce_scatter"] == numel * b, got
 
 
 def test_pp_dp_shard_tp_on_8_ranks(ref_dense):
