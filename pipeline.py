@@ -347,11 +347,11 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
             for c in group:
                 if c.op == "RECV_F":
                     inputs[c.mb].requires_grad_()   # so its gradient can be sent back
+        spans.append(dict(ops=[str(c) for c in group], kind=a.op if a.op in COMPUTE else "comm",
+                          start=start, end=time.perf_counter() - t0))
         peak = max(peak, inflight)
         if measure:
             saved.sample()
-        spans.append(dict(ops=[str(c) for c in group], kind=a.op if a.op in COMPUTE else "comm",
-                          start=start, end=time.perf_counter() - t0))
 
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         # Data-parallel replicas of this stage: one all-reduce of all gradients, after the last backward.
@@ -421,15 +421,19 @@ def ascii_timeline(spans_per_stage, width: int = 72) -> str:
     return "\n".join(rows)
 
 
-def timeline_ranks(model: str = "tiny", n_layers: int = 4, schedule: str = "gpipe", m: int = 4,
-                   batch: int = 8, seq: int = 32, steps: int = 2) -> dict:
-    """For run_ranks (notebook): every rank is a stage; returns the last step's timeline and peaks."""
+def timeline_ranks(configs, model: str = "small", n_layers: int = 4, batch: int = 8, seq: int = 32,
+                   steps: int = 2) -> dict:
+    """For run_ranks (notebook): every rank a stage; per (schedule, m), the last step's timeline and peaks."""
     from data import get_batch, load_corpus
     tokens = load_corpus()
     batches = [get_batch(tokens, s, batch, seq) for s in range(steps)]
-    out = train(get_config(model, n_layers=n_layers), schedule, m, batches, list(range(dist.get_world_size())), lr=0)
-    last = out["steps"][-1]
-    return dict(spans=last["spans"], peak_in_flight=last["peak_in_flight"], peak_held=last["peak_held"])
+    out = {}
+    for schedule, m in configs:
+        res = train(get_config(model, n_layers=n_layers), schedule, m, batches, list(range(dist.get_world_size())), lr=0)
+        last = res["steps"][-1]
+        out[(schedule, m)] = dict(spans=last["spans"], peak_held=last["peak_held"],
+                                  peak_activation_bytes=last["peak_activation_bytes"])
+    return out
 
 
 # ---- demo (PyTorch's own pipelining appears only below this line, as the reference) ------
