@@ -151,7 +151,7 @@ def test_experts_ep_2(ref_moe):
     assert "all_to_all" in res[0][0]["comm_summary"]
 
 
-def test_combinations_on_4_ranks(ref_dense, ref_f32):
+def test_combinations_on_4_ranks(ref_dense, ref_f32, ref_moe):
     want, _ = ref_dense
     layouts = [["--dp-replicate", "2", "--dp-shard", "2"],
                ["--dp-shard", "2", "--tp", "2"],
@@ -164,10 +164,13 @@ def test_combinations_on_4_ranks(ref_dense, ref_f32):
                ["--tp", "4"], ["--pp", "2", "--dp-shard", "2", "--zero-stage", "1", "--microbatches", "2"]]
     # float32 ZeRO-3 is built on the meta device: each rank materialises only its shard of its tp slice
     meta = ["--dp-shard", "2", "--tp", "2", "--dtype", "float32"]
-    res = run_ranks(run_layouts, 4, layouts + [meta], COMMON, timeout=300)
-    _check([r[:-1] for r in res], want, TOL64, "4 ranks")
-    _check([r[-1:] for r in res], ref_f32[0], TOL32, "float32 meta-initialised")
-    assert all(r[-1]["meta_init"] for r in res) and not any(lay["meta_init"] for lay in res[0][:-1])
+    # experts: ep 2 borrowed from a 2 x 2 data-parallel mesh (each expert on 2 edp ranks)
+    moe = ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2", "--experts", "4"]
+    res = run_ranks(run_layouts, 4, layouts + [meta, moe], COMMON, timeout=300)
+    _check([r[:-2] for r in res], want, TOL64, "4 ranks")
+    _check([r[-2:-1] for r in res], ref_f32[0], TOL32, "float32 meta-initialised")
+    _check([r[-1:] for r in res], ref_moe[0], TOL64, "MoE ep 2 x edp 2")
+    assert all(r[-2]["meta_init"] for r in res) and not any(lay["meta_init"] for lay in res[0][:-2])
     _check_composed_bytes({lay["flags"]: lay for lay in res[0]})
 
 
