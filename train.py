@@ -28,13 +28,13 @@ per rank is roughly the ZeRO formula applied to Ψ/(tp·pp) parameters (experts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import resource
 import sys
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from data import get_batch, load_corpus
-from model import CONFIGS, MoE, build_model, flops_per_token, get_config, init_tensor, num_params
+from model import CONFIGS, build_model, flops_per_token, get_config, init_tensor, num_params
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 (THEORY.md)
@@ -542,7 +542,9 @@ def train(args, device=None, verbose: bool = True) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        with CommCounter() as comm:
+        # One process has nothing to count, and a dispatch mode sees every op: leave it off there.
+        comm = CommCounter()
+        with comm if world > 1 else contextlib.nullcontext():
             local = trainer.step(s, tokens)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
