@@ -456,11 +456,15 @@ def _add_unshard_hooks(opt, flat, root, reshard_after_forward, prefetch):
 
 def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-2, param_dtype=None,
                       group=None, replicate_group=None, dp_rank=None, dp_size=None, meta=False,
-                      seed=0, dtype=torch.float32, **shard_kwargs) -> dict:
+                      seed=0, dtype=torch.float32, track_peak=False, **shard_kwargs) -> dict:
     """Shard the shared model at `stage`, train `steps` global batches with AdamW and return the
-    full parameters, the losses, and what the last step measured next to the formulas."""
+    full parameters, the losses, and what the last step measured next to the formulas.
+    track_peak: run the last step under PyTorch's MemTracker (slow) for the peak bytes."""
+    import contextlib
+    import warnings
+
     from data import get_batch, load_corpus
-    from instruments import CommCounter
+    from instruments import CommCounter, memory_tracker
     from model import Transformer, build_model, get_config, init_tensor
     cfg = get_config(model_name)
     dp_rank = dist.get_rank() if dp_rank is None else dp_rank
@@ -474,10 +478,14 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
     init_fn = (lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None
     opt = shard_model(model, stage, torch.optim.AdamW, group=group, replicate_group=replicate_group,
                       param_dtype=param_dtype, init_fn=init_fn, lr=lr, **shard_kwargs)
-    tokens, losses, times = load_corpus(), [], []
+    tokens, losses, times, peak = load_corpus(), [], [], None
     for s in range(steps):
         x, y = get_batch(tokens, s, batch, seq, seed, dp_rank, dp_size, device=device or "cpu")
-        with CommCounter() as comm:
+        tracked = track_peak and s == steps - 1
+        with memory_tracker(model, opt.inner) if tracked else contextlib.nullcontext() as mt, \
+                warnings.catch_warnings(), CommCounter() as comm:
+            # MemTracker warns about parameters whose .grad is None (ours, after reduce-scatter)
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
             t = time.perf_counter()
             loss = model(x, y)
             loss.backward()
@@ -485,6 +493,9 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
             if device is not None:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t)
+        if tracked:
+            snap = mt.get_tracker_snapshot("peak")
+            peak = {str(k).split(".")[-1]: v for k, v in snap[next(iter(snap))].items()}["Total"]
         memory = opt.state_bytes()  # at rest, after the step (before zero_grad)
         opt.zero_grad()
         loss = loss.detach().float()
@@ -499,7 +510,7 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
     return dict(
         state={k: v.cpu().numpy() for k, v in opt.full_state_dict().items()} if dist.get_backend() != "nccl"
         else {k: v.cpu() for k, v in opt.full_state_dict().items()},
-        losses=losses, step_time=sorted(times[1:] or times)[len(times[1:] or times) // 2],
+        losses=losses, peak=peak, step_time=_median(times[1:-1] if track_peak else times[1:]) or times[0],
         comm=comm.summary(), events=[(e.op, e.group_ranks, e.api_bytes) for e in comm.events],
         memory=memory, numel=numel, root_numel=root_numel, P=P, param_bytes=pb,
         memory_formula=zero_state_formula(stage, numel, P, pb, mb),
@@ -507,6 +518,10 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
                                        root_numel, shard_kwargs.get("reshard_after_forward", True), reps),
         grad_norm=None if opt.grad_norm is None else opt.grad_norm.item())
 
+
+
+def _median(xs):
+    return sorted(xs)[len(xs) // 2] if xs else None
 
 
 def measure_stages(stages=(0, 1, 2, 3), param_dtypes=(None,), **kwargs) -> list[dict]:
@@ -579,6 +594,7 @@ if __name__ == "__main__":
     ap.add_argument("--param-dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--no-reshard", action="store_true", help="keep units gathered from forward to backward")
     ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--peak", action="store_true", help="measure the last step's peak with MemTracker (slow)")
     ap.add_argument("--compare", action="store_true", help="also run PyTorch's FSDP2 fully_shard, side by side")
     args = ap.parse_args()
 
@@ -587,7 +603,8 @@ if __name__ == "__main__":
     pd = DTYPES[args.param_dtype]
     res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr,
                             None if pd == torch.float32 else pd,
-                            reshard_after_forward=not args.no_reshard, prefetch=not args.no_prefetch)
+                            reshard_after_forward=not args.no_reshard, prefetch=not args.no_prefetch,
+                            track_peak=args.peak)
     P, mib = res["P"], 1 / 2**20
     print0(f"ZeRO stage {args.stage}, {world} ranks, model {args.model} (Ψ = {res['numel']:,} elements padded), "
            f"compute {args.param_dtype}; losses {[round(x, 4) for x in res['losses']]}")
@@ -601,7 +618,9 @@ if __name__ == "__main__":
                      f"wire {got['wire_bytes']:>12,.0f} | {wire_bytes(op, res['comm_formula'].get(op, 0), P):>12,.0f}"
                      f"   ({got['calls']} calls)")
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    lines.append(f"  step time {res['step_time'] * 1e3:.1f} ms" + (f", CUDA peak {peak * mib:.1f} MiB" if peak else ""))
+    lines.append(f"  step time {res['step_time'] * 1e3:.1f} ms" + (f", CUDA peak {peak * mib:.1f} MiB" if peak else "")
+                 + (f", MemTracker peak {res['peak'] * mib:.3f} MiB (model state + activations + "
+                    f"temporaries)" if res["peak"] else ""))
     for r in range(world):  # rank by rank, so lines do not interleave
         if r == rank:
             print("\n".join(lines), flush=True)
@@ -613,7 +632,7 @@ if __name__ == "__main__":
         # whose gradient is ~0: fp32 must stay within 5% of one step per step; bf16 within 2 steps.
         tol = (0.05 if pd == torch.float32 else 2.0) * args.lr * args.steps
         ok = err < tol
-        print(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol}) -> "
+        print(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
               f"{'ok' if ok else 'MISMATCH'}", flush=True)
     if args.compare:
         fstate, ftime = fsdp2_run(args, device)

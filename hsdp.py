@@ -103,7 +103,7 @@ if __name__ == "__main__":
                   for n, p in model.named_parameters())
         tol = (2.0 if args.bf16 else 0.05) * args.lr * args.steps  # as in fsdp.py
         ok = ok and err < tol
-        print(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol}) -> "
+        print(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
               f"{'ok' if err < tol else 'MISMATCH'}", flush=True)
     dist.destroy_process_group()
     if not ok:

@@ -297,5 +297,5 @@ def test_torchrun_demo_compares_with_fsdp2():
 
 
 def test_plain_python_demo():
-    out = _run([sys.executable, "fsdp.py", "--stage", "2", "--steps", "2", "--param-dtype", "bf16"])
-    assert "-> ok" in out and "gradients" in out
+    out = _run([sys.executable, "fsdp.py", "--stage", "2", "--steps", "3", "--param-dtype", "bf16", "--peak"])
+    assert "-> ok" in out and "gradients" in out and "MemTracker peak" in out
