@@ -1,5 +1,6 @@
 """Pipeline parallel: schedules checked as data, then real runs checked against one process."""
 import os
+import re
 import subprocess
 import sys
 
@@ -168,8 +169,11 @@ def _run(cmd, timeout=240):
 def test_demo_torchrun_and_plain_python():
     out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "pipeline.py",
                 "--schedule", "gpipe", "--microbatches", "4", "--model", "tiny", "--batch", "8", "--seq", "16",
-                "--steps", "2"])
+                "--steps", "2", "--compare"])
     assert "(p-1)/(m+p-1) = 0.200" in out and "4/4  4/4" in out, out  # GPipe holds all m on both stages
+    # PyTorch's own ScheduleGPipe on the same split gives the same gradients
+    diff = float(re.search(r"gradients max \|diff\| (\S+);", out).group(1))
+    assert diff < 1e-6, out
     out = _run([sys.executable, "pipeline.py", "--model", "tiny", "--batch", "4", "--seq", "16", "--steps", "1",
                 "--microbatches", "2"])
     assert "p=1 stages" in out
