@@ -31,7 +31,6 @@ Stage 1 also works alone on any parameters: `ZeroOptimizer.from_params(...)`.
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import time
 

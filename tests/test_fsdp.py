@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from harness import global_batches, reference_model, run_ranks
-from instruments import CommCounter, wire_bytes
+from instruments import CommCounter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, B, S, LR = 3, 8, 16, 1e-2
