@@ -55,6 +55,17 @@ def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 90, **kwargs) -> list:
     """Run fn(*args, **kwargs) on `world_size` gloo ranks; return the per-rank results."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout)
+        except RankError as e:
+            # The free port we picked can be taken by another job before rank 0 binds it:
+            # a race of a shared machine, not a failure of fn. Try again on a new port.
+            if "EADDRINUSE" not in str(e) and "Address already in use" not in str(e) or attempt == 2:
+                raise
+
+
+def _run_once(fn, world_size, args, kwargs, timeout):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -34,7 +34,6 @@ block at a time, [B, H, S/cp, S/cp] (zigzag: [B, H, S/2cp, S/2cp]) instead of [B
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 import time
 
@@ -433,21 +432,10 @@ def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layou
     return res
 
 
-class ByValue:
-    """Wrap a rank's return value so its tensors cross run_ranks' queue as bytes. A bare tensor
-    would cross as a shared-memory file descriptor that is gone if the rank exits first."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __reduce__(self):   # the receiver unpickles straight to obj
-        return pickle.loads, (pickle.dumps(self.obj),)
-
-
 def run_cases(cases: list[dict]) -> list[dict]:
     """Rank function: attention_case for every case, on a cp group of the whole world."""
     group = Mesh(cp=dist.get_world_size()).group("cp")
-    return ByValue([attention_case(group=group, **c) for c in cases])
+    return [attention_case(group=group, **c) for c in cases]
 
 
 def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, repeats=0, memory=False,

@@ -8,26 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankError, global_batches, reference_model, train_reference
-from harness import run_ranks as _run_ranks
+from harness import global_batches, reference_model, run_ranks, train_reference
 from instruments import CommCounter
 from mesh import Mesh
-from ring_attention import (LAYOUTS, ByValue, ContextParallelAttention, attention_case, chunk_ids, full_attention,
+from ring_attention import (LAYOUTS, ContextParallelAttention, attention_case, chunk_ids, full_attention,
                             gather_sequence, run_cases, shard_positions, shard_sequence, train_cp)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S, H, HKV, D = 2, 32, 4, 2, 8
-
-
-def run_ranks(*args, **kwargs):
-    """run_ranks, again if another job took the rendezvous port between free_port() and bind
-    (EADDRINUSE: a race of the shared machine, not of the code under test)."""
-    for attempt in range(3):
-        try:
-            return _run_ranks(*args, **kwargs)
-        except RankError as e:
-            if "EADDRINUSE" not in str(e) or attempt == 2:
-                raise
 
 
 def _cases(cp):
@@ -50,7 +38,7 @@ def _cases(cp):
 
 def _attention_and_errors(cases):
     """Every case, then the bad inputs: each must raise ValueError before any collective."""
-    results = run_cases(cases).obj
+    results = run_cases(cases)
     cp = dist.get_world_size()
     group = Mesh(cp=cp).group("cp")
     # peak attention memory (MemTracker, forward + backward): cp ranks vs one rank on the full sequence
@@ -77,7 +65,7 @@ def _attention_and_errors(cases):
                 errors.append(("no error", c.calls()))
             except ValueError as e:
                 errors.append((str(e), c.calls()))
-    return ByValue((results, errors, memory))
+    return (results, errors, memory)
 
 
 def _scores(cp, rank, layout, causal):
@@ -178,7 +166,7 @@ def _train_all(batches, configs):
     for method, layout in configs:
         losses, model = train_cp("tiny", batches, group, method, layout, lr=1e-3)
         out.append((losses, {n: p.detach() for n, p in model.named_parameters()}))
-    return ByValue(out)
+    return out
 
 
 def test_shared_model_trains_like_one_process_with_cp2():
