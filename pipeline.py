@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from model import build_model, get_config, init_tensor, rope_cos_sin
+from model import Transformer, build_model, get_config, init_tensor, rope_cos_sin
 
 COMPUTE, COMM = ("F", "B"), ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
@@ -78,7 +78,8 @@ class Stage(nn.Module):
     def __init__(self, cfg, r: int, p: int, seed: int = 0, device=None, dtype=torch.float32):
         super().__init__()
         self.cfg, self.is_first, self.is_last = cfg, r == 0, r == p - 1
-        full = build_model(cfg, seed=None, device="meta")    # shapes only: no memory
+        with torch.device("meta"):                          # shapes only: no memory for other stages
+            full = Transformer(cfg, seed=None)
         self.layer_ids = split_layers(cfg.n_layers, p)[r]
         self.tok_embeddings = full.tok_embeddings if self.is_first else None
         self.layers = nn.ModuleDict({str(i): full.layers[i] for i in self.layer_ids})
