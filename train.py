@@ -81,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", default=None, help="directory of a checkpoint to continue from")
     p.add_argument("--check", action="store_true",
                    help="afterwards, train the same model in ONE process on rank 0 and compare the losses")
+    p.add_argument("--compare", action="store_true",
+                   help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     args = p.parse_args(argv)
     if args.zero_stage is None:
@@ -621,11 +623,17 @@ def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
     return results
 
 
-def main(argv=None) -> int:
+def main(argv=None, compare=None) -> int:
+    """torchrun entry point. compare(args, device) -> (losses, seconds per step): PyTorch's own
+    FSDP2 + DTensor run of the same layout, defined below the __main__ line (--compare)."""
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         check_args(args, world)   # before joining the process group: every rank alike, no hang
+        if args.compare and (args.pp > 1 or args.cp > 1 or args.experts
+                             or args.dp_replicate * args.dp_shard > 1 and args.zero_stage != 3):
+            raise ValueError("invalid training layout:\n  - --compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor "
+                             "tensor parallel: use only --dp-replicate, --dp-shard (zero stage 3) and --tp")
     except ValueError as e:
         print(f"[rank {os.environ.get('RANK', '0')}] {e}", file=sys.stderr, flush=True)
         return 2
@@ -633,10 +641,81 @@ def main(argv=None) -> int:
     device = init_distributed()
     try:
         out = train(args, device)
+        if args.compare and compare is not None:
+            ours = sorted(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:] or
+                          out["tokens_per_s"])
+            theirs, step_time = compare(args, device)
+            err = max(abs(a - b) for a, b in zip(out["losses"], theirs))
+            t_ours = ours[len(ours) // 2]
+            if dist.get_rank() == 0:
+                print(f"PyTorch FSDP2 + DTensor TP, same layout: max |loss diff| {err:.2e}; median step "
+                      f"{t_ours * 1e3:.1f} ms (ours) vs {step_time * 1e3:.1f} ms (PyTorch) -> our throughput "
+                      f"{step_time / t_ours:.2f}x PyTorch's", flush=True)
     finally:
         dist.destroy_process_group()
     return 0 if out.get("check_ok", True) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # PyTorch's own wrappers appear only here, as the reference --compare runs beside ours.
+    def pytorch_fsdp2_tp(args, device):
+        """The same model, batches, AdamW, schedule and clipping under fully_shard + parallelize_module."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        shape = (args.dp_replicate, args.dp_shard, args.tp)  # the same row-major order as mesh.py
+        dm = init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        model = build_model(get_config(args.model), seed=args.seed, dtype=DTYPES[args.dtype]
+                            if args.dtype != "bfloat16" else torch.float32, device=device)
+        if args.tp > 1:
+            plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                    "output": ColwiseParallel(output_layouts=Replicate())}
+            for i in range(len(model.layers)):
+                plan.update({f"layers.{i}.{n}": ColwiseParallel() for n in ("attn.wq", "attn.wk", "attn.wv",
+                                                                            "mlp.w1", "mlp.w3")})
+                plan.update({f"layers.{i}.{n}": RowwiseParallel() for n in ("attn.wo", "mlp.w2")})
+            parallelize_module(model, dm["tp"], plan)
+        if args.dp_replicate * args.dp_shard > 1:
+            dp_mesh = dm["dp_replicate", "dp_shard"] if args.dp_replicate > 1 else dm["dp_shard"]
+            for block in model.layers:
+                fully_shard(block, mesh=dp_mesh)
+            fully_shard(model, mesh=dp_mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        tokens, losses, times = load_corpus(args.data), [], []
+        dp, dp_rank = args.dp_replicate * args.dp_shard, dist.get_rank() // args.tp
+        for s in range(args.steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(s + 1, args)
+            x, y = get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, dp_rank, dp, device=device)
+            t0 = time.perf_counter()
+            loss = model(x, y)
+            loss.backward()
+            if args.grad_clip:  # parameters live on different meshes: the global norm by hand
+                sq = torch.zeros((), dtype=torch.float64, device=device)
+                world = dist.get_world_size()
+                for p in model.parameters():
+                    g, copies = p.grad, world  # a plain tensor: the same on every rank
+                    if hasattr(g, "to_local"):  # copies: ranks outside its mesh, and replicated mesh dims
+                        copies = world // g.device_mesh.size() * math.prod(
+                            g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+                        g = g.to_local()
+                    sq += g.double().pow(2).sum() / copies
+                dist.all_reduce(sq)
+                coef = (args.grad_clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+                for p in model.parameters():
+                    p.grad.mul_(coef.item())
+            opt.step()
+            opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            v = loss.detach().double() / dp if args.tp == 1 or dist.get_rank() % args.tp == 0 else \
+                torch.zeros((), dtype=torch.float64, device=device)
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            dist.all_reduce(v)
+            losses.append(v.item())
+        times = sorted(times[1:] or times)
+        return losses, times[len(times) // 2]
+
+    sys.exit(main(compare=pytorch_fsdp2_tp))

@@ -306,13 +306,18 @@ def test_invalid_layout_under_torchrun_fails_on_every_rank_without_hanging():
     assert "use a multiple of 2" in p.stderr
 
 
-def test_torchrun_demo_and_log_file(tmp_path):
+def test_torchrun_demo_log_file_check_and_compare(tmp_path):
+    """4 ranks, dp_shard 2 x tp 2: per-step lines, JSON log, --check (one process on rank 0) and
+    --compare (PyTorch's FSDP2 + DTensor TP on the same layout, same losses)."""
     log = tmp_path / "log.jsonl"
-    p = _torchrun(2, ["--tp", "2", "--steps", "3", "--seq-len", "16", "--log-file", str(log), "--check"])
+    p = _torchrun(4, ["--dp-shard", "2", "--tp", "2", "--steps", "3", "--seq-len", "16", "--log-file", str(log),
+                      "--check", "--compare"], timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Warning" not in p.stderr, p.stderr[-2000:]
     assert p.stdout.count("tokens/s") == 3 and "comm" in p.stdout
     assert "losses vs the single-process run" in p.stdout and "-> ok" in p.stdout, p.stdout
+    line = next(x for x in p.stdout.splitlines() if x.startswith("PyTorch FSDP2"))
+    assert float(line.split("max |loss diff| ")[1].split(";")[0]) < 1e-5, line
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
