@@ -83,8 +83,9 @@ def _run_configs(p, layers, configs, batches, extra_dp=False):
     cfg = get_config("tiny", n_layers=layers)
     out = {}
     for name, m in configs:
-        res = train(cfg, name, m, batches, list(range(p)), lr=LR, dtype=torch.float64)
-        out[(name, m)] = dict(losses=res["losses"], grads=res["grads"],
+        with CommCounter() as c:
+            res = train(cfg, name, m, batches, list(range(p)), lr=LR, dtype=torch.float64)
+        out[(name, m)] = dict(losses=res["losses"], grads=res["grads"], sent=(c.calls("send"), c.bytes("send")),
                               peak_in_flight=[s["peak_in_flight"] for s in res["steps"]],
                               peak_held=[s["peak_held"] for s in res["steps"]])
     if extra_dp:  # pp=2 x dp=2: replicas of each stage reduce their gradients once
@@ -120,6 +121,9 @@ def _check_parity(results, p, layers, batches):
             for n, g in got["grads"].items():  # every gradient of the stage equals the full model's
                 torch.testing.assert_close(g, ref_grads[n], rtol=1e-10, atol=1e-12, msg=f"{key} stage {r} {n}")
                 seen.add(n)
+            # point to point: per step, m activations [B/m, S, H] forward and m gradients back
+            neighbours = (r < p - 1) + (r > 0)
+            assert got["sent"] == (STEPS * m * neighbours, STEPS * B * S * get_config("tiny").dim * 8 * neighbours)
             expect = m if name == "gpipe" else min(p - r, m)
             assert got["peak_in_flight"] == [expect] * STEPS, (key, r)
             assert got["peak_held"] == [expect] * STEPS, (key, r)  # measured from autograd's saved tensors
