@@ -22,8 +22,21 @@ Gradient clipping uses the norm of the WHOLE model's gradient: every rank adds t
 of the gradient elements it holds, each weighted by 1/(number of ranks holding a copy), and
 one all-reduce over the world sums them — so each parameter counts once.
 
-Communication per step is the sum of each lesson's (see their docstrings); model-state memory
-per rank is roughly the ZeRO formula applied to Ψ/(tp·pp) parameters (experts: /ep).
+Communication per step, per rank, is the sum of the lessons' (API bytes; b bytes per element,
+Ψ' = Ψ/(tp·pp) the parameters of my tp slice of my stage, B' = B/dp the local batch, m micro-batches):
+    ZeRO-3 (shard group dp_shard·cp)  all-gather b·(2Ψ' − Ψ'_root), reduce-scatter 4Ψ' (fp32 grads);
+        in a pipeline every module is a unit: all-gather 2m·b·Ψ', reduce-scatter m·4Ψ'
+    ZeRO-1/2  reduce-scatter 4Ψ' + all-gather b·Ψ';  ZeRO-0  all-reduce 4Ψ'
+    HSDP      + all-reduce 4Ψ'/(dp_shard·cp) over dp_replicate
+    tp        (4L+2) all-reduces of [B', S/cp, H] + 3 of [B'·S/cp] (vocab-parallel loss)
+    pp        B'·S/cp·H·b sent and received per stage boundary, each way
+    cp (ring) per layer (cp−1)·2·c·d_kv·b forward, again + dk, dv home in backward (c = S/cp)
+    clipping  one all-reduce of one float64 over the world
+Model state per rank (ZeRO-3, mixed precision K = 12): (b_p + b_g + K)·Ψ'/(dp_shard·cp), plus the
+norm weights every tp rank keeps whole; experts: E/ep of them per rank.
+
+    --check    rank 0 retrains the model in one process and compares the losses
+    --compare  the same layout under PyTorch's FSDP2 + DTensor TP, side by side
 """
 from __future__ import annotations
 
