@@ -293,8 +293,9 @@ def test_every_invalid_layout_exits_nonzero_on_every_rank():
 
 def _torchrun(n, flags, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    from mesh import free_port  # not torchrun's default port: other jobs may hold it
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-                           os.path.join(ROOT, "train.py")] + flags,
+                           "--master_port", str(free_port()), os.path.join(ROOT, "train.py")] + flags,
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
