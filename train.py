@@ -26,9 +26,10 @@ Communication per step, per rank, is the sum of the lessons' (API bytes; b bytes
 Ψ' = Ψ/(tp·pp) the parameters of my tp slice of my stage, B' = B/dp the local batch, m micro-batches):
     ZeRO-3 (shard group dp_shard·cp)  all-gather b·(2Ψ' − Ψ'_root), reduce-scatter 4Ψ' (fp32 grads);
         in a pipeline every module is a unit: all-gather 2m·b·Ψ', reduce-scatter m·4Ψ'
-    ZeRO-1/2  reduce-scatter 4Ψ' + all-gather b·Ψ';  ZeRO-0  all-reduce 4Ψ'
+    ZeRO-1/2  reduce-scatter 4Ψ' (ZeRO-2 in a pipeline: m times) + all-gather b·Ψ';  ZeRO-0  all-reduce 4Ψ'
     HSDP      + all-reduce 4Ψ'/(dp_shard·cp) over dp_replicate
-    tp        (4L+2) all-reduces of [B', S/cp, H] + 3 of [B'·S/cp] (vocab-parallel loss)
+    tp        4L all-reduces of [B', S/cp, H] (L: my stage's layers), +1 for the embedding, +1 for
+              the head's input and +3 of [B'·S/cp] for the vocab-parallel loss (on their stages)
     pp        B'·S/cp·H·b sent and received per stage boundary, each way
     cp (ring) per layer (cp−1)·2·c·d_kv·b forward, again + dk, dv home in backward (c = S/cp)
     clipping  one all-reduce of one float64 over the world
