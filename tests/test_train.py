@@ -204,8 +204,11 @@ def _check_composed_bytes(by):
 
 def test_pp_dp_shard_tp_on_8_ranks(ref_dense):
     want, _ = ref_dense
-    res = run_ranks(run_layouts, 8, [["--pp", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"]],
-                    COMMON, timeout=300)
+    res = run_ranks(run_layouts, 8, [["--pp", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"],
+                                     # and two more 3-D layouts: HSDP x TP, and pp x cp x tp
+                                     ["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"],
+                                     ["--pp", "2", "--cp", "2", "--tp", "2", "--microbatches", "2"]],
+                    COMMON, timeout=400)
     _check(res, want, TOL64, "8 ranks")
 
 
