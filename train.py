@@ -71,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="how the data-parallel dims shard (default: 3 when dp-shard > 1 and the model "
                         "is dense, else 0)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: norms and residuals on S/tp tokens (all-gather/reduce-scatter for all-reduce)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per step (default: pp; without pp they accumulate gradients)")
@@ -110,7 +112,7 @@ def layout_of(args) -> dict:
     """What a checkpoint must agree on to be resumed."""
     return dict(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp,
                 tp=args.tp, ep=args.ep, zero_stage=args.zero_stage, model=args.model,
-                experts=args.experts, top_k=args.top_k, dtype=args.dtype)
+                experts=args.experts, top_k=args.top_k, dtype=args.dtype, sequence_parallel=args.sequence_parallel)
 
 
 def check_args(args, world_size: int) -> None:
@@ -194,6 +196,15 @@ def check_args(args, world_size: int) -> None:
         unsupported.append(f"--zero-stage {args.zero_stage} with tp {tp} > n_kv_heads {cfg.n_kv_heads}: "
                            f"replicated kv heads need their gradients summed over tp before the "
                            f"reduce-scatter (use --zero-stage 0 or 1)")
+    sp = args.sequence_parallel and tp > 1
+    if sp and (args.seq_len // args.cp) % tp:
+        problems.append(f"--sequence-parallel splits each rank's {args.seq_len // args.cp} tokens over tp={tp}: "
+                        f"use a --seq-len that is a multiple of {tp * args.cp * (2 if args.cp > 1 else 1)}")
+    if sp and args.pp > 1:
+        unsupported.append("--sequence-parallel with pp (stages exchange whole-sequence activations)")
+    if sp and args.zero_stage >= 2:
+        unsupported.append(f"--sequence-parallel with --zero-stage {args.zero_stage}: the norm weights' "
+                           f"gradients must be summed over tp before the reduce-scatter (use 0 or 1)")
     problems += [f"not supported yet: {u}" for u in unsupported]
     if problems:
         raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
@@ -300,7 +311,7 @@ class Trainer:
         if self.tp > 1:
             if self.pg is None:
                 from tensor_parallel import apply_tensor_parallel
-                apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=False)
+                apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=args.sequence_parallel)
             else:
                 tensor_parallel_stage(model, cfg, mesh.group("tp"))
         # 3. context parallel
@@ -329,7 +340,7 @@ class Trainer:
             if self.tp == 1:
                 c = 1
             elif id(p) in partial:
-                c = self.tp // partial[id(p)][1]      # a kv head shared by t/n_kv ranks
+                c = self.tp // partial[id(p)][1]      # a kv head on t/n_kv ranks; an SP norm (n=1) on all
             elif hasattr(p, "tp_slice"):
                 c = 1                                  # a slice: every tp rank holds a different one
             else:
@@ -437,7 +448,7 @@ class Trainer:
                     loss = loss + lm.detach() / m
         if self.tp > 1:
             from tensor_parallel import finish_grads
-            finish_grads(model)  # sums partial gradients of replicated kv heads (no-op otherwise)
+            finish_grads(model)  # sums partial gradients: replicated kv heads, SP norms (else no-op)
         if self.use_zero:
             self.opt.step()      # reduce (stage 0/1 here, 2/3 already in backward), clip, AdamW
             self.opt.zero_grad()

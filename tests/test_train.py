@@ -92,7 +92,8 @@ def test_world_1_and_every_dimension_alone_on_2_ranks(ref_dense):
     _check(one, want, TOL64, "world 1")
     assert max(abs(a - b) for a, b in zip(one[0][0]["grad_norms"], norms)) < 1e-9
     layouts = [["--dp-replicate", "2"]] + [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + [
-        ["--tp", "2"], ["--cp", "2"], ["--pp", "2", "--schedule", "gpipe", "--microbatches", "2"],
+        ["--tp", "2"], ["--tp", "2", "--sequence-parallel"], ["--cp", "2"],
+        ["--pp", "2", "--schedule", "gpipe", "--microbatches", "2"],
         ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
         ["--dp-shard", "2", "--activation-checkpointing", "full", "--microbatches", "2"]]
     res = run_ranks(run_layouts, 2, layouts, COMMON, timeout=240)
@@ -160,7 +161,9 @@ def test_combinations_on_4_ranks(ref_dense, ref_f32, ref_moe):
                # beyond the list: cp inside the ZeRO shard group, pp x cp, and tp 4 > n_kv_heads
                # (each kv head replicated on 2 ranks: finish_grads, and the norm counts it once)
                ["--dp-shard", "2", "--cp", "2"], ["--pp", "2", "--cp", "2", "--microbatches", "2"],
-               ["--tp", "4"], ["--pp", "2", "--dp-shard", "2", "--zero-stage", "1", "--microbatches", "2"]]
+               ["--tp", "4"], ["--pp", "2", "--dp-shard", "2", "--zero-stage", "1", "--microbatches", "2"],
+               ["--dp-shard", "2", "--tp", "2", "--zero-stage", "1", "--sequence-parallel"],
+               ["--cp", "2", "--tp", "2", "--sequence-parallel"]]
     # float32 ZeRO-3 is built on the meta device: each rank materialises only its shard of its tp slice
     meta = ["--dp-shard", "2", "--tp", "2", "--dtype", "float32"]
     # experts: ep 2 borrowed from a 2 x 2 data-parallel mesh (each expert on 2 edp ranks)
@@ -260,6 +263,8 @@ INVALID = [
     (["--cp", "2", "--seq-len", "6"], 2, "not divisible by 2*cp"),
     (["--ep", "2", "--dp-shard", "2"], 2, "needs a mixture-of-experts"),
     (["--tp", "2", "--experts", "4"], 2, "not supported yet"),
+    (["--tp", "2", "--sequence-parallel", "--seq-len", "9"], 2, "--sequence-parallel splits"),
+    (["--dp-shard", "2", "--tp", "2", "--sequence-parallel"], 4, "not supported yet: --sequence-parallel with --zero-stage 3"),
 ]
 
 
