@@ -77,6 +77,22 @@ def _fsdp2_state(param_dtype=None):
     return {n: p.full_tensor().detach().numpy() for n, p in model.named_parameters()}
 
 
+def _mlp_and_data():
+    """A model that is not the course's Transformer, and its global batches."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    gen = torch.Generator().manual_seed(1)
+    return net, [(torch.randn(B, 8, generator=gen), torch.randn(B, 3, generator=gen)) for _ in range(STEPS)]
+
+
+def _train_mlp(net, opt, batches, rank=0, P=1):
+    for x, y in batches:
+        n = x.shape[0] // P
+        torch.nn.functional.mse_loss(net(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _run_p2():
     """Everything measured on 2 ranks."""
     from fsdp import ZeroOptimizer, shard_model, train_and_measure
@@ -103,6 +119,13 @@ def _run_p2():
     opt = shard_model(model, 3, units=[model.layers[0].attn, model.layers[1]], lr=LR)
     _manual_loop(model, opt)
     out["explicit_units"] = {k: v.numpy() for k, v in opt.full_state_dict().items()}
+
+    # Any nn.Module: units chosen by class (each Linear a unit; the Sequential has no root parameters).
+    for stage in (2, 3):
+        net, batches = _mlp_and_data()
+        opt = shard_model(net, stage, units=(torch.nn.Linear,), lr=LR)
+        _train_mlp(net, opt, batches, dist.get_rank(), dist.get_world_size())
+        out[f"mlp{stage}"] = {k: v.numpy() for k, v in opt.full_state_dict().items()}
 
     # Full state dict round trip: load rank 0's dict into a model sharded from another seed.
     for stage in (1, 3):
@@ -173,6 +196,15 @@ def test_every_stage_equals_single_process_adamw(p2, p4, ref):
         assert max_err(p4[0][f"fp64_{s}"]["state"], ref64) < 1e-10, s
     # The runs really trained: the parameters moved far more than the tolerance.
     assert max_err(p2[0]["stage3"]["state"], reference(steps=0)[0]) > 1e-2
+
+
+def test_any_module_with_units_by_class(p2):
+    net, batches = _mlp_and_data()
+    _train_mlp(net, torch.optim.AdamW(net.parameters(), lr=LR), batches)
+    ref = {n: p.detach() for n, p in net.named_parameters()}
+    for stage in (2, 3):
+        assert max_err(p2[0][f"mlp{stage}"], ref) < 1e-5, stage
+    assert max_err(p2[0]["mlp3"], {n: p.detach() for n, p in _mlp_and_data()[0].named_parameters()}) > 1e-3
 
 
 def test_gradient_clipping_by_global_norm(p2):
