@@ -24,6 +24,10 @@ all-gather or reduce-scatter and 2(P-1)/P per all-reduce):
                 (the root unit is not freed between its forward and backward, and
                  reshard_after_forward=False skips the second all-gather: 2Ψ)
 
+Overlap: stage 3 prefetches the next unit's all-gather while the current one computes (forward
+order, then reverse order in backward); stages 2-3 reduce-scatter a unit as soon as its gradients
+are complete. On NCCL that traffic runs beside the compute; on gloo it runs on CPU threads.
+
 The user's loop does not change:  loss = model(x, y); loss.backward(); opt.step();
 opt.zero_grad() — the one extra call is `opt = shard_model(model, stage=...)`.
 Stage 1 also works alone on any parameters: `ZeroOptimizer.from_params(...)`.
