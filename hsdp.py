@@ -55,7 +55,7 @@ if __name__ == "__main__":
     from mesh import init_distributed, print0
 
     ap = argparse.ArgumentParser(description="HSDP: ZeRO-3 within dp_shard, all-reduce across dp_replicate")
-    ap.add_argument("--replicate", type=int, default=2)
+    ap.add_argument("--replicate", type=int, default=None, help="replica groups (default 2, or 1 on an odd world)")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
@@ -65,7 +65,9 @@ if __name__ == "__main__":
     args = ap.parse_args()
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % args.replicate:
+    if args.replicate is None:
+        args.replicate = 2 if world % 2 == 0 else 1
+    if args.replicate < 1 or world % args.replicate:
         raise SystemExit(f"--replicate {args.replicate} must divide the number of ranks ({world})")
     R, S = args.replicate, world // args.replicate
     res = hsdp_train(R, S, model_name=args.model, steps=args.steps, batch=args.batch, seq=args.seq,

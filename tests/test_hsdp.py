@@ -61,3 +61,8 @@ def test_hsdp_torchrun_demo():
                 "hsdp.py", "--steps", "2"])
     assert "-> ok" in out and "UNEXPECTED" not in out
     assert out.count("dp_replicate all_reduce") == 4
+
+
+def test_hsdp_plain_python_demo():
+    out = _run([sys.executable, "hsdp.py", "--steps", "2"])  # a world of one: 1 x 1 mesh
+    assert "-> ok" in out
