@@ -288,6 +288,9 @@ def init_tensor(cfg: ModelConfig, name: str, shape: tuple, seed: int = 0) -> tor
 def build_model(cfg: ModelConfig | str = "tiny", seed: int = 0, dtype=torch.float32, device=None):
     """The shared model, initialised from `seed` (on the meta device: shapes only, no data)."""
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):  # shapes only: a 7B model costs no memory at all
+            return Transformer(cfg, seed=None).to(dtype=dtype)
     return Transformer(cfg, seed).to(device=device, dtype=dtype)
 
 

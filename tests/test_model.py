@@ -40,9 +40,9 @@ def test_deterministic_for_a_seed():
 
 def test_meta_model_then_init_equals_eager():
     cfg = get_config("tiny")
-    with torch.device("meta"):
-        m = build_model(cfg)
-    m = m.to_empty(device="cpu")
+    big = build_model("large", device="meta", dtype=torch.bfloat16)  # ~1B parameters, no memory
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in big.parameters())
+    m = build_model(cfg, device="meta").to_empty(device="cpu")
     m.init_weights(seed=0)
     for (n, p), q in zip(m.named_parameters(), build_model(cfg).parameters()):
         assert torch.equal(p, q), n
