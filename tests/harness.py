@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -38,3 +41,20 @@ def global_batches(n_steps: int, global_batch: int, seq_len: int, seed: int = 0)
     from data import get_batch, load_corpus
     tokens = load_corpus()
     return [get_batch(tokens, s, global_batch, seq_len, seed) for s in range(n_steps)]
+
+
+# ---- running a lesson the way a learner does ---------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script: str, *args: str, nproc: int | None = None, timeout: float = 240) -> str:
+    """Run `torchrun --nproc_per_node nproc script args` (or plain `python script args` when
+    nproc is None) from the repository root; check it exits 0 and prints no warning; return stdout."""
+    launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120")
+    p = subprocess.run([sys.executable, *launcher, script, *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{script} {args} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert "Warning" not in p.stderr, p.stderr[-3000:]  # runs warning-free (no deprecated calls)
+    return p.stdout

@@ -3,9 +3,6 @@
 All configurations run inside one spawned group per world size (spawning costs seconds);
 the ranks return what they measured and the tests compare it with a single-process run.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,12 +11,11 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from ddp import MiB, BucketedDDP, NaiveDDP, overlap_fraction
-from harness import global_batches, reference_model, run_ranks, train_reference
+from harness import global_batches, reference_model, run_ranks, run_script, train_reference
 from instruments import CommCounter
 from mesh import Mesh
 from model import build_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, B, S, LR = 3, 8, 16, 1e-3
 K = 2  # micro-batches for no_sync
 N_PARAMS = len(list(reference_model("tiny").parameters()))
@@ -368,20 +364,11 @@ def test_overlap_fraction():
     assert overlap_fraction(spans[:1]) == 0.0
 
 
-def _run(cmd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-
-
 def test_torchrun_demo():
-    p = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "ddp.py",
-              "--model", "tiny", "--steps", "2", "--seq", "16", "--bucket-mb", "0.05"])
-    assert p.returncode == 0, p.stderr
-    assert "all three match the single-process run" in p.stdout
-    assert "throughput" in p.stdout and "Warning" not in p.stderr
+    out = run_script("ddp.py", "--model", "tiny", "--steps", "2", "--seq", "16", "--bucket-mb", "0.05", nproc=2)
+    assert "all three match the single-process run" in out and "throughput" in out
 
 
 def test_single_process_demo():
-    p = _run([sys.executable, "ddp.py", "--model", "tiny", "--steps", "1", "--seq", "16"])
-    assert p.returncode == 0, p.stderr
-    assert "all three match the single-process run" in p.stdout and "Warning" not in p.stderr
+    out = run_script("ddp.py", "--model", "tiny", "--steps", "1", "--seq", "16")
+    assert "all three match the single-process run" in out

@@ -1,14 +1,11 @@
 """expert_parallel.py against the single-device MoE: outputs, aux loss, every gradient,
 bytes per all-to-all, training losses, and the errors — ep = 2 and 4 on gloo ranks."""
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from harness import global_batches, reference_model, run_ranks, train_reference
+from harness import global_batches, reference_model, run_ranks, run_script, train_reference
 from instruments import CommCounter
 from mesh import Mesh
 from model import get_config, num_params
@@ -16,7 +13,6 @@ from model import get_config, num_params
 from expert_parallel import (ExpertParallelMoE, parallelize_experts, sync_gradients,
                              train_ep)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = 24  # tokens per rank in the layer checks
 
 
@@ -237,23 +233,14 @@ def test_invalid_sizes_raise_before_any_collective(two):
         assert "capacity_factor=0.0 must be > 0" in msgs[2]
 
 
-def _run(cmd, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_torchrun_demo_runs_and_checks():
-    p = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "expert_parallel.py",
-              "--tokens", "32", "--batch", "4", "--seq", "16", "--steps", "2", "--compare"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "Warning" not in p.stderr, p.stderr[-3000:]
-    assert p.stdout.count(" ok;") == 8 and "MISMATCH" not in p.stdout
-    assert "matches the single-device model: ok" in p.stdout
-    assert "PyTorch all_to_all_single_autograd" in p.stdout
+    out = run_script("expert_parallel.py", "--tokens", "32", "--batch", "4", "--seq", "16", "--steps", "2",
+                     "--compare", nproc=4)
+    assert out.count(" ok;") == 8 and "MISMATCH" not in out
+    assert "matches the single-device model: ok" in out
+    assert "PyTorch all_to_all_single_autograd" in out
 
 
 def test_plain_python_demo_runs():
-    p = _run([sys.executable, "expert_parallel.py", "--tokens", "16", "--batch", "2", "--seq", "16", "--steps", "2"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "Warning" not in p.stderr and "ep=1 (ours)" in p.stdout
-    assert "matches the single-device model: ok" in p.stdout
+    out = run_script("expert_parallel.py", "--tokens", "16", "--batch", "2", "--seq", "16", "--steps", "2")
+    assert "ep=1 (ours)" in out and "matches the single-device model: ok" in out

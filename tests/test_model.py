@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from data import get_batch, load_corpus
-from model import (CONFIGS, MoE, apply_rope, build_model, flops_per_token, get_config,
+from model import (CONFIGS, apply_rope, build_model, flops_per_token, get_config,
                    init_tensor, num_params, rope_cos_sin)
 
 

@@ -1,20 +1,16 @@
 """Context parallel: ring attention (contiguous, zigzag) and Ulysses equal full-sequence SDPA,
 send the bytes the formula says, balance causal work, and train the shared model like one process."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import global_batches, reference_model, run_ranks, train_reference
+from harness import global_batches, reference_model, run_ranks, run_script, train_reference
 from instruments import CommCounter
 from mesh import Mesh
 from ring_attention import (LAYOUTS, ContextParallelAttention, attention_case, chunk_ids, full_attention,
                             gather_sequence, run_cases, shard_positions, shard_sequence, train_cp)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S, H, HKV, D = 2, 32, 4, 2, 8
 
 
@@ -182,18 +178,9 @@ def test_shared_model_trains_like_one_process_with_cp2():
                 torch.testing.assert_close(p, ref_params[n].detach(), rtol=1e-5, atol=1e-6, msg=f"{cfg} {n}")
 
 
-def _run(cmd, timeout):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_demo_runs_under_torchrun_and_plain_python():
-    p = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "ring_attention.py",
-              "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--repeats", "1",
-              "--model-steps", "2"], timeout=240)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "all checks ok" in p.stdout and "ring zigzag" in p.stdout and "ulysses" in p.stdout
-    assert "Warning" not in p.stderr, p.stderr
-    p = _run([sys.executable, "ring_attention.py", "--seq", "32", "--repeats", "1", "--model-steps", "1"], 120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "all checks ok" in p.stdout and "Warning" not in p.stderr, p.stderr
+    out = run_script("ring_attention.py", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                     "--repeats", "1", "--model-steps", "2", nproc=4)
+    assert "all checks ok" in out and "ring zigzag" in out and "ulysses" in out
+    out = run_script("ring_attention.py", "--seq", "32", "--repeats", "1", "--model-steps", "1", timeout=120)
+    assert "all checks ok" in out
