@@ -90,13 +90,17 @@ class Stage(nn.Module):
             for name, prm in self.named_parameters():       # this stage's slice, values by name
                 prm.copy_(init_tensor(cfg, name, tuple(prm.shape), seed))
         self.to(dtype)
+        self.positions = None  # absolute token positions [S] (a context-parallel shard); None: 0..S-1
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, positions=None):
         """x: tokens [b, S] (first stage) or activations [b, S, H] -> [b, S, H],
-        or on the last stage logits [b, S, V] (targets None) or the mean loss."""
+        or on the last stage logits [b, S, V] (targets None) or the mean loss.
+        positions as in model.Transformer.forward (default: the attribute self.positions,
+        so that pipeline_step, which passes only x and targets, can use them too)."""
         h = self.tok_embeddings(x) if self.is_first else x
-        cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), self.cfg.head_dim,
-                                self.cfg.rope_theta, h.dtype)
+        pos = positions if positions is not None else self.positions
+        pos = pos if pos is not None else torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if not self.is_last:

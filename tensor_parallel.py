@@ -340,27 +340,32 @@ def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = F
     """Convert the shared model IN PLACE: each rank keeps its slice of the full weights.
 
     mesh_or_group: a Mesh (its "tp" group is used), a process group, or None (the world).
+    model: a model.Transformer, or a pipeline.Stage (layers in a ModuleDict; the embedding,
+    final norm and head only on the stages that have them): whatever is present is converted.
     """
     group = mesh_or_group.group("tp") if isinstance(mesh_or_group, Mesh) else mesh_or_group
     group = group if group is not None else dist.group.WORLD
     t, cfg, sp = _size(group), model.cfg, sequence_parallel
     check_divisible(cfg, t)
-    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, group, sp)
+    if getattr(model, "tok_embeddings", None) is not None:
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, group, sp)
     partial = []  # (param, slot, n_slots): gradients that are only partial on each rank
-    for block in model.layers:
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in layers:
         block.attn = ParallelAttention(block.attn, cfg, group, sp)
         block.mlp = ParallelSwiGLU(block.mlp, group, sp)
         if block.attn.kv_slot is not None:
             partial += [(block.attn.wk.weight, *block.attn.kv_slot), (block.attn.wv.weight, *block.attn.kv_slot)]
         if sp:
             partial += [(block.attn_norm.weight, 0, 1), (block.mlp_norm.weight, 0, 1)]
-    if sp:
-        partial.append((model.norm.weight, 0, 1))
-    r, V = dist.get_rank(group), cfg.vocab_size
-    rows = (r * V // t, (r + 1) * V // t)
-    # The head: enter (f, or all-gather under SP), logits stay split by vocabulary [B, S, V/t].
-    model.output = ColumnParallelLinear(model.output.weight, group, rows, input_op="gather" if sp else "copy")
-    model.loss_fn = VocabParallelCrossEntropy(rows[0], group)
+    if getattr(model, "output", None) is not None:
+        if sp:
+            partial.append((model.norm.weight, 0, 1))
+        r, V = dist.get_rank(group), cfg.vocab_size
+        rows = (r * V // t, (r + 1) * V // t)
+        # The head: enter (f, or all-gather under SP), logits stay split by vocabulary [B, S, V/t].
+        model.output = ColumnParallelLinear(model.output.weight, group, rows, input_op="gather" if sp else "copy")
+        model.loss_fn = VocabParallelCrossEntropy(rows[0], group)
     model.tp_group, model.tp_partial_grads = group, partial
     return model
 

@@ -224,49 +224,6 @@ def _blocks(model):
     return list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
 
 
-def make_stage_class():
-    from pipeline import Stage
-    from model import rope_cos_sin
-
-    class CPStage(Stage):
-        """pipeline.Stage that takes the absolute positions of a context-parallel shard."""
-        positions = None
-
-        def forward(self, x, targets=None):
-            h = self.tok_embeddings(x) if self.is_first else x
-            pos = self.positions if self.positions is not None else torch.arange(h.shape[1], device=h.device)
-            cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
-            for layer in self.layers.values():
-                h = layer(h, cos, sin)
-            if not self.is_last:
-                return h
-            logits = self.output(self.norm(h))
-            return logits if targets is None else self.loss_fn(logits, targets)
-    return CPStage
-
-
-def tensor_parallel_stage(stage, cfg, group):
-    """tensor_parallel.apply_tensor_parallel for a pipeline Stage (which may lack the embedding
-    or the head): the same parallel layers, the same attributes for finish_grads."""
-    import tensor_parallel as tpl
-    t, r = dist.get_world_size(group), dist.get_rank(group)
-    tpl.check_divisible(cfg, t)
-    if stage.tok_embeddings is not None:
-        stage.tok_embeddings = tpl.VocabParallelEmbedding(stage.tok_embeddings.weight, group)
-    partial = []
-    for block in _blocks(stage):
-        block.attn = tpl.ParallelAttention(block.attn, cfg, group, False)
-        block.mlp = tpl.ParallelSwiGLU(block.mlp, group, False)
-        if block.attn.kv_slot is not None:
-            partial += [(block.attn.wk.weight, *block.attn.kv_slot), (block.attn.wv.weight, *block.attn.kv_slot)]
-    if stage.is_last:
-        rows = (r * cfg.vocab_size // t, (r + 1) * cfg.vocab_size // t)
-        stage.output = tpl.ColumnParallelLinear(stage.output.weight, group, rows, input_op="copy")
-        stage.loss_fn = tpl.VocabParallelCrossEntropy(rows[0], group)
-    stage.tp_group, stage.tp_partial_grads = group, partial
-    return stage
-
-
 def _checkpointed(block):
     """Full activation checkpointing of one block: only its input is saved; the block's forward
     runs again in backward. The wrapper sits INSIDE the module call, so ZeRO-3's hooks (which
@@ -300,20 +257,17 @@ class Trainer:
         # 1. pipeline split
         self.pg = None
         if args.pp > 1:
-            from pipeline import SCHEDULES, PipeGroup
+            from pipeline import SCHEDULES, PipeGroup, Stage
             self.pg = PipeGroup.from_ranks(mesh.ranks("pp"))
             self.actions = SCHEDULES[args.schedule](args.pp, args.microbatches)[self.pg.r]
-            model = make_stage_class()(cfg, self.pg.r, args.pp, args.seed, device, self.store_dtype)
+            model = Stage(cfg, self.pg.r, args.pp, args.seed, device, self.store_dtype)
         else:
             model = build_model(cfg, seed=args.seed, dtype=self.store_dtype, device="meta" if meta else device)
         self.is_last = self.pg is None or self.pg.r == args.pp - 1
         # 2. tensor parallel
         if self.tp > 1:
-            if self.pg is None:
-                from tensor_parallel import apply_tensor_parallel
-                apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=args.sequence_parallel)
-            else:
-                tensor_parallel_stage(model, cfg, mesh.group("tp"))
+            from tensor_parallel import apply_tensor_parallel
+            apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=args.sequence_parallel)
         # 3. context parallel
         self.positions = None
         if self.cp > 1:

@@ -12,8 +12,8 @@ from harness import global_batches, reference_model, run_ranks, train_reference
 from instruments import CommCounter
 from mesh import Mesh
 from model import get_config
-from pipeline import (Action, bubble_formula, check_schedule, gpipe, one_f_one_b, simulate, split_layers,
-                      train, validate)
+from pipeline import (Action, Stage, bubble_formula, check_schedule, gpipe, one_f_one_b, simulate,
+                      split_layers, train, validate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S, STEPS, LR = 8, 16, 2, 1e-3
@@ -75,6 +75,20 @@ def test_split_and_validation():
         with pytest.raises(ValueError, match=match):
             validate(*args)
 
+
+
+def test_stage_takes_positions_like_the_model():
+    """A one-stage pipeline is the whole model, also for a sequence shard's absolute positions
+    (given as an argument, or as the attribute pipeline_step relies on)."""
+    cfg = get_config("tiny")
+    model, stage = reference_model(cfg, 0, torch.float64), Stage(cfg, 0, 1, seed=0, dtype=torch.float64)
+    x = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([2, 3, 12, 13, 20, 21, 30, 31])
+    want = model(x, positions=pos)
+    assert not torch.allclose(want, model(x))          # the positions matter
+    assert torch.equal(stage(x), model(x)) and torch.equal(stage(x, positions=pos), want)
+    stage.positions = pos
+    assert torch.equal(stage(x), want)
 
 # ---- real runs on gloo ranks -----------------------------------------------------------------
 
