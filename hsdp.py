@@ -35,8 +35,7 @@ def hsdp_train(replicate: int, shard: int, **kwargs) -> dict:
     """A rank function: HSDP on a replicate x shard mesh; fsdp.train_and_measure's result plus
     the bytes measured on each mesh dimension and the formulas for them."""
     mesh = Mesh(dp_replicate=replicate, dp_shard=shard)
-    res = train_and_measure(3, group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"),
-                            dp_rank=mesh.rank("dp"), dp_size=mesh.size("dp"), **kwargs)
+    res = train_and_measure(3, group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"), **kwargs)
     shard_ranks, rep_ranks = tuple(mesh.ranks("dp_shard")), tuple(mesh.ranks("dp_replicate"))
     by_dim = {"dp_shard": {}, "dp_replicate": {}, "other": {}}
     for op, ranks, n in res["events"]:
