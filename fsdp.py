@@ -1,23 +1,21 @@
 """Lesson 2 — ZeRO stages 1-3 and FSDP: shard what data parallel keeps P times.
 
-The idea
---------
-Plain data parallel (stage 0) keeps on every one of P ranks the whole model state:
-parameters (b_p bytes per element), gradients (b_g) and the optimizer state
-(K bytes: Adam's two fp32 moments, 8, plus a 4-byte fp32 master copy when the
-parameters are computed in bf16). ZeRO removes the redundancy in three steps:
+Plain data parallel (stage 0) keeps on every one of P ranks the whole model state: parameters
+(b_p bytes per element), gradients (b_g) and the optimizer state (K bytes: Adam's two fp32 moments,
+8, plus a 4-byte fp32 master copy when the parameters are computed in bf16). ZeRO removes the
+redundancy in three steps:
 
     stage 1  shard the optimizer state        (b_p + b_g)·Ψ + K·Ψ/P
     stage 2  + shard the gradients             b_p·Ψ + (b_g + K)·Ψ/P
     stage 3  + shard the parameters (FSDP)     (b_p + b_g + K)·Ψ/P
     stage 0  (no sharding)                     (b_p + b_g + K)·Ψ
 
-Every unit's parameters are flattened into one buffer of N elements (N padded to
-a multiple of P), so "my shard" is the contiguous slice [r·N/P, (r+1)·N/P).
+Every unit's parameters are flattened into one buffer of N elements (N padded to a multiple of P),
+so "my shard" is the contiguous slice [r·N/P, (r+1)·N/P).
 
-Communication per step (elements; gradients are reduced in fp32, parameters are
-gathered in their compute dtype; a ring sends (P-1)/P of the API bytes per
-all-gather or reduce-scatter and 2(P-1)/P per all-reduce):
+Communication per step (elements; gradients are reduced in fp32, parameters are gathered in their
+compute dtype; a ring sends (P-1)/P of the API bytes per all-gather or reduce-scatter and 2(P-1)/P
+per all-reduce):
     stage 0     all-reduce(grads)                          = RS + AG  -> 2Ψ
     stage 1, 2  reduce-scatter(grads) + all-gather(params)            -> 2Ψ
     stage 3     all-gather before forward, again before backward, reduce-scatter -> 3Ψ
@@ -28,11 +26,10 @@ Overlap: stage 3 prefetches the next unit's all-gather while the current one com
 order, then reverse order in backward); stages 2-3 reduce-scatter a unit as soon as its gradients
 are complete. On NCCL that traffic runs beside the compute; on gloo it runs on CPU threads.
 
-The user's loop does not change:  loss = model(x, y); loss.backward(); opt.step();
-opt.zero_grad() — the one extra call is `opt = shard_model(model, stage=...)`.
-Stage 1 also works alone on any parameters: `ZeroOptimizer.from_params(...)`.
+The user's loop does not change:  loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+— the one extra call is `opt = shard_model(model, stage=...)`. Stage 1 also works alone on any
+parameters: `ZeroOptimizer.from_params(...)`.
 """
-from __future__ import annotations
 
 import argparse
 import contextlib
@@ -60,25 +57,21 @@ def zero_state_formula(stage: int, numel: int, P: int, param_bytes: int = 4, mas
     compute dtype (default param_bytes), stages 2-3 hold the reduced fp32 shard (4).
     """
     grad_bytes = (param_bytes if stage <= 1 else 4) if grad_bytes is None else grad_bytes
-    sharded = lambda on: numel / P if on else numel  # noqa: E731  (Ψ/P once this stage shards it)
+    sharded = lambda on: numel / P if on else numel  # noqa: E731  (Ψ/P once the stage shards it)
     out = dict(parameters=param_bytes * sharded(stage >= 3), master=master_bytes * sharded(stage >= 1),
                gradients=grad_bytes * sharded(stage >= 2), optimizer=state_bytes * sharded(stage >= 1))
-    out["total"] = sum(out.values())
-    return out
+    return dict(out, total=sum(out.values()))
 
 
 def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root_numel: int = 0,
                       reshard_after_forward: bool = True, replicas: int = 1) -> dict:
     """API bytes per step by collective ({op: bytes}); Ψ = numel padded, gradients reduced in fp32.
-
     replicas > 1 (HSDP): the reduced gradient shards are all-reduced across replicas."""
     if stage == 0:
         return {"all_reduce": 4 * numel}
     again = numel - root_numel if stage == 3 and reshard_after_forward else 0  # before backward, but the root
     out = {"reduce_scatter": 4 * numel, "all_gather": param_bytes * (numel + again)}
-    if replicas > 1:
-        out["all_reduce"] = 4 * numel // P
-    return out
+    return dict(out, all_reduce=4 * numel // P) if replicas > 1 else out
 
 
 # ---- one unit's parameters, flattened -------------------------------------------------------------
@@ -89,23 +82,21 @@ class FlatUnit:
     buf     [N] compute dtype: what forward uses; the module's parameters are views of it
             (stage 3 frees its storage between uses).
     shard   [n] compute dtype: my slice (a view of buf in stages 0-2; its own tensor in stage 3).
-    master  nn.Parameter, fp32 (the parameters' own dtype), [n]: the tensor the optimizer steps.
+    master  nn.Parameter [n], fp32 (the parameters' own dtype): the tensor the optimizer steps.
             It *is* the shard when no cast is needed. Stage 0 has P = 1, r = 0: my slice is all of buf.
     """
 
-    def __init__(self, entries, stage, group, param_dtype=None, init_fn=None, device=None):
+    def __init__(self, entries, stage, group, param_dtype=None, init_fn=None):
         # entries: [(qualified name, owning module or None, attribute name, parameter)]
         self.stage, self.group = stage, group
         self.P, self.r = (dist.get_world_size(group), dist.get_rank(group)) if stage > 0 else (1, 0)
-        self.names = [e[0] for e in entries]
-        self.shapes = [tuple(e[3].shape) for e in entries]
+        self.names, self.shapes = [e[0] for e in entries], [tuple(e[3].shape) for e in entries]
         self.numels = [math.prod(s) for s in self.shapes]
         self.N = -(-sum(self.numels) // self.P) * self.P  # padded: every rank gets n = N/P elements
         self.n = self.N // self.P
         p0 = entries[0][3]
-        master_dtype = torch.float32 if p0.is_meta else p0.dtype
+        master_dtype, device = (torch.float32, torch.device("cpu")) if p0.is_meta else (p0.dtype, p0.device)
         self.dtype = param_dtype or master_dtype
-        device = device or (torch.device("cpu") if p0.is_meta else p0.device)
 
         # The fp32 master slice [lo, lo + n), materialised from my part of each parameter only.
         lo = self.r * self.n
@@ -135,7 +126,7 @@ class FlatUnit:
             else:
                 p = owner._parameters[attr] = nn.Parameter(view, requires_grad=p.requires_grad)
             self.params.append(p)
-        self.gather_work, self.ready = None, 0  # driven by the hooks: gather in flight, gradients in
+        self.gather_work, self.ready = None, 0  # for the hooks: a gather in flight; gradients arrived
         if stage == 3:
             self.free()
 
@@ -156,7 +147,7 @@ class FlatUnit:
 
     # stage 3: buf holds bytes only between unshard() and free() -----------------------------------
     def unshard(self, async_op=False):
-        """All-gather buf from the shards: [n] per rank -> [N] (async: a prefetch)."""
+        """All-gather buf from the shards: [n] per rank -> [N] (async: a prefetch); no-op if gathered."""
         if self.gather_work is None and self.buf.untyped_storage().size() == 0:
             self.buf.untyped_storage().resize_(self.N * self.buf.element_size())
             self.gather_work = all_gather_single(self.buf, self.shard, group=self.group, async_op=True)
@@ -191,9 +182,8 @@ class ZeroOptimizer:
         self.replicate_group = replicate_group if R > 1 else None  # a replica of one has nothing to average
         self.dp_size = dist.get_world_size(group) * R  # gloo has no ReduceOp.AVG: sum, then divide
         self.inner = optimizer_cls([u.master for u in units], **optimizer_kwargs)
-        # Leave reductions running behind the rest of backward only on NCCL (its own CUDA
-        # stream). On gloo the "background" work runs on CPU threads that compete with compute
-        # for the same cores: measured slower when ranks share cores.
+        # Leave reductions running behind the rest of backward only on NCCL (its own CUDA stream). On
+        # gloo they run on CPU threads that compete with compute: measured slower when ranks share cores.
         self.async_reduce = dist.get_backend(group) == "nccl"
         self.pending = []  # reductions in flight: (unit, work, reduced output, input kept alive)
         self.grad_norm = None
@@ -209,9 +199,8 @@ class ZeroOptimizer:
     param_groups = property(lambda self: self.inner.param_groups)
 
     def zero_grad(self, set_to_none=True):
-        for u in self.units:
-            for p in u.params + [u.master]:
-                p.grad = None
+        for p in [p for u in self.units for p in u.params + [u.master]]:
+            p.grad = None
 
     def reduce_unit(self, u):
         """Stage 0: all-reduce one unit's fp32 gradient [N]; else reduce-scatter it -> my slice [n]."""
@@ -383,7 +372,7 @@ def _add_unshard_hooks(flat, root, reshard_after_forward, prefetch):
     order = []  # units in the order their forwards ran (recorded on the first step)
 
     def gather(u, step):  # u now, and the next unit in this pass's direction in the background
-        u.unshard()  # (nothing to do when u is gathered already)
+        u.unshard()
         i = order.index(u) + step
         if prefetch and 0 <= i < len(order) and order[i] is not root:
             order[i].unshard(async_op=True)  # overlaps with this unit's compute
@@ -445,9 +434,8 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
             opt.step()
             sync(device)
             times.append(time.perf_counter() - t)
-        if tracked:
-            snap = next(iter(mt.get_tracker_snapshot("peak").values()))  # {category: bytes} of my device
-            peak = {str(k).split(".")[-1]: v for k, v in snap.items()}["Total"]
+        if tracked:  # {device: {category: bytes}}
+            peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
         memory = opt.state_bytes()  # at rest, after the step (before zero_grad)
         opt.zero_grad()
         loss = loss.detach().float()
@@ -503,11 +491,11 @@ if __name__ == "__main__":
     kw = dict(param_dtype=pd, reshard_after_forward=not args.no_reshard, prefetch=not args.no_prefetch)
     res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr,
                             track_peak=args.peak, **kw)
-    mem, mf, cf, mib = res["memory"], res["memory_formula"], res["comm_formula"], 1 / 2**20
+    cf, mib = res["comm_formula"], 1 / 2**20
     print0(f"ZeRO stage {args.stage}, {world} ranks, model {args.model} (Ψ = {res['numel']:,} elements padded), "
            f"compute {args.param_dtype}; losses {[round(x, 4) for x in res['losses']]}")
     lines = [f"rank {rank}: model state at rest, MiB (measured | formula)"]
-    lines += [f"    {k:10s} {mem[k] * mib:9.4f} | {mf[k] * mib:9.4f}" for k in mf]
+    lines += [f"    {k:10s} {res['memory'][k] * mib:9.4f} | {v * mib:9.4f}" for k, v in res["memory_formula"].items()]
     lines.append("  bytes per step (API measured | formula; ring wire bytes sent by this rank)")
     for op in sorted(set(res["comm"]) | set(cf)):
         got = res["comm"].get(op, dict(bytes=0, wire_bytes=0.0, calls=0))
@@ -524,9 +512,7 @@ if __name__ == "__main__":
 
     tokens = load_corpus()
 
-    def train(runs, r=0, w=1):
-        """args.steps global batches (rank r of w: its rows), one step of each (model, optimizer) in turn,
-        so machine load hits them alike. Returns each one's median step time."""
+    def train(runs, r=0, w=1):  # one step of each (model, optimizer) in turn, so machine load hits them alike
         times = [[] for _ in runs]
         for s in range(args.steps):
             x, y = get_batch(tokens, s, args.batch, args.seq, 0, r, w, device=device)
@@ -545,16 +531,14 @@ if __name__ == "__main__":
         return max((torch.as_tensor(res["state"][n]) - full(p).detach().cpu()).abs().max().item()
                    for n, p in model.named_parameters())
 
-    ok = True
-    if rank == 0:  # the single-process run: the whole global batch, one AdamW step each
-        ref = build_model(args.model, seed=0, device=device)
-        train([(ref, torch.optim.AdamW(ref.parameters(), lr=args.lr))])
-        # Adam turns rounding-level gradient differences into up to a whole step (lr) on elements
-        # whose gradient is ~0: fp32 must stay within 5% of one step per step; bf16 within 2 steps.
-        err, tol = max_diff(ref), (0.05 if pd is None else 2.0) * args.lr * args.steps
-        ok = err < tol
-        print(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
-              f"{'ok' if ok else 'MISMATCH'}", flush=True)
+    ref = build_model(args.model, seed=0, device=device)  # the single-process run: the whole global batch
+    train([(ref, torch.optim.AdamW(ref.parameters(), lr=args.lr))])
+    # Adam turns rounding-level gradient differences into up to a whole step (lr) on elements
+    # whose gradient is ~0: fp32 must stay within 5% of one step per step; bf16 within 2 steps.
+    err, tol = max_diff(ref), (0.05 if pd is None else 2.0) * args.lr * args.steps
+    ok = err < tol
+    print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
+           f"{'ok' if ok else 'MISMATCH'}")
     if args.compare:  # FSDP2 on each Block, then the root, beside a fresh copy of ours
         theirs, ours = build_model(args.model, seed=0, device=device), build_model(args.model, seed=0, device=device)
         mp = MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=torch.float32)
