@@ -259,7 +259,7 @@ class Trainer:
         else:
             model = build_model(cfg, seed=args.seed, dtype=store_dtype, device="meta" if meta else device)
         self.is_last = self.pg is None or self.pg.r == args.pp - 1
-        blocks = list(model.layers.values() if self.pg else model.layers)
+        blocks = list(model.layers.values() if self.pg is not None else model.layers)
         full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         # 2. tensor parallel
         if self.tp > 1:
@@ -294,9 +294,12 @@ class Trainer:
         ids = {id(p): n for n, p in named.items()}
         partial = {ids[id(p)]: (slot, n) for p, slot, n in getattr(model, "tp_partial_grads", [])}
         zero_dp = mesh.size("dp_cp" if args.zero_stage == 0 else "dp_replicate")
-        self.copies = {n: (self.tp // partial[n][1] if n in partial else 1 if hasattr(p, "tp_slice") else self.tp)
-                       * (zero_dp if self.use_zero else mesh.size("edp") if id(p) in expert else self.dp)
-                       for n, p in named.items()}
+
+        def copies(n, p):
+            tp = self.tp // partial[n][1] if n in partial else 1 if hasattr(p, "tp_slice") else self.tp
+            dp = zero_dp if self.use_zero else mesh.size("edp") if id(p) in expert else self.dp
+            return tp * dp
+        self.copies = {n: copies(n, p) for n, p in named.items()}
 
         # 6. data parallel / ZeRO / HSDP
         if self.use_zero:

@@ -252,6 +252,18 @@ def _vocab_ce_and_errors_rank():
     out["mesh"] = (abs(loss.item() - ref_loss.item()),
                    max((p.grad - _slice(full[n].grad, p)).abs().max().item() for n, p in m.named_parameters()),
                    {e.group_ranks for e in c.events}, mesh.ranks("tp"))
+    # a pipeline Stage (layers in a ModuleDict; no head on the first, no embedding on the last):
+    # the two stages of a 2-stage split, made tensor parallel and run one after the other
+    from pipeline import Stage
+    stages = [tp.apply_tensor_parallel(Stage(get_config("tiny"), s, 2, dtype=torch.float64), None) for s in (0, 1)]
+    loss = stages[1](stages[0](x), y)
+    loss.backward()
+    for st in stages:
+        tp.finish_grads(st)
+    out["stage"] = (abs(loss.item() - ref_loss.item()),
+                    max((p.grad - _slice(full[n].grad, p)).abs().max().item()
+                        for st in stages for n, p in st.named_parameters()),
+                    sorted(n for st in stages for n, p in st.named_parameters() if hasattr(p, "tp_slice")))
     return out
 
 
@@ -269,6 +281,11 @@ def test_vocab_parallel_cross_entropy_errors_and_mesh():
         loss_err, grad_err, groups, tp_ranks = res["mesh"]
         assert loss_err < 1e-12 and grad_err < 1e-12
         assert groups == {tuple(tp_ranks)} and len(tp_ranks) == 2  # only the tp group talks
+        loss_err, grad_err, sliced = res["stage"]
+        assert loss_err < 1e-12 and grad_err < 1e-12
+        assert sliced == sorted(["tok_embeddings.weight", "output.weight"] + [
+            f"layers.{i}.{n}.weight" for i in range(2) for n in ("attn.wq", "attn.wk", "attn.wv", "attn.wo",
+                                                                  "mlp.w1", "mlp.w2", "mlp.w3")])
 
 
 def _run(cmd, timeout=240):
