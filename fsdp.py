@@ -24,7 +24,8 @@ per all-reduce):
 
 Overlap: stage 3 prefetches the next unit's all-gather while the current one computes (forward
 order, then reverse order in backward); stages 2-3 reduce-scatter a unit as soon as its gradients
-are complete. On NCCL that traffic runs beside the compute; on gloo it runs on CPU threads.
+are complete. On NCCL that traffic runs beside the compute; on gloo, CPU threads carry the
+all-gathers, and reduce-scatters are waited for at once (their threads would compete with compute).
 
 The user's loop does not change:  loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
 — the one extra call is `opt = shard_model(model, stage=...)`. Stage 1 also works alone on any
@@ -52,10 +53,8 @@ from mesh import all_gather_single, reduce_scatter_single
 def zero_state_formula(stage: int, numel: int, P: int, param_bytes: int = 4, master_bytes: int = 0,
                        grad_bytes: int | None = None, state_bytes: int = 8) -> dict:
     """Model-state bytes per rank by category (Rajbhandari et al.; K = master_bytes + state_bytes).
-
-    grad_bytes: bytes a *held* gradient takes; stages 0-1 hold the local gradient in the
-    compute dtype (default param_bytes), stages 2-3 hold the reduced fp32 shard (4).
-    """
+    grad_bytes: bytes a *held* gradient takes; stages 0-1 hold the local gradient in the compute
+    dtype (default param_bytes), stages 2-3 hold the reduced fp32 shard (4)."""
     grad_bytes = (param_bytes if stage <= 1 else 4) if grad_bytes is None else grad_bytes
     sharded = lambda on: numel / P if on else numel  # noqa: E731  (Ψ/P once the stage shards it)
     out = dict(parameters=param_bytes * sharded(stage >= 3), master=master_bytes * sharded(stage >= 1),
