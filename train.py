@@ -433,15 +433,9 @@ class Trainer:
         state = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), map_location=self.device,
                            weights_only=False)
         if self.use_zero:
-            from mesh import all_gather_single
             for u, saved in zip(self.opt.units, state["params"]):
                 u.master.copy_(saved)
-                if u.master is not u.shard and self.opt.stage > 0:
-                    u.shard.copy_(u.master)
-                if self.opt.stage == 0 and u.master.data_ptr() != u.buf.data_ptr():
-                    u.buf.copy_(u.master)
-                if self.opt.stage in (1, 2):
-                    all_gather_single(u.buf, u.shard, group=self.opt.group)
+                u.publish()  # my compute copy from the master; stages 1-2 gather everyone's slices
         else:
             self.model.load_state_dict(state["params"])
         self.inner.load_state_dict(state["optimizer"])

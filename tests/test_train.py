@@ -228,10 +228,11 @@ def test_float32_and_bfloat16_tolerance(ref_f32):
 
 
 def test_save_at_5_resume_to_10_equals_uninterrupted(ref_dense, tmp_path):
-    """ZeRO-3 shards (flat masters) and a tensor-parallel model (a state dict per rank)."""
+    """ZeRO-3 and ZeRO-1 shards (flat masters) and a tensor-parallel model (a state dict per rank)."""
     want, _ = ref_dense
     layouts = []
-    for i, lay in enumerate((["--dp-shard", "2", "--zero-stage", "3"], ["--tp", "2"])):
+    for i, lay in enumerate((["--dp-shard", "2", "--zero-stage", "3"], ["--dp-shard", "2", "--zero-stage", "1"],
+                             ["--tp", "2"])):
         d = str(tmp_path / f"ckpt{i}")
         layouts += [lay + ["--stop-at", "5", "--save", d], lay + ["--resume", d]]
     res = run_ranks(run_layouts, 2, layouts, COMMON, timeout=240)
