@@ -566,6 +566,10 @@ def main(argv=None, compare=None) -> int:
         check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
     except ValueError as e:
         print(f"[rank {os.environ.get('RANK', '0')}] {e}", file=sys.stderr, flush=True)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # torchrun stops every rank once one exits: linger a moment, so that the slower
+            # ranks reach this same check and say it too (no collective needed, none hangs).
+            time.sleep(3)
         return 2
     from mesh import init_distributed
     device = init_distributed()
