@@ -355,7 +355,8 @@ def profile_buckets(model="small", bucket_mbs=(0, 1, 4, 16, 64), steps=3, batch=
     return out
 
 
-def _demo(argv=None) -> int:
+def _demo(argv=None, reference_ddp=None) -> int:
+    """reference_ddp: PyTorch's DistributedDataParallel, passed in from below the __main__ line."""
     ap = argparse.ArgumentParser(description="Naive, bucketed and PyTorch DDP side by side on the shared model.")
     ap.add_argument("--model", default="small", help="tiny | small | medium | large (default small, ~10M)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps (after a warm-up and a counted step)")
@@ -385,8 +386,8 @@ def _demo(argv=None) -> int:
         "naive": NaiveDDP(build_model(cfg, seed=rank, device=device), mesh),
         f"bucketed ({args.bucket_mb:g} MiB)": BucketedDDP(build_model(cfg, seed=rank, device=device), mesh,
                                                           args.bucket_mb, args.first_bucket_mb),
-        "torch DDP": nn.parallel.DistributedDataParallel(build_model(cfg, seed=rank, device=device),
-                                                         process_group=mesh.group("dp"), **ddp_kw),
+        "torch DDP": reference_ddp(build_model(cfg, seed=rank, device=device),
+                                   process_group=mesh.group("dp"), **ddp_kw),
     }
     opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr) for k, m in models.items()}
     names = list(models)
@@ -458,4 +459,5 @@ def _demo(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_demo())
+    # PyTorch's own DDP: the reference the demo compares with, never part of the strategy above.
+    sys.exit(_demo(reference_ddp=nn.parallel.DistributedDataParallel))
