@@ -4,19 +4,15 @@ Two spawned groups do the work (P = 2 and P = 4); each runs many configurations 
 everything, and the tests below assert on the results.
 """
 import copy
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import global_batches, reference_model, run_ranks
+from harness import global_batches, reference_model, run_ranks, run_script
 from instruments import CommCounter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, B, S, LR = 3, 8, 16, 1e-2
 CLIP = 0.05  # well below the gradient norm of the first steps, so clipping really scales
 
@@ -313,21 +309,12 @@ def test_bad_input_raises_before_any_collective(p2):
 
 # ---- the demos -------------------------------------------------------------------------------------------
 
-def _run(cmd, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "Warning" not in p.stderr, p.stderr
-    return p.stdout
-
-
 def test_torchrun_demo_compares_with_fsdp2():
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "fsdp.py",
-                "--stage", "3", "--steps", "3", "--compare"])
+    out = run_script("fsdp.py", "--stage", "3", "--steps", "3", "--compare", nproc=2)
     assert "-> ok" in out and "PyTorch FSDP2 fully_shard" in out
     assert out.count("reduce_scatter") == 2 and "MISMATCH" not in out
 
 
 def test_plain_python_demo():
-    out = _run([sys.executable, "fsdp.py", "--stage", "2", "--steps", "3", "--param-dtype", "bf16", "--peak"])
+    out = run_script("fsdp.py", "--stage", "2", "--steps", "3", "--param-dtype", "bf16", "--peak")
     assert "-> ok" in out and "gradients" in out and "MemTracker peak" in out

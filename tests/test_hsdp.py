@@ -1,12 +1,11 @@
 """HSDP (hsdp.py) on a 2 x 2 mesh: parity with one process, bytes on each mesh dimension
 against the formulas, no all-gather across replicas, memory sharded over the shard group only."""
-import sys
 
 import numpy as np
 import torch
 
-from harness import run_ranks
-from test_fsdp import B, CLIP, LR, S, STEPS, _run, max_err, reference
+from harness import run_ranks, run_script
+from test_fsdp import B, CLIP, LR, S, STEPS, max_err, reference
 
 
 def _run_hsdp():
@@ -57,12 +56,11 @@ def test_hsdp_2x2():
 
 
 def test_hsdp_torchrun_demo():
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-                "hsdp.py", "--steps", "2"])
+    out = run_script("hsdp.py", "--steps", "2", nproc=4)
     assert "-> ok" in out and "UNEXPECTED" not in out
     assert out.count("dp_replicate all_reduce") == 4
 
 
 def test_hsdp_plain_python_demo():
-    out = _run([sys.executable, "hsdp.py", "--steps", "2"])  # a world of one: 1 x 1 mesh
+    out = run_script("hsdp.py", "--steps", "2")  # a world of one: 1 x 1 mesh
     assert "-> ok" in out

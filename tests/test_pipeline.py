@@ -1,21 +1,16 @@
 """Pipeline parallel: schedules checked as data, then real runs checked against one process."""
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from harness import global_batches, reference_model, run_ranks, train_reference
+from harness import global_batches, reference_model, run_ranks, run_script, train_reference
 from instruments import CommCounter
 from mesh import Mesh
 from model import get_config
 from pipeline import (Action, Stage, bubble_formula, check_schedule, gpipe, one_f_one_b, simulate,
                       split_layers, train, validate)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S, STEPS, LR = 8, 16, 2, 1e-3
 # (schedule, m) per pipeline size: m = 1, 4, 8 where valid (1F1B needs m >= p), plus m = p.
 CONFIGS = {2: [("gpipe", 1), ("gpipe", 4), ("gpipe", 8), ("1f1b", 2), ("1f1b", 4), ("1f1b", 8)],
@@ -74,7 +69,6 @@ def test_split_and_validation():
                         ((2, 3, 4, 8), "not divisible"), ((2, 2, 4, 8, "zb"), "unknown schedule")]:
         with pytest.raises(ValueError, match=match):
             validate(*args)
-
 
 
 def test_stage_takes_positions_like_the_model():
@@ -175,23 +169,13 @@ def test_pipeline_p4_dp_and_errors():
 
 # ---- the demo ---------------------------------------------------------------------------------
 
-def _run(cmd, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "Warning" not in p.stderr, p.stderr
-    assert "loss matches the single-process model: ok" in p.stdout, p.stdout
-    return p.stdout
-
-
 def test_demo_torchrun_and_plain_python():
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "pipeline.py",
-                "--schedule", "gpipe", "--microbatches", "4", "--model", "tiny", "--batch", "8", "--seq", "16",
-                "--steps", "2", "--compare"])
+    out = run_script("pipeline.py", "--schedule", "gpipe", "--microbatches", "4", "--model", "tiny",
+                     "--batch", "8", "--seq", "16", "--steps", "2", "--compare", nproc=2)
     assert "(p-1)/(m+p-1) = 0.200" in out and "4/4  4/4" in out, out  # GPipe holds all m on both stages
     # PyTorch's own ScheduleGPipe on the same split gives the same gradients
     diff = float(re.search(r"gradients max \|diff\| (\S+);", out).group(1))
     assert diff < 1e-6, out
-    out = _run([sys.executable, "pipeline.py", "--model", "tiny", "--batch", "4", "--seq", "16", "--steps", "1",
-                "--microbatches", "2"])
+    out = run_script("pipeline.py", "--model", "tiny", "--batch", "4", "--seq", "16", "--steps", "1",
+                     "--microbatches", "2")
     assert "p=1 stages" in out

@@ -1,21 +1,17 @@
 """tensor_parallel.py: equal to the single-process model, the collectives Megatron predicts,
 sequence parallel at the same bytes, the vocab-parallel loss, DTensor parity, clear errors."""
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import global_batches, reference_model, run_ranks, train_reference
+from harness import global_batches, reference_model, run_ranks, run_script, train_reference
 from instruments import CommCounter
 from model import build_model, get_config
 import tensor_parallel as tp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S = 2, 16
 
 
@@ -131,7 +127,7 @@ def test_matches_single_process_and_counts_collectives(t):
                     want = 2 if (op == "all_reduce") != sp else 0  # SP trades each all-reduce for AG + RS
                     assert _calls(three[phase], op) - _calls(two[phase], op) == want, (sp, phase, op)
         # every matmul weight is split t ways (kv heads replicated past n_kv); norms replicated
-        hd, kv_rows = cfg.head_dim, max(cfg.n_kv_heads // t, 1) * cfg.head_dim
+        kv_rows = max(cfg.n_kv_heads // t, 1) * cfg.head_dim
         per_layer = 2 * H * H // t + 2 * kv_rows * H + 3 * H * cfg.ffn_dim // t + 2 * H
         assert res[("torch.float64", False, 2)]["local_params"] == \
             2 * cfg.vocab_size * H // t + cfg.n_layers * per_layer + H
@@ -288,19 +284,11 @@ def test_vocab_parallel_cross_entropy_errors_and_mesh():
                                                                   "mlp.w1", "mlp.w2", "mlp.w3")])
 
 
-def _run(cmd, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "Warning" not in p.stderr, p.stderr
-    return p.stdout
-
-
 def test_demo_runs_under_torchrun_and_plain_python():
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tensor_parallel.py",
-                "--model", "tiny", "--seq", "32", "--steps", "2", "--rounds", "1", "--sp"])
+    out = run_script("tensor_parallel.py", "--model", "tiny", "--seq", "32", "--steps", "2", "--rounds", "1",
+                     "--sp", nproc=2)
     assert "vs single process" in out and "throughput ratio" in out
     assert "one layer, by hand:  forward: 2 all_gather, 2 reduce_scatter | backward: 2 all_gather, 2 reduce_scatter" in out
-    out = _run([sys.executable, "tensor_parallel.py", "--model", "tiny", "--seq", "16", "--steps", "1",
-                "--rounds", "1", "--no-compare"])
+    out = run_script("tensor_parallel.py", "--model", "tiny", "--seq", "16", "--steps", "1",
+                     "--rounds", "1", "--no-compare")
     assert "tp=1" in out and "ms/step" in out
