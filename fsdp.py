@@ -94,7 +94,12 @@ class FlatUnit:
         self.N = -(-sum(self.numels) // self.P) * self.P  # padded: every rank gets n = N/P elements
         self.n = self.N // self.P
         p0 = entries[0][3]
-        master_dtype, device = (torch.float32, torch.device("cpu")) if p0.is_meta else (p0.dtype, p0.device)
+        if p0.is_meta:  # materialise where our collectives run; a bf16 model gets an fp32 master
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            master_dtype = torch.promote_types(p0.dtype, torch.float32)
+        else:
+            master_dtype, device = p0.dtype, p0.device
         self.dtype = param_dtype or master_dtype
 
         # The fp32 master slice [lo, lo + n), materialised from my part of each parameter only.
