@@ -468,6 +468,8 @@ def measure_stages(stages=(0, 1, 2, 3), param_dtypes=(None,), **kwargs) -> list[
 
 if __name__ == "__main__":
     # PyTorch's FSDP2 appears only here, as the reference the demo compares with (--compare).
+    import gc
+
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from data import get_batch, load_corpus
@@ -554,6 +556,9 @@ if __name__ == "__main__":
         err = max_diff(theirs, lambda p: p.full_tensor())  # a collective: on every rank
         print0(f"PyTorch FSDP2 fully_shard: max |diff| to ours = {err:.2e}; step time (alternating steps) ours "
                f"{otime * 1e3:.1f} ms vs FSDP2 {ftime * 1e3:.1f} ms -> our throughput = {ftime / otime:.2f}x FSDP2's")
+        del theirs, ours  # FSDP2's state first, while the process group still exists
+        gc.collect()
+    dist.barrier()  # no rank tears the group down while another still has work in flight on it
     dist.destroy_process_group()
     if not ok:
         raise SystemExit(1)
