@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
+PAD, IGNORE = 0, -100  # the padding token, and the target that counts nowhere (model.IGNORE)
 
 
 def load_corpus(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> torch.Tensor:
@@ -36,22 +37,40 @@ def load_corpus(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) 
                 break
         raw = b"".join(chunks)[:max_bytes]
     if len(raw) < 2:
-        raise ValueError(f"corpus {path!r} is too short to train on")
+        raise ValueError(f"corpus {path!r} has {len(raw)} bytes: a training text needs at least 2 "
+                         f"(and seq_len + 1 for one sequence)")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
 
 
 def get_batch(tokens: torch.Tensor, step: int, global_batch: int, seq_len: int, seed: int = 0,
-              dp_rank: int = 0, dp_size: int = 1, device="cpu"):
-    """Inputs and targets [global_batch/dp_size, seq_len] of this data-parallel rank at `step`."""
+              dp_rank: int = 0, dp_size: int = 1, device="cpu", pad_share: float = 0.0):
+    """Inputs and targets [global_batch/dp_size, seq_len] of this data-parallel rank at `step`.
+
+    A window of seq_len + 1 tokens starting at s needs s + seq_len <= N - 1, so s is drawn from
+    the N - seq_len starts 0 .. N - seq_len - 1 (a corpus of exactly seq_len + 1 tokens has one).
+    pad_share > 0: sequence i ends in a padded tail of floor(u_i * pad_share * seq_len) positions,
+    u_i uniform in [0, 1) from (seed, step): its inputs become PAD and its targets IGNORE, so the
+    sequences of a batch — and the ranks holding them — count different numbers of tokens.
+    """
+    if global_batch < 1 or seq_len < 1:
+        raise ValueError(f"global batch ({global_batch}) and sequence length ({seq_len}) must be >= 1")
     if global_batch % dp_size:
         raise ValueError(f"global batch {global_batch} is not divisible by the data-parallel size "
                          f"{dp_size}: choose a multiple of {dp_size}")
-    if len(tokens) <= seq_len:
-        raise ValueError(f"corpus of {len(tokens)} tokens is shorter than seq_len + 1 = {seq_len + 1}")
+    if len(tokens) < seq_len + 1:
+        raise ValueError(f"corpus of {len(tokens)} tokens is shorter than seq_len + 1 = {seq_len + 1}: "
+                         f"give a text of at least {seq_len + 1} bytes or a shorter sequence length")
+    if not 0.0 <= pad_share <= 1.0:
+        raise ValueError(f"pad_share {pad_share} must be between 0 and 1")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(tokens) - seq_len - 1, (global_batch,), generator=gen)
-    local = global_batch // dp_size
-    starts = starts[dp_rank * local:(dp_rank + 1) * local]
+    starts = torch.randint(0, len(tokens) - seq_len, (global_batch,), generator=gen)
     idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
     seqs = tokens[idx]
-    return seqs[:, :-1].to(device), seqs[:, 1:].to(device)
+    x, y = seqs[:, :-1].clone(), seqs[:, 1:].clone()
+    if pad_share > 0:
+        u = torch.rand(global_batch, generator=gen)
+        padded = torch.arange(seq_len)[None, :] >= seq_len - (u * pad_share * seq_len).long()[:, None]
+        x[padded], y[padded] = PAD, IGNORE
+    local = global_batch // dp_size
+    rows = slice(dp_rank * local, (dp_rank + 1) * local)
+    return x[rows].to(device), y[rows].to(device)

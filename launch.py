@@ -28,6 +28,8 @@ class RankError(RuntimeError):
 
 
 def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout):
+    import sys
+
     import torch.distributed as dist
 
     from mesh import init_distributed
@@ -42,15 +44,24 @@ def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout
         # this process exits, before the parent may have read them.
         buf = io.BytesIO()
         torch.save(out, buf)
-        results.put((rank, True, buf.getvalue()))
+        report = (rank, True, buf.getvalue())
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
-        results.put((rank, False, traceback.format_exc()))
-    finally:
+        report = (rank, False, traceback.format_exc())
+    try:
+        if dist.is_initialized() and report[1]:
+            dist.barrier()  # every rank is done: no collective of a peer is cut off below
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a peer already failed; its report says why
+        pass
+    results.put(report)
+    results.close()
+    results.join_thread()  # the report is in the pipe before the process goes
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter finalisation, as demo.main does (see there): a gloo thread of a
+    # group still referenced by fn's objects must never meet a finalising interpreter.
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 90, **kwargs) -> list:

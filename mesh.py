@@ -34,7 +34,7 @@ d = r_i * D + d_i (0 <= d < dp_replicate*dp_shard) is split as d = e_out * ep + 
 from __future__ import annotations
 
 import datetime
-import itertools
+import math
 import os
 import socket
 import sys
@@ -125,50 +125,29 @@ class Mesh:
             rank = dist.get_rank() if dist.is_initialized() else 0
         validate_mesh(self.shape, world_size, ep)  # pure arithmetic: raises on every rank alike
         self.world_size, self.global_rank = world_size, rank
-
-        # Coordinates: tp varies fastest (row-major with tp last).
-        self.coords, r = {}, rank
-        for d in reversed(DIMS):
-            self.coords[d] = r % self.shape[d]
-            r //= self.shape[d]
+        # The grid itself: grid[i_pp, i_r, i_d, i_c, i_t] is the rank at those coordinates (tp fastest).
+        self.grid = torch.arange(world_size).view(*self.shape.values())
+        self.coords = dict(zip(DIMS, (int(i) for i in (self.grid == rank).nonzero()[0])))
 
         self._groups: dict[str, object] = {}
         self._ranks: dict[str, list[int]] = {}
         for name, dims in [(d, (d,)) for d in DIMS] + list(FLAT.items()):
-            self._build(name, self._group_rank_lists(dims))
-        self._build("ep", self._ep_rank_lists(inner=True))
-        self._build("edp", self._ep_rank_lists(inner=False))
+            self._build(name, self.groups_along(dims))
+        # ep borrows ep consecutive dp ranks: a dp group [dp] viewed as [dp/ep, ep] has the ep
+        # groups as its rows and the edp groups (same experts) as its columns.
+        dp_rows = torch.tensor(self.groups_along(FLAT["dp"])).view(-1, (dp_replicate * dp_shard) // ep, ep)
+        self._build("ep", dp_rows.reshape(-1, ep).tolist())
+        self._build("edp", dp_rows.transpose(1, 2).reshape(-1, dp_rows.shape[1]).tolist())
 
-    # ---- rank arithmetic -------------------------------------------------------
-    def rank_of(self, coords: dict) -> int:
-        r = 0
-        for d in DIMS:
-            r = r * self.shape[d] + coords[d]
-        return r
-
-    def _group_rank_lists(self, dims: tuple[str, ...]) -> list[list[int]]:
-        """All groups along `dims`: one per setting of the other dimensions."""
+    def groups_along(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """Every group along `dims`: move those axes of the grid last and read off the rows (one
+        row per setting of the other dimensions)."""
         others = [d for d in DIMS if d not in dims]
-        groups = []
-        for fixed in itertools.product(*(range(self.shape[d]) for d in others)):
-            c = dict(zip(others, fixed))
-            ranks = []
-            for varying in itertools.product(*(range(self.shape[d]) for d in dims)):
-                c.update(zip(dims, varying))
-                ranks.append(self.rank_of(c))
-            groups.append(sorted(ranks))
-        return groups
+        size = math.prod(self.shape[d] for d in dims)
+        return self.grid.permute([DIMS.index(d) for d in others + list(dims)]).reshape(-1, size).tolist()
 
-    def _ep_rank_lists(self, inner: bool) -> list[list[int]]:
-        """Split every dp group (d = e_out*ep + e_i) into ep groups (inner) or edp groups."""
-        groups = []
-        for dp_ranks in self._group_rank_lists(FLAT["dp"]):
-            n_out = len(dp_ranks) // self.ep
-            if inner:
-                groups += [dp_ranks[o * self.ep:(o + 1) * self.ep] for o in range(n_out)]
-            else:
-                groups += [dp_ranks[i::self.ep] for i in range(self.ep)]
-        return groups
+    def rank_of(self, coords: dict) -> int:
+        return int(self.grid[tuple(coords[d] for d in DIMS)])
 
     def _build(self, name: str, rank_lists: list[list[int]]) -> None:
         for ranks in rank_lists:
@@ -196,6 +175,32 @@ class Mesh:
         return "Mesh(" + ", ".join(f"{d}={self.shape[d]}" for d in DIMS) + f", ep={self.ep})"
 
 
+def resolve_group(group, dim: str = "dp"):
+    """A lesson's `group` argument: a Mesh (its `dim` group), a process group, or None (the world)."""
+    if isinstance(group, Mesh):
+        return group.group(dim)
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise ValueError(f"group must be a Mesh (its {dim!r} group is used), a ProcessGroup or None (the "
+                     f"whole world), got {type(group).__name__}")
+
+
+def all_reduce_flat(tensors, group=None, divide_by: int = 1) -> None:
+    """All-reduce a list of tensors as ONE flat buffer (one call, not one per tensor), in place;
+    divide by `divide_by` afterwards (gloo has no ReduceOp.AVG: sum, then divide)."""
+    tensors = list(tensors)
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat /= divide_by
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
 def validate_mesh(shape: dict, world_size: int, ep: int = 1) -> None:
     """Raise ValueError if the sizes are not a valid mesh for `world_size` ranks."""
     sizes = ", ".join(f"{d}={shape[d]}" for d in DIMS)
@@ -217,21 +222,28 @@ def validate_mesh(shape: dict, world_size: int, ep: int = 1) -> None:
                          f"{[e for e in range(1, dp + 1) if dp % e == 0]}")
 
 
-def _demo() -> None:
+def _demo(argv=None) -> int:
+    import argparse
+
+    from demo import all_agree, finish, print_by_rank
+    ap = argparse.ArgumentParser(description="Each rank's place in the mesh, and every collective checked once.")
+    for d in DIMS + ("ep",):
+        ap.add_argument("--" + d.replace("_", "-"), type=int, default=None)
+    args = ap.parse_args(argv)
+    sizes = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # No sizes given: 4 ranks show a 2 x 2 mesh (dp_shard x tp), any other world one dp_shard row.
+    shape = sizes or (dict(dp_shard=2, tp=2) if world == 4 else dict(dp_shard=world))
+    ep = args.ep or 1
+    validate_mesh({d: shape.get(d, 1) for d in DIMS}, world, ep)  # before joining: every rank alike
     device = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # Any shape whose product is the world size works; default: everything on tp ... unless 4.
-    shape = dict(dp_shard=2, tp=2) if world == 4 else dict(dp_shard=world)
-    mesh = Mesh(**shape, ep=min(2, world) if world % 2 == 0 else 1)
+    rank = dist.get_rank()
+    mesh = Mesh(**shape, ep=ep)
     print0(f"world size {world}, {mesh}, backend {dist.get_backend()}, device {device}")
     lines = [f"rank {rank}: coords {mesh.coords}"]
     for d in DIMS + tuple(FLAT) + ("ep", "edp"):
         lines.append(f"    {d:12s} group {mesh.ranks(d)} (my index {mesh.rank(d)})")
-    # Print rank by rank so lines do not interleave.
-    for r in range(world):
-        if r == rank:
-            print("\n".join(lines), flush=True)
-        dist.barrier()
+    print_by_rank("\n".join(lines))
 
     P, checks = world, []
     x = torch.full((3,), float(rank + 1), device=device)
@@ -273,13 +285,11 @@ def _demo() -> None:
 
     for name, ok in checks:
         print0(f"  {name:26s} {'ok' if ok else 'WRONG'}")
-    all_ok = torch.tensor([float(all(ok for _, ok in checks))], device=device)
-    dist.all_reduce(all_ok, op=dist.ReduceOp.MIN)
-    print0("every collective checked on every rank:", "ok" if all_ok.item() == 1 else "FAILED")
-    dist.destroy_process_group()
-    if all_ok.item() != 1:
-        sys.exit(1)
+    ok = all_agree(all(ok for _, ok in checks))
+    print0("every collective checked on every rank:", "ok" if ok else "FAILED")
+    return finish(ok)
 
 
 if __name__ == "__main__":
-    _demo()
+    from demo import main
+    main(_demo)

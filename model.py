@@ -222,13 +222,27 @@ class Block(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+IGNORE = -100  # a target that counts nowhere (padding); F.cross_entropy's default ignore_index
+
+
 class CrossEntropy(nn.Module):
-    """Mean token cross-entropy; the part a vocab-parallel loss replaces."""
+    """Token cross-entropy over the targets that are not IGNORE; the part a vocab-parallel loss replaces.
+
+    divide_by None: the mean over this call's counted targets. A number: their SUM divided by it —
+    a parallel run sets it so that the ranks' losses add up to the mean over every counted token
+    of the global batch, whatever share of them each rank holds (train.py, "token-weighted loss").
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.divide_by = None
 
     def forward(self, logits, targets):
         # bf16 logits are upcast: the log-sum-exp over the vocabulary needs fp32.
         logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits, targets.flatten())
+        if self.divide_by is None:
+            return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE)
+        return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction="sum") / self.divide_by
 
 
 class Transformer(nn.Module):

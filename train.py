@@ -124,9 +124,12 @@ def check_args(args, world_size: int) -> None:
     """Every invalid combination, found from the arguments alone (so every rank finds the same
     problems before any collective). Raises ValueError listing what is wrong and what is valid."""
     dims, problems, unsupported = {d: getattr(args, d) for d in DIMS}, [], []
-    if any(v < 1 for v in [*dims.values(), args.ep, args.microbatches]):
-        raise ValueError(f"invalid training layout:\n  - every size must be >= 1 (got {dims}, "
-                         f"ep={args.ep}, microbatches={args.microbatches})")
+    counts = dict(dims, ep=args.ep, microbatches=args.microbatches, global_batch_size=args.global_batch_size,
+                  seq_len=args.seq_len, steps=args.steps)
+    small = {k: v for k, v in counts.items() if v < 1}
+    if small:
+        raise ValueError("invalid training layout:\n  - " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+                                                                   small.items()) + " must be >= 1")
     product = math.prod(dims.values())
     if product != world_size:
         problems.append(f"pp*dp_replicate*dp_shard*cp*tp = {product} but the world size is {world_size}: "
@@ -173,6 +176,10 @@ def check_args(args, world_size: int) -> None:
         problems.append(f"--steps {args.steps} must be >= 1 and --stop-at between 1 and --steps")
     if args.data is not None and not os.path.isfile(args.data):
         problems.append(f"--data {args.data!r} does not exist: give an existing text file or leave it out")
+    elif args.data is not None and os.path.getsize(args.data) < args.seq_len + 1:
+        problems.append(f"--data {args.data!r} holds {os.path.getsize(args.data)} bytes (byte tokens), fewer than "
+                        f"--seq-len + 1 = {args.seq_len + 1}: give a text of at least {args.seq_len + 1} bytes "
+                        f"or a shorter --seq-len")
     if args.resume is not None:
         meta = os.path.join(args.resume, "meta.json")
         if not os.path.isfile(meta):
@@ -180,6 +187,11 @@ def check_args(args, world_size: int) -> None:
         else:
             with open(meta) as f:
                 saved = json.load(f)
+            last = args.stop_at or args.steps
+            if saved["step"] >= last:
+                problems.append(f"--resume {args.resume!r} already holds step {saved['step']}, and this run "
+                                f"stops at step {last} (--steps{' / --stop-at' if args.stop_at else ''}): "
+                                f"nothing is left to train; raise --steps or resume an earlier checkpoint")
             if saved["layout"] != layout_of(args):
                 problems.append(f"--resume {args.resume!r} was written with {saved['layout']}; resume with the "
                                 f"same sizes, stage, model and dtype (got {layout_of(args)})")

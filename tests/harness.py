@@ -1,17 +1,22 @@
-"""Test helpers: ranks from launch.py, and the single-process reference every test compares with."""
+"""Test helpers: ranks from launch.py, the single-process reference (demo.py), and running a lesson
+— or a README exercise — the way a learner does."""
 from __future__ import annotations
 
-import copy
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from demo import single_process  # noqa: F401  (the one single-process reference loop)
 from launch import RankError, run_ranks  # noqa: F401  (re-exported for the tests)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# ---- the single-process reference ---------------------------------------------------
 
 def reference_model(cfg="tiny", seed: int = 0, dtype=torch.float32):
     """The same model every parallel run starts from, in one process."""
@@ -20,41 +25,83 @@ def reference_model(cfg="tiny", seed: int = 0, dtype=torch.float32):
 
 
 def train_reference(model, batches, lr: float = 1e-3, optimizer_cls=torch.optim.AdamW, **opt_kwargs):
-    """Train a deep copy of `model` on the full global batches, one optimizer step each.
-
-    batches: list of (inputs, targets) global batches. Returns (losses, trained copy).
-    """
-    model = copy.deepcopy(model)
-    opt = optimizer_cls(model.parameters(), lr=lr, **opt_kwargs)
-    losses = []
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, model
+    """(losses, trained copy) of demo.single_process — kept for the older tests' call form."""
+    out = single_process(model, batches, lr=lr, optimizer=optimizer_cls, **opt_kwargs)
+    return out["losses"], out["model"]
 
 
-def global_batches(n_steps: int, global_batch: int, seq_len: int, seed: int = 0):
+def global_batches(n_steps: int, global_batch: int, seq_len: int, seed: int = 0, **kw):
     """The first n_steps global batches of the built-in corpus."""
     from data import get_batch, load_corpus
     tokens = load_corpus()
-    return [get_batch(tokens, s, global_batch, seq_len, seed) for s in range(n_steps)]
+    return [get_batch(tokens, s, global_batch, seq_len, seed, **kw) for s in range(n_steps)]
 
 
 # ---- running a lesson the way a learner does ---------------------------------------------
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_script(script: str, *args: str, nproc: int | None = None, timeout: float = 240) -> str:
-    """Run `torchrun --nproc_per_node nproc script args` (or plain `python script args` when
-    nproc is None) from the repository root; check it exits 0 and prints no warning; return stdout."""
-    launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120")
-    p = subprocess.run([sys.executable, *launcher, script, *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{script} {args} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+def run_command(argv: list[str], *, cwd: str = ROOT, timeout: float = 240, expect_fail: bool = False) -> str:
+    """Run argv (after the interpreter) as a learner would; check its exit code and that it printed
+    no warning and (unless it is meant to fail) no traceback; return stdout + stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    if expect_fail:
+        assert p.returncode != 0, f"{argv} should have failed:\n{out[-3000:]}"
+    else:
+        assert p.returncode == 0, f"{argv} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        assert "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "Warning" not in p.stderr, p.stderr[-3000:]  # runs warning-free (no deprecated calls)
-    return p.stdout
+    return out
+
+
+def run_script(script: str, *args: str, nproc: int | None = None, timeout: float = 240, cwd: str = ROOT,
+               expect_fail: bool = False) -> str:
+    """`torchrun --nproc_per_node nproc script args` (or plain `python script args` when nproc is
+    None), through run_command."""
+    launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    return run_command([*launcher, script, *args], cwd=cwd, timeout=timeout, expect_fail=expect_fail)
+
+
+@dataclass
+class Exercise:
+    """One README exercise, checked the way a learner would check it.
+
+    command   the command exactly as the README prints it (`torchrun --nproc_per_node N file.py ...`
+              or `python file.py ...`)
+    check     check(output) asserts that what the exercise says to look for is in what it printed
+    edits     the code changes the exercise asks for: (file, old text, new text), applied to a copy
+              of the repository (the lesson itself is never touched)
+    fails     the exercise is about an error: the command must exit non-zero
+    """
+    command: str
+    check: Callable[[str], None]
+    edits: tuple = ()
+    fails: bool = False
+    timeout: float = 240
+
+
+def exercise_argv(command: str) -> list[str]:
+    """The interpreter arguments of a README command: torchrun ... | python file.py ... | python -m ..."""
+    words = command.split()
+    if words[0] == "torchrun":
+        return ["-m", "torch.distributed.run", *words[1:]]
+    assert words[0] in ("python", "python3"), f"a README exercise runs torchrun or python: {command!r}"
+    return words[1:]
+
+
+def run_exercise(ex: Exercise) -> str:
+    """Run ex.command (in a copy of the repository when it asks for edits); return what it printed."""
+    argv = exercise_argv(ex.command)
+    if not ex.edits:
+        return run_command(argv, timeout=ex.timeout, expect_fail=ex.fails)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in os.listdir(ROOT):
+            src = os.path.join(ROOT, name)
+            if name.endswith((".py", ".ini")) or name == "tests":
+                (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(tmp, name))
+        for file, old, new in ex.edits:
+            path = os.path.join(tmp, file)
+            text = open(path).read()
+            assert text.count(old) == 1, f"the exercise's edit of {file} must match exactly once: {old!r}"
+            open(path, "w").write(text.replace(old, new))
+        return run_command(argv, cwd=tmp, timeout=ex.timeout, expect_fail=ex.fails)

@@ -1,6 +1,14 @@
-"""Every notebook in notebooks/ runs top to bottom (its plots are the lessons' figures)."""
+"""Every notebook in notebooks/ runs top to bottom and draws the figures it promises.
+
+A code cell tagged "figure" (cell metadata `"tags": ["figure"]`) must produce a PNG. The
+notebooks are committed executed, so their figures show on the repository page: the committed
+copy must hold those PNGs too. To re-execute one in place after a change:
+
+    python tests/test_notebooks.py notebooks/ddp.ipynb
+"""
 import glob
 import os
+import sys
 
 import nbformat
 import pytest
@@ -10,12 +18,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
-def test_notebook_runs(path):
+def execute(path):
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("MPLBACKEND", "Agg")
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": ROOT}}).execute()
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    return nb
+
+
+def figure_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "code" and "figure" in c.get("metadata", {}).get("tags", [])]
+
+
+def has_png(cell) -> bool:
+    return any("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
+def test_notebook_runs_and_draws_its_figures(path):
+    committed = nbformat.read(path, as_version=4)
+    assert figure_cells(committed), "tag the cells that draw a figure with 'figure'"
+    missing = [i for i, c in enumerate(figure_cells(committed)) if not has_png(c)]
+    assert not missing, f"the committed notebook lacks the figures of tagged cells {missing}: execute it in place"
+    nb = execute(path)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
-    assert not errors
+    assert not errors, errors[0].get("evalue")
+    assert all(has_png(c) for c in figure_cells(nb)), "a figure cell drew no figure"
+
+
+if __name__ == "__main__":
+    for p in sys.argv[1:]:
+        nbformat.write(execute(p), p)
+        print("executed", p)
