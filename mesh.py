@@ -138,6 +138,11 @@ class Mesh:
         dp_rows = torch.tensor(self.groups_along(FLAT["dp"])).view(-1, (dp_replicate * dp_shard) // ep, ep)
         self._build("ep", dp_rows.reshape(-1, ep).tolist())
         self._build("edp", dp_rows.transpose(1, 2).reshape(-1, dp_rows.shape[1]).tolist())
+        # "edp_cp": the ranks holding the same experts across data AND context parallel (cp ranks hold
+        # other tokens of the same sequences, so they too hold copies of every expert).
+        n = (dp_replicate * dp_shard) // ep
+        g = self.grid.permute(0, 4, 1, 2, 3).reshape(pp, tp, n, ep, cp)
+        self._build("edp_cp", g.permute(0, 1, 3, 2, 4).reshape(-1, n * cp).tolist())
 
     def groups_along(self, dims: tuple[str, ...]) -> list[list[int]]:
         """Every group along `dims`: move those axes of the grid last and read off the rows (one
@@ -241,7 +246,7 @@ def _demo(argv=None) -> int:
     mesh = Mesh(**shape, ep=ep)
     print0(f"world size {world}, {mesh}, backend {dist.get_backend()}, device {device}")
     lines = [f"rank {rank}: coords {mesh.coords}"]
-    for d in DIMS + tuple(FLAT) + ("ep", "edp"):
+    for d in DIMS + tuple(FLAT) + ("ep", "edp", "edp_cp"):
         lines.append(f"    {d:12s} group {mesh.ranks(d)} (my index {mesh.rank(d)})")
     print_by_rank("\n".join(lines))
 
