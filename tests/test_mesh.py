@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from harness import run_ranks, run_script
+from harness import Exercise, run_ranks, run_script
 from mesh import DIMS, FLAT, Mesh
 
 
@@ -15,11 +15,11 @@ def _all_groups(shape, world, dim, ep=1):
 @pytest.mark.parametrize("shape", [dict(tp=8), dict(dp_shard=2, tp=4), dict(pp=2, dp_replicate=2, cp=2),
                                    dict(pp=2, dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2, cp=2)])
 def test_groups_partition_the_world(shape):
-    for dim in DIMS + tuple(FLAT) + ("ep", "edp"):
+    for dim in DIMS + tuple(FLAT) + ("ep", "edp", "edp_cp"):
         groups = _all_groups(shape, 8, dim)
         flat = sorted(r for g in groups for r in g)
         assert flat == list(range(8)), (dim, groups)  # every rank in exactly one group
-        dims = FLAT.get(dim, (dim,)) if dim not in ("ep", "edp") else ()
+        dims = FLAT.get(dim, (dim,)) if dim not in ("ep", "edp", "edp_cp") else ()
         want = 1
         for d in dims:
             want *= shape.get(d, 1)
@@ -42,6 +42,23 @@ def test_ep_borrows_from_data_parallel():
     # dp groups are {0,2,4,6} and {1,3,5,7}; ep splits each into consecutive pairs.
     assert ep == {(0, 2), (4, 6), (1, 3), (5, 7)}
     assert edp == {(0, 4), (2, 6), (1, 5), (3, 7)}
+
+
+def test_edp_cp_holds_every_copy_of_my_experts():
+    # dp 4 (ranks 0,2,4,6 at cp 0), cp 2, ep 2: experts e_i = 0 live on dp ranks 0 and 4 (edp) and
+    # on their cp partners 1 and 5; the ep groups stay inside one cp index.
+    shape = dict(dp_shard=4, cp=2)
+    assert _all_groups(shape, 8, "ep", ep=2) == {(0, 2), (4, 6), (1, 3), (5, 7)}
+    assert _all_groups(shape, 8, "edp_cp", ep=2) == {(0, 1, 4, 5), (2, 3, 6, 7)}
+    for r in range(8):
+        m = Mesh(**shape, ep=2, world_size=8, rank=r)
+        assert set(m.ranks("edp")) <= set(m.ranks("edp_cp")) and len(m.ranks("edp_cp")) == m.size("edp") * 2
+
+
+def test_grid_is_the_rank_tensor():
+    m = Mesh(pp=2, dp_shard=2, tp=2, world_size=8, rank=5)
+    assert m.grid.shape == (2, 1, 2, 1, 2) and m.grid[1, 0, 0, 0, 1] == 5
+    assert m.coords == dict(pp=1, dp_replicate=0, dp_shard=0, cp=0, tp=1)
 
 
 @pytest.mark.parametrize("bad, msg", [(dict(dp_shard=3), "world size is 4"), (dict(tp=0, dp_shard=4), ">= 1"),
@@ -99,3 +116,34 @@ def test_groups_equal_init_device_mesh_on_8_ranks():
 def test_demo_runs(nproc):
     out = run_script("mesh.py", nproc=nproc, timeout=180)
     assert "every collective checked on every rank: ok" in out and "WRONG" not in out
+    if nproc == 4:  # the ring bytes of each collective equal the formula (the last two columns)
+        for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+            line = next(l for l in out.splitlines() if l.strip().startswith(name) and "," in l)
+            api, wire, formula = line.split()[-3:]
+            assert wire == formula, line
+
+
+def _check_groups(out):
+    # 8 ranks as pp 2 x dp_shard 2 x tp 2: tp pairs consecutive ranks, pp pairs ranks 4 apart
+    assert "rank 0: coords {'pp': 0, 'dp_replicate': 0, 'dp_shard': 0, 'cp': 0, 'tp': 0}" in out
+    block = out.split("rank 5:")[1].split("rank 6:")[0]
+    assert "tp           group [4, 5]" in block and "pp           group [1, 5]" in block
+    assert "dp_shard     group [5, 7]" in block
+
+
+def _check_bad(out):
+    assert out.count("has 3 ranks but the world size is 4") == 4  # one line from every rank
+    assert 'mesh.py", line' not in out  # no traceback of ours (torchrun still reports the exit codes)
+
+
+def _check_bytes(out):
+    line = next(l for l in out.splitlines() if l.strip().startswith("all_reduce") and "," in l)
+    api, wire, formula = (float(v.replace(",", "")) for v in line.split()[-3:])
+    assert api == 3360 and wire == formula == 2 * 3 / 4 * 3360  # 2(P-1)/P of the API bytes at P = 4
+
+
+EXERCISES = [
+    Exercise("torchrun --nproc_per_node 8 mesh.py --pp 2 --dp-shard 2 --tp 2", _check_groups),
+    Exercise("torchrun --nproc_per_node 4 mesh.py --dp-shard 3", _check_bad, fails=True),
+    Exercise("torchrun --nproc_per_node 4 mesh.py", _check_bytes),
+]
