@@ -62,6 +62,7 @@ import argparse
 import os
 import statistics
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -98,24 +99,17 @@ class AllToAll(torch.autograd.Function):
         return _all_to_all(grad, *ctx.splits, ctx.group), None, None, None
 
 
-def all_to_all(x, out_splits, in_splits, group):
-    return AllToAll.apply(x, out_splits, in_splits, group)
-
-
 # ---- the layer --------------------------------------------------------------------------------
 
 class ExpertParallelMoE(MoE):
-    """model.MoE with its E experts spread over `ep_group` (E/ep per rank). A subclass, so
-    Transformer.aux_loss() still adds its aux loss. After forward: aux_loss, tokens_per_expert
-    [E/ep] (rows each local expert processed) and dropped (my assignments dropped), as MoE sets them.
-
+    """model.MoE with its E experts spread over `ep_group`, E/ep per rank (a subclass: Transformer.aux_loss()
+    still adds its aux loss). Sets aux_loss, tokens_per_expert [E/ep] and dropped, as MoE does.
     aux_group     every rank holding other tokens of this step (default: the ep group)
     grad_divisor  D, what data parallel divides summed gradients by (default |aux_group| / tp)
     tp_group      tensor parallel: router and expert gradients are partial sums over it; without
                   sequence_parallel its ranks hold the same tokens and each dispatches 1/tp of them
-    aux_weight    None: the model adds aux_loss to its loss. w: the output's backward also
-                  backpropagates w·aux, and aux_loss is a detached value (pipeline stages)
-    """
+    aux_weight    w: the output's backward also backpropagates w·aux, and aux_loss is only a value
+                  (pipeline stages); None: the model adds aux_loss to its loss"""
 
     def __init__(self, moe: MoE, ep_group, aux_group=None, grad_divisor=None, tp_group=None,
                  sequence_parallel: bool = False, aux_weight: float | None = None):
@@ -137,7 +131,7 @@ class ExpertParallelMoE(MoE):
         self.w3 = nn.Parameter(moe.w3.detach()[sl].clone())  # [E/ep, F, H]
         self.w2 = nn.Parameter(moe.w2.detach()[sl].clone())  # [E/ep, H, F]
         self.aux_loss, self.tokens_per_expert, self.dropped = None, None, 0
-        self.all_to_all = all_to_all                         # the demo's --compare swaps in PyTorch's
+        self.all_to_all = AllToAll.apply                     # the demo's --compare swaps in PyTorch's
 
     def expert_parameters(self):
         return [self.w1, self.w3, self.w2]
@@ -268,12 +262,10 @@ def validate_ep(n_experts: int, top_k: int, ep: int, capacity_factor=None) -> No
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep must be an integer >= 1, got {ep!r}")
     if n_experts < 1 or n_experts % ep:
-        raise ValueError(f"n_experts={n_experts} is not divisible by ep={ep}: every rank must hold the same "
-                         f"number of experts; choose ep from {[d for d in range(1, n_experts + 1) if n_experts % d == 0]} "
-                         f"or a multiple of {ep} experts")
+        raise ValueError(f"n_experts={n_experts} is not divisible by ep={ep}: every rank must hold as many experts; "
+                         f"choose ep from {[d for d in range(1, n_experts + 1) if n_experts % d == 0]} or E a multiple of {ep}")
     if not 1 <= top_k <= n_experts:
-        raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}: "
-                         f"a token cannot go to more experts than exist")
+        raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}: no token has more experts than exist")
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for dropless)")
 
@@ -282,44 +274,34 @@ def parallelize_experts(model, mesh, *, sequence_parallel: bool = False, aux_wei
     """Swap every MoE of a model.Transformer or a pipeline.Stage (layers in a ModuleDict) for its
     expert-parallel layer, in place; returns the model.
 
-    mesh: a Mesh — ep group "ep"; aux group every rank holding distinct tokens (dp × cp, and × tp
-    when tp > 1); D = dp·cp; the tp group when tp > 1 (tokens split over it unless sequence_parallel).
-    Or a dict(ep=group, aux=group, divisor=D, tp=group or None) of the same.
+    mesh: a Mesh — its "ep" group; the aux group spans every rank holding distinct tokens (dp × cp,
+    × tp when tp > 1); D = dp·cp; tokens split over tp unless sequence_parallel.
     """
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     blocks = [b for b in layers if isinstance(b.mlp, MoE) and not isinstance(b.mlp, ExpertParallelMoE)]
-    ep = mesh.size("ep") if isinstance(mesh, Mesh) else dist.get_world_size(mesh["ep"])
     for b in blocks:  # every layer validated before any is touched, and before any collective
-        validate_ep(b.mlp.n_experts, b.mlp.top_k, ep, b.mlp.capacity_factor)
-    g = _groups(mesh) if isinstance(mesh, Mesh) else dict(mesh)
-    for b in blocks:
-        b.mlp = ExpertParallelMoE(b.mlp, g["ep"], g["aux"], g["divisor"], g.get("tp"), sequence_parallel, aux_weight)
-    return model
-
-
-def _groups(mesh: Mesh) -> dict:
-    aux = mesh.group("dp_cp")
-    if mesh.size("tp") > 1:  # the tokens differ over tp too: a dp × cp × tp group (built like the mesh's:
-        for ranks in mesh.groups_along(("dp_replicate", "dp_shard", "cp", "tp")):  # all ranks, same order)
+        validate_ep(b.mlp.n_experts, b.mlp.top_k, mesh.size("ep"), b.mlp.capacity_factor)
+    aux, tp = mesh.group("dp_cp"), mesh.size("tp")
+    if tp > 1:  # the tokens differ over tp too: a dp × cp × tp group (every rank builds every group, in order)
+        for ranks in mesh.groups_along(("dp_replicate", "dp_shard", "cp", "tp")):
             group = dist.new_group(ranks)
             aux = group if mesh.global_rank in ranks else aux
-    return dict(ep=mesh.group("ep"), aux=aux, divisor=mesh.size("dp_cp"),
-                tp=mesh.group("tp") if mesh.size("tp") > 1 else None)
-
-
-def expert_layers(model) -> list:
-    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    for b in blocks:
+        b.mlp = ExpertParallelMoE(b.mlp, mesh.group("ep"), aux, mesh.size("dp_cp"),
+                                  mesh.group("tp") if tp > 1 else None, sequence_parallel, aux_weight)
+    return model
 
 
 def expert_parameters(model) -> list:
     """Every expert weight: replicated over "edp_cp" (ZeRO shards them there), gradient divisor dp·cp."""
-    return [p for m in expert_layers(model) for p in m.expert_parameters()]
+    return [p for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in m.expert_parameters()]
 
 
 def tp_partial_parameters(model) -> list:
     """Router and expert weights under tp: each tp rank saw only its tokens, so their gradients are
     partial sums, to be summed over tp (tensor_parallel's partial-gradient list can hold them)."""
-    return [p for m in expert_layers(model) if m.tp_group is not None for p in m.parameters()]
+    return [p for m in model.modules() if isinstance(m, ExpertParallelMoE) and m.tp_group is not None
+            for p in m.parameters()]
 
 
 def sync_gradients(model, dp_group, edp_group, divide_by: int, tp_group=None) -> None:
@@ -353,8 +335,8 @@ def train_ep(cfg, ep: int, steps: int = 3, global_batch: int = 4, seq_len: int =
     world = dist.get_world_size()
     mesh = Mesh(dp_shard=world, ep=ep)
     model = parallelize_experts(build_model(cfg, seed=seed, device=device), mesh)
-    for m in expert_layers(model):
-        m.all_to_all = a2a or m.all_to_all
+    for m in (m for m in model.modules() if isinstance(m, ExpertParallelMoE) and a2a):
+        m.all_to_all = a2a
     opt, tokens, out = torch.optim.AdamW(model.parameters(), lr=lr), load_corpus(), dict(losses=[], loads=[], dropped=[])
     for s in range(steps):
         x, y = get_batch(tokens, s, global_batch, seq_len, seed, mesh.rank("dp"), world, device)
@@ -397,7 +379,7 @@ def layer_check(cfg, tokens: int, skew: float = 0.0, seed: int = 1, device=None)
     sync_gradients(layer, mesh.group("dp"), mesh.group("edp"), world)
     lo, El = layer.first, layer.n_local
     err = max([(out - ref(x_all)[sl]).abs().max().item(), abs(layer.aux_loss.item() - ref.aux_loss.item()),
-               (x.grad / world - x_ref.grad[sl]).abs().max().item(), max_diff(layer.router, ref.router)] +
+               (x.grad / world - x_ref.grad[sl]).abs().max().item(), (layer.router.weight.grad - ref.router.weight.grad).abs().max().item()] +
               [(p.grad - q.grad[lo:lo + El]).abs().max().item()
                for p, q in zip(layer.expert_parameters(), (ref.w1, ref.w3, ref.w2))])
     # n[s, j]: rows of rank s's tokens the experts of rank j keep, by the reference (first C, rank-major)
@@ -406,7 +388,10 @@ def layer_check(cfg, tokens: int, skew: float = 0.0, seed: int = 1, device=None)
     for e in range(cfg.n_experts):
         n[:, e // El] += torch.bincount((experts == e).nonzero()[:cap, 0] // tokens, minlength=world)
     rows = [int(n[rank].sum() - n[rank, rank]), int(n[:, rank].sum() - n[rank, rank])]  # dispatch, combine
-    return dict(err=err, dropped=layer.dropped, ref_dropped=ref.dropped, load=layer.tokens_per_expert.tolist(),
+    drops = torch.tensor([layer.dropped], device=device)
+    dist.all_reduce(drops)
+    return dict(err=err, dropped=layer.dropped, all_dropped=int(drops.item()), ref_dropped=ref.dropped,
+                load=layer.tokens_per_expert.tolist(),
                 bytes=[int(e.wire_bytes) for e in c.events if e.op == "all_to_all"][-4:],
                 want=[r * cfg.dim * 8 for r in rows * 2], assignments=tokens * cfg.top_k)
 
@@ -414,34 +399,29 @@ def layer_check(cfg, tokens: int, skew: float = 0.0, seed: int = 1, device=None)
 # ---- the demo -----------------------------------------------------------------------------------
 
 def _demo(argv=None, reference=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, default, what in [("experts", 8, "E"), ("top-k", 2, "k"), ("ep", 0, "training's ep (0: all ranks)"),
-                                ("tokens", 64, "tokens per rank in the layer check"), ("batch", 8, "global batch"),
-                                ("seq", 32, "sequence length"), ("steps", 4, "training steps")]:
-        p.add_argument("--" + name, type=int, default=default, help=what)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0] + " (--tokens: per rank, layer check; "
+                                "--ep: training's, 0 = all ranks; --batch: global)")
+    for name, default in [("experts", 8), ("top-k", 2), ("ep", 0), ("tokens", 64), ("batch", 8), ("seq", 32), ("steps", 4)]:
+        p.add_argument("--" + name, type=int, default=default)
     p.add_argument("--capacity-factor", type=float, default=0.75)
     p.add_argument("--compare", action="store_true", help="also train with PyTorch's autograd all-to-all")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = args.ep or world
     validate_ep(args.experts, args.top_k, ep, args.capacity_factor)  # all before any collective
-    if world % ep:
-        raise ValueError(f"--ep {ep} borrows data-parallel ranks and must divide the world size {world}")
-    if min(args.tokens, args.batch, args.seq, args.steps) < 1 or args.batch % world:
-        raise ValueError(f"--tokens, --batch, --seq, --steps must be >= 1 and --batch a multiple of {world}")
+    if world % ep or min(args.tokens, args.batch, args.seq, args.steps) < 1 or args.batch % world:
+        raise ValueError(f"--ep must divide the world size {world}, --tokens, --batch, --seq, --steps be >= 1 "
+                         f"and --batch a multiple of {world}")
     cfg = get_config("tiny", n_experts=args.experts, top_k=args.top_k)
     device = init_distributed()
     rank, lines, ok = dist.get_rank(), [], True
     print0(f"expert parallel: world {world}, E {cfg.n_experts}, top-{cfg.top_k}; layer check with ep = {world}, "
            f"training with ep = {ep} ({cfg.n_experts // ep} experts per rank)")
     for cf in (None, args.capacity_factor):
-        r = layer_check(get_config("tiny", n_experts=args.experts, top_k=args.top_k, capacity_factor=cf),
-                        args.tokens, device=device)
-        dropped = torch.tensor([r["dropped"]], device=device)
-        dist.all_reduce(dropped)
-        name = "dropless" if cf is None else f"capacity factor {cf}"
-        ok &= r["err"] < 1e-9 and r["bytes"] == r["want"] and dropped.item() == r["ref_dropped"]
-        print0(f"[{name}] dropped {dropped.item()} of {world * r['assignments']} (single-device MoE: {r['ref_dropped']})")
+        r, name = layer_check(replace(cfg, capacity_factor=cf), args.tokens, device=device), f"capacity factor {cf}"
+        name = "dropless" if cf is None else name
+        ok &= r["err"] < 1e-9 and r["bytes"] == r["want"] and r["all_dropped"] == r["ref_dropped"]
+        print0(f"[{name}] dropped {r['all_dropped']} of {world * r['assignments']} (single-device MoE: {r['ref_dropped']})")
         lines.append(f"  rank {rank} [{name}]: max |error| vs single-device MoE (fp64) {r['err']:.1e}; tokens per "
                      f"local expert {r['load']}; dropped {r['dropped']}/{r['assignments']}\n      bytes sent per "
                      f"all-to-all (dispatch, combine, combine-bwd, dispatch-bwd) {r['bytes']}\n      formula n_sent·H·b "
@@ -449,10 +429,11 @@ def _demo(argv=None, reference=None) -> int:
                      f"uniform routing T·k·H·b·(ep-1)/ep = {r['assignments'] * cfg.dim * 8 * (world - 1) / world:.0f}")
     print_by_rank("\n".join(lines))
 
-    # training: ep experts per group, against ONE process on the same global batches
-    tokens = load_corpus()
+    # training: ep experts per group against ONE process on the same global batches — the losses, and
+    # step 1's gradients (a 2x error in the expert gradients hardly moves AdamW's losses: it shows here)
+    data = load_corpus()
     ref = single_process(build_model(cfg, device=device), keep_grads=True,
-                         batches=[get_batch(tokens, s, args.batch, args.seq, device=device) for s in range(args.steps)])
+                         batches=[get_batch(data, s, args.batch, args.seq, device=device) for s in range(args.steps)])
     runs = {}
     for name, a2a in [("ours", None)] + [("PyTorch's all_to_all_single_autograd", reference)] * args.compare:
         tl = Timeline(device)
@@ -460,28 +441,23 @@ def _demo(argv=None, reference=None) -> int:
                               trace=lambda s: tl.span("step"))
         runs[name]["ms"] = 1e3 * statistics.median(s["end"] - s["start"] for s in tl.spans[1:] or tl.spans)
     res, lo = runs["ours"], rank % ep * (cfg.n_experts // ep)
-    # step 1's gradients against the one process's (my slice of each expert stack): a 2x error in the
-    # expert gradients hardly moves AdamW's losses (it normalises the step), but shows here
     mine, experts = res["grads"], [n for n in res["grads"] if n.endswith(("mlp.w1", "mlp.w3", "mlp.w2"))]
     want = {n: g[lo:lo + mine[n].shape[0]] if n in experts else g for n, g in ref["grads"][0].items()}
-    d_exp = max_diff({n: mine[n] for n in experts}, {n: want[n] for n in experts})
-    d_dense = max_diff({n: mine[n] for n in mine if n not in experts}, {n: want[n] for n in mine if n not in experts})
+    d_exp, d_all = max_diff(*({n: d[n] for n in experts} for d in (mine, want))), max_diff(mine, want)
     ratio = (sum(mine[n].norm() ** 2 for n in experts) / sum(want[n].norm() ** 2 for n in experts)).sqrt().item()
     d_loss = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"]))
-    ok &= d_dense < 1e-6 and d_exp < 1e-6 and d_loss < 1e-4
-    print_by_rank(f"  rank {rank}: step-1 gradients vs one process: dense max |diff| {d_dense:.1e}, experts "
-                  f"{d_exp:.1e}; expert gradient norm ours / one process = {ratio:.3f}")
-    n_full = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+    print_by_rank(f"  rank {rank}: step-1 gradients vs one process: max |diff| {d_all:.1e} (experts {d_exp:.1e}); "
+                  f"expert gradient norm ours / one process = {ratio:.3f}")
+    n_all = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
     n_exp, n_mine = cfg.n_layers * 3 * cfg.n_experts * cfg.dim * cfg.ffn_dim, sum(p.numel() for p in res["params"].values())
-    ok &= n_mine == n_full - n_exp * (ep - 1) // ep
-    print0(f"parameters per rank {n_mine:,} = all {n_full:,} - (1 - 1/ep) x experts {n_exp:,}: "
-           f"{'ok' if n_mine == n_full - n_exp * (ep - 1) // ep else 'MISMATCH'}")
-    print0(f"training {args.steps} steps, global batch {args.batch}x{args.seq}, dropless, AdamW:\n"
+    ok &= d_all < 1e-6 and d_loss < 1e-4 and n_mine == n_all - n_exp * (ep - 1) // ep
+    print0(f"parameters per rank {n_mine:,} = all {n_all:,} - (1 - 1/ep) x experts {n_exp:,}: "
+           f"{'ok' if n_mine == n_all - n_exp * (ep - 1) // ep else 'MISMATCH'}\n"
+           f"training {args.steps} steps, global batch {args.batch}x{args.seq}, dropless, AdamW:\n"
            f"  one process losses {[round(v, 6) for v in ref['losses']]}")
     for name, r in runs.items():
         print0(f"  ep={ep} ({name}) losses {[round(v, 6) for v in r['losses']]}  max |diff| "
                f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.1e}  step {r['ms']:.1f} ms")
-    print0(f"  global tokens per expert (layer 0, last step) {[int(v) for v in res['loads'][-1]]}")
     if args.compare:
         print0(f"  step time ours / PyTorch's: {res['ms'] / runs[name]['ms']:.2f}")
     ok = all_agree(ok)
