@@ -130,6 +130,8 @@ class ExpertParallelMoE(MoE):
         self.w1 = nn.Parameter(moe.w1.detach()[sl].clone())  # [E/ep, F, H]
         self.w3 = nn.Parameter(moe.w3.detach()[sl].clone())  # [E/ep, F, H]
         self.w2 = nn.Parameter(moe.w2.detach()[sl].clone())  # [E/ep, H, F]
+        for p in self.expert_parameters():                   # my rows of the full [E, ...] stack (to
+            p.ep_slice = (0, sl.start, sl.stop)              # materialise a meta model's slice by name)
         self.aux_loss, self.tokens_per_expert, self.dropped = None, None, 0
         self.all_to_all = AllToAll.apply                     # the demo's --compare swaps in PyTorch's
 
@@ -180,10 +182,8 @@ class ExpertParallelMoE(MoE):
         return out
 
     def group_aux_loss(self, probs, counts):
-        """Switch's α·E·Σ f_i·P_i over every token of aux_group, however the tokens are split.
-        One all-reduce of [c (E), S (E), N] in float64 (counts stay exact). This rank differentiates
-        only its own S_local, scaled by D/N: summed over the group and divided by D (as data
-        parallel does) the gradients give exactly the gradient of the global P = S/N."""
+        """Switch's α·E·Σ f_i·P_i over every token of aux_group: one all-reduce of [c, S, N] (float64:
+        counts stay exact). Gradient only through my S_local, times D/N (see the module doc)."""
         E, S_local = self.n_experts, probs.sum(0)            # [E]
         stats = torch.cat([counts.double(), S_local.detach().double(), S_local.new_tensor([len(probs)]).double()])
         dist.all_reduce(stats, group=self.aux_group)         # [2E + 1] global sums
@@ -193,11 +193,10 @@ class ExpertParallelMoE(MoE):
         return self.aux_loss_coef * E * (f * P).sum()
 
     def exchange_counts(self, counts, T):
-        """Agree on every split before a token moves. counts [E]: my assignments per expert.
-        Returns keep_send [E] (my assignments each expert accepts) and keep_recv [ep, E/ep] (rows I
-        get from each rank for each of my experts). Dropless: what I receive from rank s IS what s
-        counted. Capacity: only the owner j decides how many of s's rows its experts keep (from all
-        senders' counts, identical integers), and the decision travels back to s. No rank guesses."""
+        """counts [E] my assignments per expert -> keep_send [E] (how many each expert accepts) and
+        keep_recv [ep, E/ep] (rows I get from each rank for each of my experts). Dropless: what I get
+        from rank s IS what s counted. Capacity: the owner alone decides, from every sender's counts,
+        and its verdict travels back to the sender. No rank ever guesses another rank's numbers."""
         ep, El = self.ep, self.n_local
         msg = torch.cat([counts.view(ep, El), counts.new_full((ep, 1), T)], 1)  # row j: for rank j, + my T
         got = _all_to_all(msg, [1] * ep, [1] * ep, self.ep_group)             # row s: from rank s
@@ -262,10 +261,11 @@ def validate_ep(n_experts: int, top_k: int, ep: int, capacity_factor=None) -> No
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep must be an integer >= 1, got {ep!r}")
     if n_experts < 1 or n_experts % ep:
+        divisors = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
         raise ValueError(f"n_experts={n_experts} is not divisible by ep={ep}: every rank must hold as many experts; "
-                         f"choose ep from {[d for d in range(1, n_experts + 1) if n_experts % d == 0]} or E a multiple of {ep}")
+                         f"choose ep from {divisors} or E a multiple of {ep}")
     if not 1 <= top_k <= n_experts:
-        raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}: no token has more experts than exist")
+        raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}: a token has at most E experts")
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for dropless)")
 
@@ -337,7 +337,8 @@ def train_ep(cfg, ep: int, steps: int = 3, global_batch: int = 4, seq_len: int =
     model = parallelize_experts(build_model(cfg, seed=seed, device=device), mesh)
     for m in (m for m in model.modules() if isinstance(m, ExpertParallelMoE) and a2a):
         m.all_to_all = a2a
-    opt, tokens, out = torch.optim.AdamW(model.parameters(), lr=lr), load_corpus(), dict(losses=[], loads=[], dropped=[])
+    opt, tokens = torch.optim.AdamW(model.parameters(), lr=lr), load_corpus()
+    out = dict(losses=[], loads=[], dropped=[])
     for s in range(steps):
         x, y = get_batch(tokens, s, global_batch, seq_len, seed, mesh.rank("dp"), world, device)
         with trace(s):
@@ -347,14 +348,14 @@ def train_ep(cfg, ep: int, steps: int = 3, global_batch: int = 4, seq_len: int =
             out.setdefault("grads", snapshot(model, grads=True))
             opt.step()
             opt.zero_grad(set_to_none=True)
-        mlp = model.layers[0].mlp  # [loss, global tokens per expert (my experts' slots), dropped]
+        mlp = model.layers[0].mlp  # [loss, dropped, global tokens per expert (mine in my experts' slots)]
         stats = torch.zeros(cfg.n_experts + 2, dtype=torch.float64, device=device)
-        stats[0], stats[-1] = loss.item(), mlp.dropped
-        stats[1 + mlp.first:1 + mlp.first + mlp.n_local] = mlp.tokens_per_expert.double()
+        stats[0], stats[1] = loss.item(), mlp.dropped
+        stats[2 + mlp.first:2 + mlp.first + mlp.n_local] = mlp.tokens_per_expert
         dist.all_reduce(stats)
         out["losses"].append(stats[0].item() / world)
-        out["loads"].append(stats[1:-1].tolist())
-        out["dropped"].append(int(stats[-1].item()))
+        out["dropped"].append(int(stats[1]))
+        out["loads"].append(stats[2:].tolist())
     return dict(out, params=snapshot(model))
 
 
@@ -363,7 +364,8 @@ def layer_check(cfg, tokens: int, skew: float = 0.0, seed: int = 1, device=None)
     rows (float64): the largest error of output, aux loss and every gradient; drops (mine, and the
     reference's in all); bytes each token all-to-all sent (CommCounter) and, from the reference's
     routing, the n·H·8 it should send. skew > 0 adds one direction to every token (a skewed router)."""
-    world, rank, mesh = dist.get_world_size(), dist.get_rank(), Mesh(dp_shard=dist.get_world_size(), ep=dist.get_world_size())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = Mesh(dp_shard=world, ep=world)
     ref = build_model(cfg, seed=0, dtype=torch.float64, device=device).layers[0].mlp
     layer = ExpertParallelMoE(build_model(cfg, 0, torch.float64, device).layers[0].mlp, mesh.group("ep"))
     g = torch.Generator().manual_seed(seed)
@@ -378,10 +380,10 @@ def layer_check(cfg, tokens: int, skew: float = 0.0, seed: int = 1, device=None)
         ((out * dy[sl]).sum() * world / len(x_all) + layer.aux_loss).backward()  # (Σ over ranks)/world: ref's
     sync_gradients(layer, mesh.group("dp"), mesh.group("edp"), world)
     lo, El = layer.first, layer.n_local
-    err = max([(out - ref(x_all)[sl]).abs().max().item(), abs(layer.aux_loss.item() - ref.aux_loss.item()),
-               (x.grad / world - x_ref.grad[sl]).abs().max().item(), (layer.router.weight.grad - ref.router.weight.grad).abs().max().item()] +
-              [(p.grad - q.grad[lo:lo + El]).abs().max().item()
-               for p, q in zip(layer.expert_parameters(), (ref.w1, ref.w3, ref.w2))])
+    pairs = [(out, ref(x_all)[sl]), (layer.aux_loss, ref.aux_loss), (x.grad / world, x_ref.grad[sl]),
+             (layer.router.weight.grad, ref.router.weight.grad)]
+    pairs += [(p.grad, q.grad[lo:lo + El]) for p, q in zip(layer.expert_parameters(), (ref.w1, ref.w3, ref.w2))]
+    err = max((a - b).abs().max().item() for a, b in pairs)
     # n[s, j]: rows of rank s's tokens the experts of rank j keep, by the reference (first C, rank-major)
     experts, cap = ref.route(x_all.view(-1, cfg.dim))[2].cpu(), ref.capacity(world * tokens)
     n = torch.zeros(world, world, dtype=torch.long)
@@ -401,8 +403,8 @@ def layer_check(cfg, tokens: int, skew: float = 0.0, seed: int = 1, device=None)
 def _demo(argv=None, reference=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] + " (--tokens: per rank, layer check; "
                                 "--ep: training's, 0 = all ranks; --batch: global)")
-    for name, default in [("experts", 8), ("top-k", 2), ("ep", 0), ("tokens", 64), ("batch", 8), ("seq", 32), ("steps", 4)]:
-        p.add_argument("--" + name, type=int, default=default)
+    for name, default in dict(experts=8, top_k=2, ep=0, tokens=64, batch=8, seq=32, steps=4).items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--capacity-factor", type=float, default=0.75)
     p.add_argument("--compare", action="store_true", help="also train with PyTorch's autograd all-to-all")
     args = p.parse_args(argv)
@@ -418,22 +420,24 @@ def _demo(argv=None, reference=None) -> int:
     print0(f"expert parallel: world {world}, E {cfg.n_experts}, top-{cfg.top_k}; layer check with ep = {world}, "
            f"training with ep = {ep} ({cfg.n_experts // ep} experts per rank)")
     for cf in (None, args.capacity_factor):
-        r, name = layer_check(replace(cfg, capacity_factor=cf), args.tokens, device=device), f"capacity factor {cf}"
-        name = "dropless" if cf is None else name
-        ok &= r["err"] < 1e-9 and r["bytes"] == r["want"] and r["all_dropped"] == r["ref_dropped"]
-        print0(f"[{name}] dropped {r['all_dropped']} of {world * r['assignments']} (single-device MoE: {r['ref_dropped']})")
-        lines.append(f"  rank {rank} [{name}]: max |error| vs single-device MoE (fp64) {r['err']:.1e}; tokens per "
-                     f"local expert {r['load']}; dropped {r['dropped']}/{r['assignments']}\n      bytes sent per "
-                     f"all-to-all (dispatch, combine, combine-bwd, dispatch-bwd) {r['bytes']}\n      formula n_sent·H·b "
-                     f"for the reference's routing {r['want']} {'ok' if r['bytes'] == r['want'] else 'MISMATCH'}; "
-                     f"uniform routing T·k·H·b·(ep-1)/ep = {r['assignments'] * cfg.dim * 8 * (world - 1) / world:.0f}")
+        r = layer_check(replace(cfg, capacity_factor=cf), args.tokens, device=device)
+        name, bytes_ok = "dropless" if cf is None else f"capacity factor {cf}", r["bytes"] == r["want"]
+        ok &= r["err"] < 1e-9 and bytes_ok and r["all_dropped"] == r["ref_dropped"]
+        print0(f"[{name}] dropped {r['all_dropped']} of {world * r['assignments']} "
+               f"(single-device MoE: {r['ref_dropped']})")
+        lines.append(f"  rank {rank} [{name}]: max |error| vs single-device MoE (fp64) {r['err']:.1e}; "
+                     f"tokens per local expert {r['load']}; dropped {r['dropped']}/{r['assignments']}\n"
+                     f"      bytes sent per all-to-all (dispatch, combine, combine-bwd, dispatch-bwd) {r['bytes']}\n"
+                     f"      formula n_sent·H·b for the reference's routing {r['want']} "
+                     f"{'ok' if bytes_ok else 'MISMATCH'}; uniform routing T·k·H·b·(ep-1)/ep = "
+                     f"{r['assignments'] * cfg.dim * 8 * (world - 1) // world}")
     print_by_rank("\n".join(lines))
 
     # training: ep experts per group against ONE process on the same global batches — the losses, and
     # step 1's gradients (a 2x error in the expert gradients hardly moves AdamW's losses: it shows here)
     data = load_corpus()
-    ref = single_process(build_model(cfg, device=device), keep_grads=True,
-                         batches=[get_batch(data, s, args.batch, args.seq, device=device) for s in range(args.steps)])
+    batches = [get_batch(data, s, args.batch, args.seq, device=device) for s in range(args.steps)]
+    ref = single_process(build_model(cfg, device=device), batches, keep_grads=True)
     runs = {}
     for name, a2a in [("ours", None)] + [("PyTorch's all_to_all_single_autograd", reference)] * args.compare:
         tl = Timeline(device)
@@ -449,10 +453,12 @@ def _demo(argv=None, reference=None) -> int:
     print_by_rank(f"  rank {rank}: step-1 gradients vs one process: max |diff| {d_all:.1e} (experts {d_exp:.1e}); "
                   f"expert gradient norm ours / one process = {ratio:.3f}")
     n_all = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
-    n_exp, n_mine = cfg.n_layers * 3 * cfg.n_experts * cfg.dim * cfg.ffn_dim, sum(p.numel() for p in res["params"].values())
-    ok &= d_all < 1e-6 and d_loss < 1e-4 and n_mine == n_all - n_exp * (ep - 1) // ep
+    n_exp = cfg.n_layers * 3 * cfg.n_experts * cfg.dim * cfg.ffn_dim
+    n_mine = sum(p.numel() for p in res["params"].values())
+    memory_ok = n_mine == n_all - n_exp * (ep - 1) // ep
+    ok &= d_all < 1e-6 and d_loss < 1e-4 and memory_ok
     print0(f"parameters per rank {n_mine:,} = all {n_all:,} - (1 - 1/ep) x experts {n_exp:,}: "
-           f"{'ok' if n_mine == n_all - n_exp * (ep - 1) // ep else 'MISMATCH'}\n"
+           f"{'ok' if memory_ok else 'MISMATCH'}\n"
            f"training {args.steps} steps, global batch {args.batch}x{args.seq}, dropless, AdamW:\n"
            f"  one process losses {[round(v, 6) for v in ref['losses']]}")
     for name, r in runs.items():

@@ -14,7 +14,7 @@ from instruments import CommCounter
 from mesh import Mesh
 from model import get_config, num_params
 
-from expert_parallel import (ExpertParallelMoE, expert_parameters, parallelize_experts, sync_gradients,
+from expert_parallel import (expert_parameters, parallelize_experts, sync_gradients,
                              tp_partial_parameters, train_ep)
 
 TOKENS = 24  # tokens per token-holding slot in the layer checks
