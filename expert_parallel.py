@@ -22,25 +22,22 @@ Aux loss (Switch §2.2, eq. 4–6): α·E·Σ_i f_i·P_i, f_i = c_i/(N·k) the s
 routed to expert i (no gradient), P_i = S_i/N its mean router probability (S_i = Σ_tokens p_i).
 
 Composition: the tokens of a step may be split over the ranks in any way.
-  aux_group  every rank holding other tokens (dp × cp, × tp under tensor parallel): one all-reduce
-             of c, S, N gives every rank the global value.
-  D          what data parallel divides summed gradients by (dp·cp). A rank differentiates
-             P = S/N + (S_local − sg(S_local))·D/N (sg: no gradient), so the ranks' gradients summed
-             and divided by D are the global aux loss's, whatever share of N each holds.
-  tp         without sequence parallel the tp ranks hold the same [B, S, H]: each takes 1/tp of the
-             rows, the tokens are dispatched ONCE, the outputs all-gathered (backward: all-gather the
+  aux_group  every rank holding other tokens (dp × cp, × tp under tensor parallel); D what data
+             parallel divides summed gradients by (dp·cp). A rank differentiates
+             P = S/N + (S_local − sg(S_local))·D/N (sg: no gradient): the ranks' gradients, summed and
+             divided by D, are the global aux loss's, whatever share of the N tokens each holds.
+  tp         without sequence parallel the tp ranks hold the same [B, S, H]: each keeps 1/tp of the
+             rows, which are dispatched ONCE, and the outputs are all-gathered (backward: all-gather the
              input gradient; keep my rows of the output gradient, already whole on every tp rank).
-             Under sequence parallel the rows already differ. Either way the router and the experts
-             saw only this rank's tokens: their gradients are partial sums over tp.
-  cp         an ep group is ep dp ranks at one cp (and tp) index; the aux group spans dp × cp.
-  micro-batches and pipeline stages: the aux loss is per forward call, over that micro-batch's
-             tokens of the aux group (as Megatron-LM). A stage's backward starts from its output:
-             aux_weight=w (the micro-batch's weight, 1/m) makes the output's backward carry w·∂aux
-             (Megatron-LM's MoEAuxLossAutoScaler).
-  gradients  dense: sum over dp × cp, divide by D. Experts: the backward all-to-all already summed,
-             on the owner, every ep rank's contribution; the other copies of my experts are on
-             "edp_cp" (dp/ep × cp ranks): sum there and divide by D — not by |edp_cp|, which would
-             count every rank's loss ep times. Under tp, router and experts are first summed over tp.
+             With sequence parallel the rows already differ. Either way the router's and the experts'
+             gradients are partial sums over tp. cp: an ep group is ep dp ranks at one cp index.
+  micro-batches, pipeline stages: the aux loss is per forward call, over that micro-batch's tokens
+             (as Megatron-LM). A stage's backward starts from its output: aux_weight=w (1/m) makes the
+             output's backward carry w·∂aux (Megatron-LM's MoEAuxLossAutoScaler).
+  gradients  dense: sum over dp × cp, divide by D. Experts: the backward all-to-all already summed every
+             ep rank's contribution on the owner; the other copies of my experts are on "edp_cp"
+             (dp/ep × cp ranks): sum there, divide by D — not by |edp_cp|, which would count each loss
+             ep times. Under tp, router and experts are first summed over tp.
 
 Communication per MoE layer and forward, per rank (b bytes per element; all-to-all: bytes sent to
 OTHER ranks; all-reduce, all-gather: ring wire bytes, see mesh.py):
