@@ -378,52 +378,47 @@ def _inputs(B, S, H, Hkv, D, dtype, seed, device=None, round_to=None, q_scale=1.
     return [x.to(round_to or dtype).to(device, dtype) for x in xs]
 
 
-def _memory_and_time(res, step, device, memory, repeats, together=False):
-    """Peak memory of one forward + backward (PyTorch's MemTracker) and the median time per call."""
-    if memory:
-        with memory_tracker() as mt:
-            step()
-        res["peak_bytes"] = mt.get_tracker_snapshot("peak")[device]["Total"]
-    if repeats:   # together: all ranks start each call at once, so the time is the ring's, not a straggler's
-        res["time"] = time_steps(lambda: (together and dist.barrier(), step()), repeats)
-    return res
-
-
 def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layout="zigzag", dtype=torch.float64,
                    seed=0, group=None, ring_group=None, repeats=0, memory=False, device=None, q_scale=1.0):
     """One forward + backward of context-parallel attention on this rank's shard of a seeded global batch:
     its shards of out, dq, dk, dv; the collectives (CommCounter) and matmul FLOPs (FlopCounterMode) of
-    forward and backward; the forward's waits for the next block; optionally peak memory and time."""
+    forward and backward; optionally peak memory (MemTracker), the median time of `repeats` calls and the
+    forward's waits for the next block. (On a group of one, "ulysses" is PyTorch's SDPA on all of S.)"""
     group = group or dist.group.WORLD
     attn = ContextParallelAttention(group, method, layout, causal, ring_group)
     rank = dist.get_rank(group) + (0 if ring_group is None else dist.get_rank(ring_group) * dist.get_world_size(group))
     q, k, v, dout = (shard_sequence(t, attn.cp, rank, layout, dim=2).requires_grad_(i < 3)      # [B, h, S/cp, D]
                      for i, t in enumerate(_inputs(B, S, H, Hkv, D, dtype, seed, device, q_scale=q_scale)))
-    with CommCounter() as fwd, FlopCounterMode(display=False) as ffl, timed_waits() as waits:
+    with CommCounter() as fwd, FlopCounterMode(display=False) as ffl:
         out = attn(q, k, v)
     with CommCounter() as bwd, FlopCounterMode(display=False) as bfl:
         out.backward(dout)
-    res = dict(out=out.detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone(), wait=sum(waits),
+    res = dict(out=out.detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone(),
                flops=(ffl.get_total_flops(), bfl.get_total_flops()), calls=(fwd.summary(), bwd.summary()),
                bytes=tuple(c.bytes("send") + c.bytes("all_to_all") for c in (fwd, bwd)))
-    _memory_and_time(res, lambda: attn(q, k, v).backward(dout), q.device, memory, repeats, together=True)
-    with torch.no_grad(), timed_waits() as waits:   # the forward's waits alone, on calls started together
-        for _ in range(repeats):
-            dist.barrier()
-            attn(q, k, v)
-    res["wait"] = sum(waits) / repeats if repeats else res["wait"]
+    step = lambda: attn(q, k, v).backward(dout)  # noqa: E731
+    if memory:
+        with memory_tracker() as mt:
+            step()
+        res["peak_bytes"] = mt.get_tracker_snapshot("peak")[q.device]["Total"]
+    if repeats:   # every rank starts each call at once: the time is the ring's, not a straggler's
+        res["time"] = time_steps(lambda: (dist.barrier(), step()), repeats)
+        with torch.no_grad(), timed_waits() as waits:
+            for _ in range(repeats):
+                dist.barrier()
+                attn(q, k, v)
+        res["wait"] = sum(waits) / repeats
     return res
 
 
-def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, repeats=0, memory=False,
-                   device=None, round_to=None, q_scale=1.0):
-    """The reference: the same seeded batch through full-sequence SDPA, in one process."""
+def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, device=None, round_to=None,
+                   q_scale=1.0):
+    """The reference: the same seeded batch through whole-sequence SDPA, in one process."""
     q, k, v, dout = _inputs(B, S, H, Hkv, D, dtype, seed, device, round_to, q_scale)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)  # noqa: E731
-    run().backward(dout)
-    res = dict(out=run().detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone())
-    return _memory_and_time(res, lambda: run().backward(dout), q.device, memory, repeats)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)
+    out.backward(dout)
+    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
 
 
 def sweep(seq_lens, layouts=LAYOUTS, **shape) -> dict:
@@ -462,11 +457,12 @@ def _demo(argv=None) -> int:
     ring, uly = ring_ulysses_groups([list(range(cp))], U) if U > 1 else (None, None)
     shape = dict(B=a.batch, S=a.seq, H=H, Hkv=a.kv_heads, D=a.head_dim, causal=not a.no_causal, dtype=torch.float32,
                  repeats=a.repeats, memory=True, device=device, q_scale=a.q_scale)
-    ref, one = full_attention(**shape), attention_case(**shape, layout="contiguous", group=alone)
+    ref = full_attention(**{k: v for k, v in shape.items() if k not in ("repeats", "memory")})
+    sdpa, one = (attention_case(**shape, method=m, layout="contiguous", group=alone) for m in ("ulysses", "ring"))
     print0(f"cp={cp} ranks, B={a.batch} S={a.seq} heads={H} kv_heads={a.kv_heads} head_dim={a.head_dim} "
            f"{'full' if a.no_causal else 'causal'} fp32, q x {a.q_scale:g}, {device}\n{'one rank, all of S':32s}"
-           f"{'fwd MFLOP':12s}{'peak MiB':10s}{'ms':>6s}\n{'  PyTorch SDPA':44s}{ref['peak_bytes'] / 2**20:<10.2f}"
-           f"{ref['time'] * 1e3:6.1f}\n{'  hand kernel, cp=1':32s}{one['flops'][0] / 1e6:<12.1f}{one['peak_bytes'] / 2**20:<10.2f}"
+           f"{'fwd MFLOP':12s}{'peak MiB':10s}{'ms':>6s}\n{'  PyTorch SDPA':44s}{sdpa['peak_bytes'] / 2**20:<10.2f}"
+           f"{sdpa['time'] * 1e3:6.1f}\n{'  hand kernel, cp=1':32s}{one['flops'][0] / 1e6:<12.1f}{one['peak_bytes'] / 2**20:<10.2f}"
            f"{one['time'] * 1e3:6.1f}\ncp={cp}, per rank{'rel. err':>24s}  {'fwd MFLOP':28s}{'peak MiB':24s}"
            f"{'bytes/layer fwd+bwd (formula)':>30s}{'ms':>8s}")
     ok, c = True, a.seq // cp

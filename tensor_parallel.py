@@ -1,33 +1,28 @@
 """Lesson 4 — tensor parallel (Megatron) and sequence parallel.
 
 Split every weight matrix of a layer over the t ranks of a tp group (Shoeybi et al. 2019, Megatron-LM,
-arXiv:1909.08053 §3). A pair of linears Y = (X A) B, X [B, S, H], A [H, F], B [F, H], needs no
-communication between its matmuls if A is cut by COLUMNS (rank r computes its own F/t features of XA)
-and B by ROWS (rank r multiplies them by its F/t rows of B: a partial sum of Y). One all-reduce adds the
-partials. Two conjugate operators make autograd right (Megatron's f and g, §3, Figure 3):
-    f  (entry of a pair)   forward identity      backward all-reduce
-    g  (exit of a pair)    forward all-reduce    backward identity
-A block has two pairs — attention (wq, wk, wv column-parallel by heads, wo row-parallel) and the SwiGLU
-MLP (w1, w3 column, w2 row): 2 all-reduces of [B, S, H] per layer forward, 2 backward. The embedding is
-cut by vocabulary rows (tokens outside mine give zeros, then g), the head by vocabulary too (logits stay
-[B, S, V/t]) and the cross-entropy never gathers the logits: 3 all-reduces of one number per token (§3).
-Grouped-query attention: if t divides n_kv a rank keeps n_kv/t kv heads; if n_kv divides t each kv head
-is replicated on the t/n_kv ranks whose query heads read it, and its gradient there is partial.
+arXiv:1909.08053 §3). A pair of linears Y = (X A) B needs no communication between its matmuls if A is
+cut by COLUMNS (rank r computes its own F/t features of XA) and B by ROWS (rank r multiplies them by its
+F/t rows of B: a partial sum of Y); one all-reduce adds the partials. Two conjugate operators make
+autograd right (Megatron's f and g, §3 Figure 3): f at the entry of a pair (forward identity, backward
+all-reduce), g at its exit (forward all-reduce, backward identity). A block has two pairs, attention
+(wq, wk, wv by heads / wo) and the SwiGLU MLP (w1, w3 / w2); the embedding and the head are cut by
+vocabulary, and the cross-entropy never gathers the logits (3 all-reduces of one number per token, §3).
+GQA: if t divides n_kv a rank keeps n_kv/t kv heads; if n_kv divides t each kv head is replicated on
+the t/n_kv ranks whose query heads read it, and its gradient there is partial.
+Sequence parallel (Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2): between the pairs, keep the
+activations (norms, residuals) as [B, S/t, H] instead of whole [B, S, H] on every rank: f becomes an
+all-gather over S (backward reduce-scatter), g a reduce-scatter (backward all-gather); the norm weights
+then see S/t tokens and their gradients are partial too. finish_grads sums partial gradients over tp.
 
-Sequence parallel (Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2): between the pairs plain TP keeps
-whole [B, S, H] activations (norms, residuals) on every rank; SP keeps them as [B, S/t, H]. f becomes an
-all-gather over S (backward: reduce-scatter), g a reduce-scatter over S (backward: all-gather). Norm
-weights then see only S/t tokens: their gradients are partial too. finish_grads sums partial gradients.
-
-One step, L layers (API bytes, b per element; [what a ring sends per rank]; +2: the embedding's g
-forward and the head's f backward; the loss adds 3 all-reduces of B·S·max(b, 4) either way):
-    TP   4L + 2 all-reduces of B·S·H·b                           [2(t-1)/t of each]
-    SP   4L + 2 all-gathers and 4L + 2 reduce-scatters of B·S·H·b  [(t-1)/t of each]
-    A ring all-reduce is a reduce-scatter then an all-gather: SP puts the same bytes on the wire as TP.
-    finish_grads: one all-reduce of 2L·n_kv·(H/n_heads)·H elements if t > n_kv (each replicated kv
-    weight in its slot of n_kv), + (2L + 1)·H with SP (the norm weights).
-Memory per rank: matmul weights / t, but kv projections / min(t, n_kv); norms replicated. Activations
-of one layer (Korthikanti §4.2; s sequence, b batch, h hidden, a heads; 16-bit bytes):
+One step, L layers, b bytes per element (API bytes handed to the collectives; [ring wire bytes per rank]):
+    TP   4L + 2 all-reduces of B·S·H·b                             [2(t-1)/t of each]
+    SP   4L + 2 all-gathers + 4L + 2 reduce-scatters of B·S·H·b     [(t-1)/t of each]: the same wire bytes
+    (+2: the embedding's g forward, the head's f backward; the loss: 3 all-reduces of B·S·max(b, 4))
+    finish_grads: one all-reduce of 2L·n_kv·(H/n_heads)·H elements if t > n_kv (replicated kv weights,
+    each zero-padded to n_kv slots) + (2L + 1)·H with SP (the norm weights).
+Memory per rank: matmul weights / t, the kv projections / min(t, n_kv), norms replicated. Activations of
+one layer (Korthikanti §4.2; their s sequence, b batch, h hidden, a heads; 16-bit bytes):
     TP  sbh(10 + 24/t + 5as/(ht))          TP + SP  sbh/t·(34 + 5as/h)
 """
 from __future__ import annotations
@@ -45,10 +40,6 @@ from model import IGNORE, Attention, RMSNorm, SwiGLU
 
 def _size(group) -> int:
     return dist.get_world_size(group)
-
-
-def _identity(x, group):
-    return x
 
 
 def _all_reduce(x, group):
@@ -82,6 +73,10 @@ class _Conjugate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (ctx.bwd(grad, ctx.group) if _size(ctx.group) > 1 else grad), None, None, None
+
+
+def _identity(x, group):
+    return x
 
 
 #      forward               backward
@@ -335,7 +330,7 @@ def train_step(model, opt, x, y):
     return loss.detach()
 
 
-# ---- formulas and measurements (demo, tests, notebook) -----------------------------------------------
+# ---- the formulas the demo and the tests measure against ----------------------------------------------
 
 def comm_formula(cfg, B: int, S: int, b: int, t: int, sp: bool) -> dict:
     """{op: (calls, API bytes)} of one forward + backward (finish_grads apart), as in the docstring."""
@@ -351,31 +346,6 @@ def partial_formula(cfg, t: int, sp: bool) -> int:
     L, H = cfg.n_layers, cfg.dim
     kv = 2 * L * cfg.n_kv_heads * cfg.head_dim * H if cfg.n_kv_heads % t else 0
     return 0 if t == 1 else kv + ((2 * L + 1) * H if sp else 0)
-
-
-def notebook_measurements(model_name="tiny", batch=2, seq=64):
-    """Rank function: which slice of each weight this rank keeps (all but layer 1), its parameter bytes,
-    and the bytes one layer saves for backward (saved_tensors_hooks, each storage once, weights apart)."""
-    from model import build_model, get_config, rope_cos_sin
-    cfg, out = get_config(model_name), {}
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    cos, sin = rope_cos_sin(torch.arange(seq), cfg.head_dim, cfg.rope_theta, torch.float32)
-    for sp in (False, True):
-        full = build_model(cfg)
-        shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
-        m = apply_tensor_parallel(full, None, sequence_parallel=sp)
-        out["layout"] = {n: (shapes[n], p.tp_slice) for n, p in m.named_parameters()
-                         if hasattr(p, "tp_slice") and not n.startswith("layers.1")}
-        weights, saved = {p.untyped_storage().data_ptr() for p in m.parameters()}, {}
-
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            m.layers[0](m.tok_embeddings(x).detach().requires_grad_(), cos, sin)   # input [B, S(/t), H]
-        out[sp] = dict(params=sum(p.numel() * p.element_size() for p in m.parameters()),
-                       activations=sum(n for ptr, n in saved.items() if ptr not in weights))
-    return out
 
 
 # ---- demo: torchrun --nproc_per_node 2 tensor_parallel.py [--sp] ---------------------------------------
@@ -407,13 +377,13 @@ def _demo(argv=None, reference=None) -> int:
         raise ValueError(f"--sp splits the sequence over tp={t} ranks: --seq {S} must be a multiple of {t}")
     device, group = init_distributed(), dist.group.WORLD
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
-    who = ["by hand"] + (["DTensor"] if reference and not args.no_compare and cfg.n_kv_heads % t == 0 else [])
+    impls = {"by hand": lambda m: apply_tensor_parallel(copy.deepcopy(m), group, sp)}
+    if reference and not args.no_compare and cfg.n_kv_heads % t == 0:   # (DTensor's Colwise would cut a kv head)
+        impls["DTensor"] = lambda m: reference(copy.deepcopy(m), group, sp)
+    why = "" if len(impls) > 1 or args.no_compare or not reference else f": Colwise would cut n_kv_heads={cfg.n_kv_heads} in {t}"
     print0(f"tensor parallel: tp={t}, model {args.model}, batch {B}x{S}, sequence parallel {'on' if sp else 'off'}, "
-           f"{dist.get_backend()} on {device}" + ("" if len(who) == 2 or args.no_compare else
-           f"; DTensor skipped: its Colwise plan would cut n_kv_heads={cfg.n_kv_heads} into {t} pieces"))
+           f"{dist.get_backend()} on {device}; PyTorch's DTensor TP {'beside it' if len(impls) > 1 else 'left out' + why}")
     batches = [get_batch(load_corpus(), s, B, S, device=device) for s in range(args.steps)]
-    make = lambda m, name: (apply_tensor_parallel(copy.deepcopy(m), group, sp) if name == "by hand"  # noqa: E731
-                            else reference(copy.deepcopy(m), group, sp))
 
     def err(mine, full, p):   # my tensor (a DTensor's: the whole) against my slice of the one-process one
         mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
@@ -422,8 +392,8 @@ def _demo(argv=None, reference=None) -> int:
     # 1. Training in float64 against one process: losses, step 1's gradients, final parameters.
     ref = build_model(cfg, seed=0, dtype=torch.float64, device=device)
     one, ok, counts = single_process(ref, batches, lr=1e-3, keep_grads=True), True, {}
-    for name in who:
-        m, losses = make(ref, name), []
+    for name, make in impls.items():
+        m, losses = make(ref), []
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         for i, (x, y) in enumerate(batches):
             with CommCounter() as fwd:
@@ -460,9 +430,9 @@ def _demo(argv=None, reference=None) -> int:
     ok &= got == want and abs(wire - wire_want) <= 1e-9 * wire_want and fin.bytes() == 8 * partial_formula(cfg, t, sp)
 
     # 3. Step time in float32: the implementations in alternating rounds (machine noise hits both alike).
-    models = {k: make(ref.float(), k) for k in who}
-    opts, times = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}, {k: [] for k in who}
-    for _, k in itertools.product(range(args.rounds), who):
+    models = {k: make(ref.float()) for k, make in impls.items()}
+    opts, times = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}, {k: [] for k in impls}
+    for _, k in itertools.product(range(args.rounds), impls):
         times[k].append(time_steps(lambda: (dist.barrier(), train_step(models[k], opts[k], *batches[0]).item()), args.timed))
     med = {k: statistics.median(v) for k, v in times.items()}
     print0("float32: " + ", ".join(f"{k}{' +SP' if sp else ''} {s * 1e3:.1f} ms/step ({B * S / s:.0f} tokens/s)" for k, s in med.items())
