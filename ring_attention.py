@@ -124,8 +124,9 @@ class _Pass:
         me = ranks.index(dist.get_rank())
         self.sent = [t.contiguous() for t in tensors]   # alive until the sends are done
         self.bufs = [torch.empty_like(t) for t in self.sent]
-        self.reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, ranks[(me + 1) % len(ranks)], group) for t in self.sent]
-                                           + [dist.P2POp(dist.irecv, b, ranks[me - 1], group) for b in self.bufs])
+        nxt, prv = ranks[(me + 1) % len(ranks)], ranks[me - 1]
+        self.reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt, group) for t in self.sent]
+                                           + [dist.P2POp(dist.irecv, b, prv, group) for b in self.bufs])
 
     def wait(self):
         for r in self.reqs:
@@ -462,7 +463,8 @@ def _demo(argv=None) -> int:
     print0(f"cp={cp} ranks, B={a.batch} S={a.seq} heads={H} kv_heads={a.kv_heads} head_dim={a.head_dim} "
            f"{'full' if a.no_causal else 'causal'} fp32, q x {a.q_scale:g}, {device}\n{'one rank, all of S':32s}"
            f"{'fwd MFLOP':12s}{'peak MiB':10s}{'ms':>6s}\n{'  PyTorch SDPA':44s}{sdpa['peak_bytes'] / 2**20:<10.2f}"
-           f"{sdpa['time'] * 1e3:6.1f}\n{'  hand kernel, cp=1':32s}{one['flops'][0] / 1e6:<12.1f}{one['peak_bytes'] / 2**20:<10.2f}"
+           f"{sdpa['time'] * 1e3:6.1f}\n{'  hand kernel, cp=1':32s}{one['flops'][0] / 1e6:<12.1f}"
+           f"{one['peak_bytes'] / 2**20:<10.2f}"
            f"{one['time'] * 1e3:6.1f}\ncp={cp}, per rank{'rel. err':>24s}  {'fwd MFLOP':28s}{'peak MiB':24s}"
            f"{'bytes/layer fwd+bwd (formula)':>30s}{'ms':>8s}")
     ok, c = True, a.seq // cp
@@ -480,14 +482,16 @@ def _demo(argv=None) -> int:
         dist.all_gather(every, torch.tensor([err, res["flops"][0] / 1e6, res["peak_bytes"] / 2**20, res["time"],
                                              res["wait"]], device=device))
         err, (flops, peak, ms, wait) = torch.stack(every)[:, 0].max().item(), torch.stack(every)[:, 1:].T.tolist()
-        formula = sum(ring_bytes(a.batch, u * c, (a.kv_heads if a.kv_heads % u == 0 else H) // u, a.head_dim, cp // u, 4)) \
+        hkv = a.kv_heads if a.kv_heads % u == 0 else H   # (Ulysses repeats kv heads it cannot split)
+        formula = sum(ring_bytes(a.batch, u * c, hkv // u, a.head_dim, cp // u, 4)) \
             + (2 * ulysses_bytes(a.batch, c, H, a.kv_heads, a.head_dim, u, 4) if method == "ulysses" else 0)
         ok &= err < 1e-4 and sum(res["bytes"]) == formula
         flops = " ".join(f"{f:.1f}" for f in flops) if u < cp else "(SDPA: not counted on CPU)"
         print0(f"  {name:36s}{err:7.1e}  {flops:28s}{' '.join(f'{m:.2f}' for m in peak):24s}"
                f"{sum(res['bytes']):>15,d} ({formula:,d}){max(ms) * 1e3:8.1f}")
         if u < cp:
-            print0(f"{'':38s}forward waits for the next block, ms per rank: " + " ".join(f"{w * 1e3:.1f}" for w in wait))
+            print0(f"{'':38s}forward waits for the next block, ms per rank: "
+                   + " ".join(f"{w * 1e3:.1f}" for w in wait))
     batches = [get_batch(load_corpus(), s, 2, 32, device=device) for s in range(a.model_steps)]
     want = single_process(build_model("tiny", device=device), batches)["losses"]
     print0(f"tiny model, {a.model_steps} steps, S=32, cp={cp}: one process " + " ".join(f"{v:.5f}" for v in want))

@@ -193,7 +193,8 @@ class ParallelSwiGLU(SwiGLU):
     def __init__(self, mlp: SwiGLU, group, sp: bool):
         nn.Module.__init__(self)
         f, r = mlp.w1.weight.shape[0] // _size(group), dist.get_rank(group)
-        self.w1, self.w3 = (ColumnParallelLinear(w.weight, group, (r * f, r * f + f), input_op=None) for w in (mlp.w1, mlp.w3))
+        self.w1, self.w3 = (ColumnParallelLinear(w.weight, group, (r * f, r * f + f), input_op=None)
+                            for w in (mlp.w1, mlp.w3))
         self.w2 = RowParallelLinear(mlp.w2.weight, group, (r * f, r * f + f), sequence_parallel=sp)
         self.group, self.sp = group, sp
 
@@ -244,7 +245,8 @@ class VocabParallelCrossEntropy(nn.Module):
         self.vocab_start, self.group, self.divide_by = vocab_start, group, None
 
     def forward(self, logits, targets):
-        return VocabParallelCE.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start, self.group, self.divide_by)
+        return VocabParallelCE.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start, self.group,
+                                     self.divide_by)
 
 
 # ---- the whole model ---------------------------------------------------------------------------------
@@ -252,7 +254,8 @@ class VocabParallelCrossEntropy(nn.Module):
 def check_divisible(cfg, t: int) -> None:
     """Raise ONE clear ValueError (arithmetic only: on every rank, before any collective)."""
     if cfg.n_experts:
-        raise ValueError("tensor_parallel.py splits dense SwiGLU MLPs; for experts use expert parallel (n_experts=0 here)")
+        raise ValueError("tensor_parallel.py splits dense SwiGLU MLPs; for experts use expert parallel "
+                         "(n_experts=0 here)")
     for what, n in [("n_heads", cfg.n_heads), ("ffn_dim (MLP width)", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)]:
         if n % t:  # (the hidden size n_heads·head_dim divides whenever n_heads does)
             ok = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
@@ -378,11 +381,12 @@ def _demo(argv=None, reference=None) -> int:
     device, group = init_distributed(), dist.group.WORLD
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
     impls = {"by hand": lambda m: apply_tensor_parallel(copy.deepcopy(m), group, sp)}
-    if reference and not args.no_compare and cfg.n_kv_heads % t == 0:   # (DTensor's Colwise would cut a kv head)
+    if reference and not args.no_compare and cfg.n_kv_heads % t == 0:
         impls["DTensor"] = lambda m: reference(copy.deepcopy(m), group, sp)
-    why = "" if len(impls) > 1 or args.no_compare or not reference else f": Colwise would cut n_kv_heads={cfg.n_kv_heads} in {t}"
+    why = f": Colwise would cut {cfg.n_kv_heads} kv heads in {t}" if reference and not args.no_compare else ""
     print0(f"tensor parallel: tp={t}, model {args.model}, batch {B}x{S}, sequence parallel {'on' if sp else 'off'}, "
-           f"{dist.get_backend()} on {device}; PyTorch's DTensor TP {'beside it' if len(impls) > 1 else 'left out' + why}")
+           f"{dist.get_backend()} on {device}; PyTorch's DTensor TP "
+           + ("beside it" if len(impls) > 1 else "left out" + why))
     batches = [get_batch(load_corpus(), s, B, S, device=device) for s in range(args.steps)]
 
     def err(mine, full, p):   # my tensor (a DTensor's: the whole) against my slice of the one-process one
@@ -410,7 +414,8 @@ def _demo(argv=None, reference=None) -> int:
             losses.append(loss.item())
         dl = max(abs(a - b) for a, b in zip(losses, one["losses"]))
         dp = max(err(p, dict(one["model"].named_parameters())[n], p) for n, p in m.named_parameters())
-        print0(f"{name:8s} vs one process, {args.steps} AdamW steps, float64: max |diff| loss {dl:.1e}, parameters {dp:.1e}")
+        print0(f"{name:8s} vs one process, {args.steps} AdamW steps, float64: max |diff| loss {dl:.1e}, "
+               f"parameters {dp:.1e}")
         print_by_rank(f"  rank {dist.get_rank()}: gradients of step 1 that differ: {', '.join(off) or 'none'}")
         ok &= dl < 1e-10 and dp < 1e-10 and not off
 
@@ -418,8 +423,9 @@ def _demo(argv=None, reference=None) -> int:
     print0(f"collectives of one step (L={cfg.n_layers} layers; one [B,S,H] = {B * S * cfg.dim * 8:,d} bytes):")
     for name, phases in counts.items():
         for phase, c in phases.items():
-            print0(f"  {name:8s} {phase:12s} " + (", ".join(f"{s['calls']} {op} ({s['bytes']:,d} B, {s['wire_bytes']:,.0f} "
-                                                           f"on the wire)" for op, s in c.summary().items()) or "-"))
+            print0(f"  {name:8s} {phase:12s} " + (", ".join(f"{s['calls']} {op} ({s['bytes']:,d} B, "
+                                                           f"{s['wire_bytes']:,.0f} on the wire)"
+                                                           for op, s in c.summary().items()) or "-"))
     fwd, bwd, fin = counts["by hand"].values()
     want, plain = comm_formula(cfg, B, S, 8, t, sp), comm_formula(cfg, B, S, 8, t, False)
     got = {op: (fwd.calls(op) + bwd.calls(op), fwd.bytes(op) + bwd.bytes(op)) for op in want}
@@ -433,9 +439,11 @@ def _demo(argv=None, reference=None) -> int:
     models = {k: make(ref.float()) for k, make in impls.items()}
     opts, times = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}, {k: [] for k in impls}
     for _, k in itertools.product(range(args.rounds), impls):
-        times[k].append(time_steps(lambda: (dist.barrier(), train_step(models[k], opts[k], *batches[0]).item()), args.timed))
+        step = lambda: (dist.barrier(), train_step(models[k], opts[k], *batches[0]).item())  # noqa: E731
+        times[k].append(time_steps(step, args.timed))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print0("float32: " + ", ".join(f"{k}{' +SP' if sp else ''} {s * 1e3:.1f} ms/step ({B * S / s:.0f} tokens/s)" for k, s in med.items())
+    print0("float32: " + ", ".join(f"{k}{' +SP' if sp else ''} {s * 1e3:.1f} ms/step ({B * S / s:.0f} tokens/s)"
+                                   for k, s in med.items())
            + (f"; throughput by hand / DTensor {med['DTensor'] / med['by hand']:.2f}x" if len(med) == 2 else ""))
     ok = all_agree(ok)
     print0("all checks", "ok" if ok else "FAILED")
@@ -451,7 +459,8 @@ if __name__ == "__main__":
         from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
         seq = Shard(1) if sp else Replicate()  # the layout between the pairs
         plan = {"tok_embeddings": Row(input_layouts=Replicate(), output_layouts=seq),
-                "output": Col(input_layouts=seq, output_layouts=Replicate()), **({"norm": SequenceParallel()} if sp else {})}
+                "output": Col(input_layouts=seq, output_layouts=Replicate()),
+                **({"norm": SequenceParallel()} if sp else {})}
         for i in range(len(model.layers)):
             p = f"layers.{i}."
             plan.update({p + n: Col() for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")})
@@ -461,7 +470,8 @@ if __name__ == "__main__":
                              p + "attn": PrepareModuleInput(input_layouts=(seq, None, None),
                                                             desired_input_layouts=(Replicate(), None, None)),
                              p + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))})
-        return parallelize_module(model, DeviceMesh.from_group(group, device_type=model.output.weight.device.type), plan)
+        mesh = DeviceMesh.from_group(group, device_type=model.output.weight.device.type)
+        return parallelize_module(model, mesh, plan)
 
     from demo import main
     main(lambda argv: _demo(argv, reference=dtensor_tensor_parallel))

@@ -53,7 +53,8 @@ def _rank(cases, train_configs):
     for case in cases:
         case = dict(case)
         hybrid = case.pop("U", None)
-        results.append(ra.attention_case(group=rings[1] if hybrid else world, ring_group=rings[0] if hybrid else None, **case))
+        results.append(ra.attention_case(group=rings[1] if hybrid else world, ring_group=rings[0] if hybrid else None,
+                                         **case))
     # peak attention memory (MemTracker, forward + backward): cp ranks against one rank on all of S
     alone = [dist.new_group([r]) for r in range(cp)][dist.get_rank()]
     mem = dict(S=128, B=1, H=4, Hkv=2, D=16, causal=True, dtype=torch.float32, memory=True)
@@ -79,7 +80,8 @@ def _rank(cases, train_configs):
                 errors.append((str(e), c.calls()))
     batches = global_batches(3, 2, 32, seed=0)
     trained = [ra.train_cp("tiny", batches, world, method, layout) for method, layout in train_configs]
-    return results, errors, memory, [(losses, {n: p.detach() for n, p in m.named_parameters()}) for losses, m in trained]
+    return results, errors, memory, [(losses, {n: p.detach() for n, p in m.named_parameters()})
+                                     for losses, m in trained]
 
 
 TRAIN = [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag")]
@@ -94,7 +96,8 @@ def test_attention_equals_sdpa_bytes_flops_memory_errors(cp):
         res = [r[0][i] for r in per_rank]
         shape = {k: case[k] for k in ("B", "S", "H", "Hkv", "D", "causal")}
         exact = case["dtype"] == torch.bfloat16   # the exact answer for the bf16-rounded inputs, in float64
-        ref = ra.full_attention(**shape, dtype=F64 if exact else case["dtype"], round_to=torch.bfloat16 if exact else None)
+        ref = ra.full_attention(**shape, dtype=F64 if exact else case["dtype"],
+                                round_to=torch.bfloat16 if exact else None)
         tol = dict(rtol=1e-12, atol=1e-12) if case["dtype"] == F64 else dict(rtol=1e-5, atol=1e-5)
         for name in ("out", "dq", "dk", "dv"):
             got = gather_sequence([r[name] for r in res], case["layout"], dim=2)
@@ -108,7 +111,7 @@ def test_attention_equals_sdpa_bytes_flops_memory_errors(cp):
         R, hk = cp // U, hkv if hkv % U == 0 else H                     # kv heads after repeating
         for rank, r in enumerate(res):
             fwd, bwd = r["bytes"]
-            ring = ra.ring_bytes(B, U * c, hk // U, D, R, b)   # formula: (cp−1)·2·c·d_kv·b forward, + cp·2·c·d_kv·4 back
+            ring = ra.ring_bytes(B, U * c, hk // U, D, R, b)   # (cp−1)·2·c·d_kv·b, + cp·2·c·d_kv·4 back
             uly = ra.ulysses_bytes(B, c, H, hkv, D, U, b)        # formula: c·(H + 2·H_kv)·D·b + c·H·D·b each way
             assert (fwd, bwd) == (ring[0] + uly, ring[1] + uly), (case, fwd, bwd)
             assert r["calls"][0].get("send", {}).get("calls", 0) == 2 * (R - 1)
@@ -169,7 +172,8 @@ def test_schedule_layouts_and_merge():
                     pos = ra.shard_positions(48, cp, r, layout)
                     keys = torch.arange(48)
                     visible = keys[None, :] <= pos[:, None] if causal else torch.ones(len(pos), 48, dtype=torch.bool)
-                    assert int(seen.sum()) == int(visible.sum()) == ra.schedule_work(cp, r, layout, causal, 1, 1, 48 // cp, 1)["scores"]
+                    want = ra.schedule_work(cp, r, layout, causal, 1, 1, 48 // cp, 1)["scores"]
+                    assert int(seen.sum()) == int(visible.sum()) == want
     # the contiguous split gives rank r (r + 1/2)·c² useful scores, zigzag the same to every rank
     c = 64 // 4
     assert [ra.schedule_work(4, r, "contiguous", True, 1, 1, c, 1)["scores"] for r in range(4)] == \

@@ -43,7 +43,8 @@ def _one_config(cfg, dtype, sp):
         loss.backward()
     with CommCounter() as fin:
         tp.finish_grads(model)
-    return dict(loss=abs(loss.item() - one["losses"][0]), grads=_err(model, one["grads"][0]), fwd=fwd, bwd=bwd, fin=fin, local_params=sum(p.numel() for p in model.parameters()),
+    return dict(loss=abs(loss.item() - one["losses"][0]), grads=_err(model, one["grads"][0]), fwd=fwd, bwd=bwd,
+                fin=fin, local_params=sum(p.numel() for p in model.parameters()),
                 loss_value=loss.item())
 
 
@@ -77,7 +78,8 @@ def _vocab_ce():
         with CommCounter() as c:
             loss = ours(local, targets)
         loss.backward()
-        out[divide_by] = (abs(loss.item() - ref.item()), (local.grad - full.grad[..., r * V // t:(r + 1) * V // t]).abs().max().item(),
+        out[divide_by] = (abs(loss.item() - ref.item()),
+                          (local.grad - full.grad[..., r * V // t:(r + 1) * V // t]).abs().max().item(),
                           c.calls("all_reduce"), c.bytes("all_reduce"))
     return out
 
@@ -116,7 +118,7 @@ def _stages(sp):
     crosses the boundary by hand ([b, S/tp, H] under SP). Against the whole (SP) model and one process."""
     from pipeline import Stage
     x, y = _batch()
-    cfg, t = get_config("tiny"), dist.get_world_size()
+    cfg = get_config("tiny")
     ref = build_model(cfg, dtype=F64)
     one = single_process(ref, [(x, y)], keep_grads=True)
     whole = tp.apply_tensor_parallel(copy.deepcopy(ref), None, sequence_parallel=sp)
@@ -139,8 +141,10 @@ def _stages(sp):
     for st in stages:
         tp.finish_grads(st)
     wg = dict(whole.named_parameters())
-    return dict(shape=tuple(h.shape), loss=abs(loss.item() - loss_whole.item()), loss_one=abs(loss.item() - one["losses"][0]),
-                vs_whole=max((p.grad - wg[n].grad).abs().max().item() for st in stages for n, p in st.named_parameters()),
+    return dict(shape=tuple(h.shape), loss=abs(loss.item() - loss_whole.item()),
+                loss_one=abs(loss.item() - one["losses"][0]),
+                vs_whole=max((p.grad - wg[n].grad).abs().max().item()
+                             for st in stages for n, p in st.named_parameters()),
                 vs_one=max(_err(st, one["grads"][0]) for st in stages), no_positions=no_positions,
                 sliced=sorted(n for st in stages for n, p in st.named_parameters() if hasattr(p, "tp_slice")))
 
@@ -153,7 +157,8 @@ def _errors():
            "expert": get_config("tiny", n_experts=4)}
     errors = {}
     for key, fn in [(k, lambda c=c: tp.apply_tensor_parallel(build_model(c), None)) for k, c in bad.items()] + [
-            ("sequence", lambda: tp.apply_tensor_parallel(build_model("tiny"), None, True)(*(torch.zeros(2, 18, dtype=torch.long),) * 2))]:
+            ("sequence", lambda: tp.apply_tensor_parallel(build_model("tiny"), None, True)(
+                *(torch.zeros(2, 18, dtype=torch.long),) * 2))]:   # 18 tokens over 4 ranks
         with CommCounter() as c:
             try:
                 fn()
@@ -174,7 +179,8 @@ def _mesh():
         loss = m(x, y)
         loss.backward()
         tp.finish_grads(m)
-    return (abs(loss.item() - one["losses"][0]), _err(m, one["grads"][0]), {e.group_ranks for e in c.events}, mesh.ranks("tp"))
+    return (abs(loss.item() - one["losses"][0]), _err(m, one["grads"][0]), {e.group_ranks for e in c.events},
+            mesh.ranks("tp"))
 
 
 def _rank(t):
@@ -213,7 +219,8 @@ def test_matches_single_process_and_counts_collectives(t):
             c = get_config("tiny", n_layers=L)
             want = tp.comm_formula(c, B, S, b, t, sp)   # Megatron: (4L + 2) activation collectives + 3 for the loss
             for op, (calls, nbytes) in want.items():
-                assert (r["fwd"].calls(op) + r["bwd"].calls(op), r["fwd"].bytes(op) + r["bwd"].bytes(op)) == (calls, nbytes)
+                got = (r["fwd"].calls(op) + r["bwd"].calls(op), r["fwd"].bytes(op) + r["bwd"].bytes(op))
+                assert got == (calls, nbytes), ((dtype, sp, L), op, got)
             assert set(r["fwd"].summary()) | set(r["bwd"].summary()) == set(want)
             # forward: embedding + 2 per layer (+ the loss's 3 all-reduces); backward: 2 per layer + the head's
             ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
@@ -313,7 +320,8 @@ def _check_no_finish(out):
     for rank in range(4):
         wrong = _line(out, f"rank {rank}: gradients of step 1 that differ")
         names = wrong.split(": ")[-1].split(", ")
-        assert {"layers.0.attn.wk.weight", "layers.1.attn.wv.weight", "layers.0.mlp_norm.weight", "norm.weight"} <= set(names)
+        assert {"layers.0.attn.wk.weight", "layers.1.attn.wv.weight", "layers.0.mlp_norm.weight",
+                "norm.weight"} <= set(names)
         assert not any("wq" in n or "w1" in n for n in names)
     assert "all checks FAILED" in out
 
