@@ -270,7 +270,8 @@ def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = F
 
     mesh_or_group: a Mesh (its "tp" group), a process group, or None (the world). model: a
     model.Transformer or a pipeline.Stage (whatever of embedding, layers, norm and head it has).
-    Sets model.tp_group and model.tp_partial_grads = {parameter name: (slot, n_slots)}.
+    Sets model.tp_group, model.sequence_parallel (a pipeline stage then sends [b, S/t, H]) and
+    model.tp_partial_grads = {parameter name: (slot, n_slots)}.
     """
     group = resolve_group(mesh_or_group, "tp")
     t, cfg, sp = _size(group), model.cfg, sequence_parallel
@@ -284,7 +285,7 @@ def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = F
         model.output = ColumnParallelLinear(model.output.weight, group, (r * V // t, (r + 1) * V // t),
                                             input_op="gather" if sp else "copy")
         model.loss_fn = VocabParallelCrossEntropy(r * V // t, group)
-    model.tp_group, model.tp_partial_grads = group, {}
+    model.tp_group, model.sequence_parallel, model.tp_partial_grads = group, sp, {}
     for name, mod in model.named_modules():
         if isinstance(mod, ParallelAttention) and mod.kv_slot is not None:
             mark_partial(model, f"{name}.wk.weight", *mod.kv_slot)

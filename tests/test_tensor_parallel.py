@@ -141,6 +141,7 @@ def _stages(sp):
     for st in stages:
         tp.finish_grads(st)
     wg = dict(whole.named_parameters())
+    assert all(st.sequence_parallel == sp for st in stages)   # what a pipeline needs to size its transfers
     return dict(shape=tuple(h.shape), loss=abs(loss.item() - loss_whole.item()),
                 loss_one=abs(loss.item() - one["losses"][0]),
                 vs_whole=max((p.grad - wg[n].grad).abs().max().item()
