@@ -1,182 +1,132 @@
 """Lesson 6 — context parallel: ring attention (contiguous and zigzag) and Ulysses.
 
-The idea
---------
-Context parallel (cp) cuts the *sequence* of every batch into cp shards, one per rank.
-Everything in a transformer is token-wise except attention, and attention needs every
-key and value. Two ways to give it them:
+Context parallel (cp) cuts the sequence of every batch into cp shards, one per rank. Everything in a
+transformer is token-wise except attention, which needs every key and value. Two ways to give it them:
 
-Ring attention (Liu et al.): each rank keeps its queries; the key/value blocks travel
-around a ring of cp ranks. At step t rank r holds the block of rank (r - t) mod cp,
-computes its queries against it (while the next block is already on the wire) and folds
-the result into its running output with the log-sum-exp rule (online softmax):
-    lse' = lse - logsigmoid(lse - lse_b)          out' = out - sigmoid(lse_b - lse)·(out - out_b)
-exact, overflow-free, accumulated in fp32. The backward runs the ring again: k/v blocks
-travel with their gradient accumulators dk, dv, which end one hop later at their owner.
-Under a causal mask a contiguous split is unbalanced: rank r attends to r+1/2 blocks'
-worth of keys. The zigzag layout cuts the sequence into 2·cp chunks and gives rank i
-chunks i and 2·cp-1-i, so every rank does the same work.
+Ring attention (Liu et al. 2023, arXiv:2310.01889): queries stay home; key/value blocks travel around a
+ring of cp ranks. At step t rank r holds the block of rank (r - t) mod cp, starts passing it on, and
+folds its scores against it into a running output by the online softmax (Milakov & Gimelshein 2018,
+arXiv:1805.02867), in the log-sum-exp form of zhuzilin's ring-flash-attention (`_update_out_and_lse`):
+    lse' = lse - logsigmoid(lse - lse_b)        out' = out - sigmoid(lse_b - lse)·(out - out_b)
+exact, overflow-free, in fp32. The backward runs the ring again: k, v travel with their gradient
+accumulators dk, dv, which reach their owner one hop after the last step. Under a causal mask a
+contiguous split is unbalanced (rank r attends to r + 1/2 blocks' worth of keys); the zigzag layout
+(the same project's zigzag ring; Llama 3's context parallel, Dubey et al. 2024, arXiv:2407.21783
+§3.3.2, balances the same way) cuts S into 2·cp chunks and gives rank i chunks i and 2·cp-1-i.
 
-Ulysses (DeepSpeed): one all-to-all turns sequence shards of all heads into full
-sequences of H/cp heads; attention runs locally; a second all-to-all turns them back.
-Needs heads divisible by cp (key/value heads too, or they are repeated up to H).
+Ulysses (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all turns sequence shards of all heads into
+whole sequences of H/cp heads, attention runs locally, a second all-to-all turns the output back. Heads
+must divide by cp (kv heads too, or they are repeated up to H). Ring x Ulysses (USP, Fang & Zhao 2024,
+arXiv:2405.07719): cp = R·U; the all-to-all spans U consecutive cp ranks, the ring the other R.
 
-Communication per attention layer, per rank (c = S/cp tokens held, d_kv = H_kv·D, b bytes
-per element, times the batch B; THEORY.md "Ring attention"):
-    ring forward     (cp-1) · 2·c·d_kv·b                  k, v passed on cp-1 times
-    ring backward    (cp-1) · 2·c·d_kv·b + cp · 2·c·d_kv·4   k, v again + fp32 dk, dv going home
+Bytes one rank sends per layer (c = S/cp tokens held, d_kv = H_kv·D, b bytes per element, batch B;
+a send's bytes are what goes on the wire; an all-to-all's API bytes, of which (cp-1)/cp leave):
+    ring forward     (cp-1)·2·B·c·d_kv·b                      k, v passed on cp-1 times
+    ring backward    (cp-1)·2·B·c·d_kv·b + cp·2·B·c·d_kv·4    k, v again + fp32 dk, dv going home
                      (float64 inputs: 8 for 4, the accumulators stay float64)
-    Ulysses forward  all-to-all of c·(H+2·H_kv)·D·b  and of c·H·D·b (each sends (cp-1)/cp of it);
-                     the backward: the same two, reversed.
-Memory per rank: q, k, v, output O(S/cp) instead of O(S); the ring computes scores one
-block at a time, [B, H, S/cp, S/cp] (zigzag: [B, H, S/2cp, S/2cp]) instead of [B, H, S, S].
+    Ulysses, each way  B·c·(H + 2·H_kv)·D·b  +  B·c·H·D·b      (q, k, v there; the output back)
+Memory per rank: q, k, v, output O(S/cp) instead of O(S); the ring's scores one block at a time,
+[B, H, S/cp, S/cp] (zigzag: [B, H, S/2cp, S/2cp]) instead of [B, H, S, S].
 """
 from __future__ import annotations
 
-import argparse
-import sys
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from instruments import CommCounter, memory_tracker, time_steps
-from mesh import Mesh, init_distributed, print0
+from mesh import all_reduce_flat
 
-LAYOUTS = ("contiguous", "zigzag")
-METHODS = ("ring", "ulysses")
+LAYOUTS, METHODS = ("contiguous", "zigzag"), ("ring", "ulysses")
 
 
-# ---- layouts: which chunks of the sequence each rank holds ---------------------------
+# ---- layouts: which chunks of the sequence each rank holds ----------------------------------------
 
 def chunk_ids(layout: str, cp: int, rank: int) -> list[int]:
     """The sequence chunks rank `rank` holds: contiguous cuts S into cp chunks, zigzag into 2·cp."""
     return [rank] if layout == "contiguous" else [rank, 2 * cp - 1 - rank]
 
 
-def check_layout(seq_len: int, cp: int, layout: str) -> None:
-    """Raise ValueError (on every rank alike: pure arithmetic) unless S splits into the layout."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} unknown: choose one of {LAYOUTS}")
-    n = cp if layout == "contiguous" else 2 * cp
-    if seq_len % n:
-        raise ValueError(f"sequence length {seq_len} is not divisible by {n} ({layout} layout, cp={cp} "
-                         f"needs {'cp' if n == cp else '2·cp'} equal chunks): use a multiple of {n}")
+def ring_schedule(cp: int, rank: int, layout: str, causal: bool = True) -> list:
+    """The ring's plan on one rank, forward and backward alike: [(t, src, pairs)]. At step t the rank
+    holds the k, v block of rank src = (rank - t) mod cp and computes pairs (i, j, diagonal): its query
+    chunk i against the block's key chunk j. Causal: a pair wholly in the future is skipped; on the
+    diagonal (the same chunk) the causal triangle applies."""
+    mine, plan = chunk_ids(layout, cp, rank), []
+    for t in range(cp):
+        src = (rank - t) % cp
+        theirs = chunk_ids(layout, cp, src)
+        plan.append((t, src, [(i, j, causal and kc == qc) for i, qc in enumerate(mine)
+                              for j, kc in enumerate(theirs) if not causal or kc <= qc]))
+    return plan
 
 
-def shard_sequence(x: torch.Tensor, cp: int, rank: int, layout: str, dim: int = 1) -> torch.Tensor:
-    """This rank's part of x along the sequence dimension `dim` ([B, S] -> [B, S/cp])."""
-    check_layout(x.shape[dim], cp, layout)
-    chunks = x.chunk(cp if layout == "contiguous" else 2 * cp, dim)
-    return torch.cat([chunks[i] for i in chunk_ids(layout, cp, rank)], dim)
+# ---- one block of attention, by hand, returning its log-sum-exp -----------------------------------
 
-
-def gather_sequence(shards: list[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
-    """Inverse of shard_sequence: the shards of ranks 0..cp-1 back into the full sequence."""
-    cp = len(shards)
-    chunks = {}
-    for r, s in enumerate(shards):
-        ids = chunk_ids(layout, cp, r)
-        chunks.update(zip(ids, s.chunk(len(ids), dim)))
-    return torch.cat([chunks[i] for i in sorted(chunks)], dim)
-
-
-def shard_positions(seq_len: int, cp: int, rank: int, layout: str) -> torch.Tensor:
-    """Absolute positions of the tokens this rank holds (rotary needs them, not 0..S/cp-1)."""
-    return shard_sequence(torch.arange(seq_len), cp, rank, layout, dim=0)
-
-
-# ---- one block of attention, by hand, in fp32, returning the log-sum-exp ---------------
-
-def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """GQA: kv head j serves query heads j·g .. j·g+g-1 (as SDPA's enable_gqa)."""
+def _expand_kv(x, n_heads):  # GQA: kv head j serves query heads j·g .. j·g + g - 1 (as SDPA's enable_gqa)
     return x.repeat_interleave(n_heads // x.shape[1], dim=1)
 
 
-def _causal_mask(n: int, device) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)  # True above the diagonal: masked
+def _scores(q, k, scale, diagonal):                     # [B, H, cq, ck]; masked above the diagonal
+    s = q @ _expand_kv(k, q.shape[1]).transpose(-2, -1) * scale
+    return s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf")) if diagonal else s
 
 
 def block_forward(q, k, v, scale, diagonal):
-    """q [B, H, cq, D], k, v [B, Hkv, ck, D] -> out [B, H, cq, D], lse [B, H, cq].
-    diagonal: the query and key chunks are the same chunk, so the causal triangle applies."""
-    s = q @ _expand_kv(k, q.shape[1]).transpose(-2, -1) * scale            # [B, H, cq, ck]
-    if diagonal:
-        s = s.masked_fill(_causal_mask(s.shape[-1], s.device), float("-inf"))
-    lse = s.logsumexp(-1)                                                    # [B, H, cq]
+    """q [B, H, cq, D], k, v [B, Hkv, ck, D] -> out [B, H, cq, D], lse [B, H, cq]."""
+    s = _scores(q, k, scale, diagonal)
+    lse = s.logsumexp(-1)
     return torch.exp(s - lse[..., None]) @ _expand_kv(v, q.shape[1]), lse
 
 
 def block_backward(q, k, v, do, lse, delta, scale, diagonal):
-    """Gradients of one block, FlashAttention-style: P is recomputed from the FINAL lse of
-    each query row, so P here is the true softmax restricted to this block, and
-    dS = P ∘ (dP − rowsum(dO ∘ O)) needs only delta = rowsum(dO ∘ O), not the other blocks."""
+    """One block's gradients, FlashAttention-style: P recomputed from each query row's FINAL lse is the
+    true softmax restricted to this block, so dS = P ∘ (dP − rowsum(dO ∘ O)) needs only delta."""
     H, Hkv = q.shape[1], k.shape[1]
-    ke, ve = _expand_kv(k, H), _expand_kv(v, H)
-    s = q @ ke.transpose(-2, -1) * scale
-    if diagonal:
-        s = s.masked_fill(_causal_mask(s.shape[-1], s.device), float("-inf"))
-    p = torch.exp(s - lse[..., None])                                        # [B, H, cq, ck]
-    dv = p.transpose(-2, -1) @ do                                            # [B, H, ck, D]
-    ds = p * (do @ ve.transpose(-2, -1) - delta[..., None])
-    dq = ds @ ke * scale
-    dk = ds.transpose(-2, -1) @ q * scale
+    p = torch.exp(_scores(q, k, scale, diagonal) - lse[..., None])          # [B, H, cq, ck]
+    ds = p * (do @ _expand_kv(v, H).transpose(-2, -1) - delta[..., None])
     fold = lambda g: g.unflatten(1, (Hkv, H // Hkv)).sum(2)                 # noqa: E731  [B, Hkv, ck, D]
-    return dq, fold(dk), fold(dv)
+    return ds @ _expand_kv(k, H) * scale, fold(ds.transpose(-2, -1) @ q * scale), fold(p.transpose(-2, -1) @ do)
 
 
 def merge(out, lse, block_out, block_lse):
-    """Fold one block into the running (out, lse) — the stable online-softmax rule."""
+    """Fold a block's (out_b, lse_b) into the running (out, lse): the softmax over both blocks' keys.
+    lse' = log(e^lse + e^lse_b), out' = (e^lse·out + e^lse_b·out_b) / (e^lse + e^lse_b), written with
+    logsigmoid and sigmoid, which never overflow (zhuzilin's ring-flash-attention)."""
     if out is None:
         return block_out, block_lse
-    new_lse = lse - F.logsigmoid(lse - block_lse)
-    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), new_lse
+    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - block_lse)
 
 
-def block_pairs(q_ids, k_ids, causal):
-    """(i, j, diagonal) for the (query chunk, key chunk) pairs that are not fully masked."""
-    for i, qc in enumerate(q_ids):
-        for j, kc in enumerate(k_ids):
-            if not causal or kc <= qc:
-                yield i, j, causal and kc == qc
+def merge_textbook(out, lse, block_out, block_lse):
+    """The same fold as the online softmax is usually written (Milakov & Gimelshein): subtract the
+    running maximum m before exp, so exp never sees a large argument."""
+    if out is None:
+        return block_out, block_lse
+    m = torch.maximum(lse, block_lse)
+    a, b = torch.exp(lse - m), torch.exp(block_lse - m)
+    return (a[..., None] * out + b[..., None] * block_out) / (a + b)[..., None], m + torch.log(a + b)
 
 
-def new_work(log: bool = False) -> dict:
-    """Attention work a rank actually did (forward): block kernels, FLOPs computed, useful score
-    entries, and seconds spent waiting for the next block (communication not hidden, or a slower neighbour)."""
-    return dict(blocks=0, flops=0, scores=0, wait_s=0.0, log=[] if log else None)  # log: (phase, step, q, k)
-
-
-def _count(work, phase, step, qc, kc, q, k, diagonal):
-    if work is None:
-        return
-    B, H, cq, D = q.shape
-    ck = k.shape[2]
-    if work["log"] is not None:
-        work["log"].append((phase, step, qc, kc))
-    if phase == "fwd":
-        work["blocks"] += 1
-        work["flops"] += 4 * B * H * cq * ck * D                    # QK^T and PV, 2 FLOPs per multiply-add
-        work["scores"] += B * H * (cq * (cq + 1) // 2 if diagonal else cq * ck)  # unmasked entries
-
-
-# ---- the ring -------------------------------------------------------------------------
+# ---- the ring ------------------------------------------------------------------------------------
 
 class _Pass:
-    """Send tensors to the next rank and receive the same shapes from the previous one,
-    asynchronously: start it, compute, then wait()."""
+    """Send tensors to the next rank of the ring and receive the same shapes from the previous one,
+    asynchronously (one batch, so no pair of neighbours can deadlock): start it, compute, wait()."""
 
     def __init__(self, tensors, group):
         ranks = dist.get_process_group_ranks(group)
         me = ranks.index(dist.get_rank())
-        nxt, prv = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
-        self.sent = [t.contiguous() for t in tensors]  # kept alive until the sends finish
+        self.sent = [t.contiguous() for t in tensors]   # alive until the sends are done
         self.bufs = [torch.empty_like(t) for t in self.sent]
-        ops = [dist.P2POp(dist.isend, t, nxt, group) for t in self.sent]
-        ops += [dist.P2POp(dist.irecv, b, prv, group) for b in self.bufs]
-        self.reqs = dist.batch_isend_irecv(ops)  # one batch: no pair of neighbours can deadlock
+        nxt, prv = ranks[(me + 1) % len(ranks)], ranks[me - 1]
+        self.reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt, group) for t in self.sent]
+                                           + [dist.P2POp(dist.irecv, b, prv, group) for b in self.bufs])
 
     def wait(self):
         for r in self.reqs:
@@ -188,353 +138,373 @@ class RingAttention(torch.autograd.Function):
     """q [B, H, c, D], k, v [B, Hkv, c, D] (this rank's shard, in `layout`) -> out [B, H, c, D]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, work):
+    def forward(ctx, q, k, v, group, layout, causal):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        wd = torch.promote_types(q.dtype, torch.float32)        # fp32 accumulation (float64 stays)
-        scale = q.shape[-1] ** -0.5
-        my_ids = chunk_ids(layout, cp, rank)
-        n = len(my_ids)
-        qs = q.to(wd).chunk(n, dim=2)                            # n x [B, H, c/n, D]
-        outs, lses = [None] * n, [None] * n
-        kb, vb = k, v                                            # the block in hand travels in its own dtype
-        for t in range(cp):
-            src = (rank - t) % cp                                # whose block we hold now
-            nxt = _Pass([kb, vb], group) if t < cp - 1 else None  # the next block travels while we compute
+        wd, scale, n = torch.promote_types(q.dtype, torch.float32), q.shape[-1] ** -0.5, len(chunk_ids(layout, cp, 0))
+        qs, outs, lses = q.to(wd).chunk(n, dim=2), [None] * n, [None] * n     # n x [B, H, c/n, D]
+        kb, vb = k, v                                      # the block in hand travels in its own dtype
+        for t, src, pairs in ring_schedule(cp, rank, layout, causal):
+            nxt = _Pass([kb, vb], group) if t < cp - 1 else None      # the next block moves while we compute
             ks, vs = kb.to(wd).chunk(n, dim=2), vb.to(wd).chunk(n, dim=2)
-            src_ids = chunk_ids(layout, cp, src)
-            for i, j, diag in block_pairs(my_ids, src_ids, causal):
-                bo, bl = block_forward(qs[i], ks[j], vs[j], scale, diag)
-                outs[i], lses[i] = merge(outs[i], lses[i], bo, bl)
-                _count(work, "fwd", t, my_ids[i], src_ids[j], qs[i], ks[j], diag)
+            for i, j, diagonal in pairs:
+                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, diagonal))
             if nxt is not None:
-                t0 = time.perf_counter()
                 kb, vb = nxt.wait()
-                if work is not None:
-                    work["wait_s"] += time.perf_counter() - t0
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)   # [B, H, c, D] fp32, [B, H, c]
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)     # [B, H, c, D] in wd, [B, H, c]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.work = group, layout, causal, work
+        ctx.group, ctx.layout, ctx.causal = group, layout, causal
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout, causal = ctx.group, ctx.layout, ctx.causal
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        wd, scale = out.dtype, q.shape[-1] ** -0.5
-        my_ids = chunk_ids(layout, cp, rank)
-        n = len(my_ids)
+        cp, rank, group = dist.get_world_size(ctx.group), dist.get_rank(ctx.group), ctx.group
+        wd, scale, n = out.dtype, q.shape[-1] ** -0.5, len(chunk_ids(ctx.layout, cp, 0))
         do = dout.to(wd)
-        delta = (do * out).sum(-1)                               # rowsum(dO ∘ O)  [B, H, c]
+        delta = (do * out).sum(-1)                                      # rowsum(dO ∘ O) [B, H, c]
         qs, dos, lses, deltas = (x.chunk(n, dim=2) for x in (q.to(wd), do, lse, delta))
         dq = torch.zeros_like(q, dtype=wd)
-        dqs = dq.chunk(n, dim=2)                                 # views: += writes into dq
-        kb, vb, acc = k, v, None
-        for t in range(cp):
-            src = (rank - t) % cp
+        dqs, kb, vb, acc = dq.chunk(n, dim=2), k, v, None               # dqs: views, += writes into dq
+        for t, src, pairs in ring_schedule(cp, rank, ctx.layout, ctx.causal):
             nxt = _Pass([kb, vb], group) if t < cp - 1 else None
             ks, vs = kb.to(wd).chunk(n, dim=2), vb.to(wd).chunk(n, dim=2)
-            dk_part = torch.zeros_like(kb, dtype=wd)             # this step's contribution to block src
-            dv_part = torch.zeros_like(vb, dtype=wd)
-            dks, dvs = dk_part.chunk(n, dim=2), dv_part.chunk(n, dim=2)
-            src_ids = chunk_ids(layout, cp, src)
-            for i, j, diag in block_pairs(my_ids, src_ids, causal):
-                g_q, g_k, g_v = block_backward(qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i], scale, diag)
+            dk, dv = torch.zeros_like(kb, dtype=wd), torch.zeros_like(vb, dtype=wd)  # my share of block src's
+            for i, j, diagonal in pairs:
+                g_q, g_k, g_v = block_backward(qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i], scale, diagonal)
                 dqs[i].add_(g_q)
-                dks[j].add_(g_k)
-                dvs[j].add_(g_v)
-                _count(ctx.work, "bwd", t, my_ids[i], src_ids[j], qs[i], ks[j], diag)
-            # the accumulator of block src arrived from the previous rank (who added its part)
-            dk_acc, dv_acc = (dk_part, dv_part) if acc is None else [a + p for a, p in
-                                                                     zip(acc.wait(), (dk_part, dv_part))]
-            # ... and goes on to the next rank: it holds block src next step, or owns it after the last
-            acc = _Pass([dk_acc, dv_acc], group) if cp > 1 else None
+                dk.chunk(n, dim=2)[j].add_(g_k)
+                dv.chunk(n, dim=2)[j].add_(g_v)
+            if acc is not None:   # block src's accumulator arrived from the previous rank, who added its share
+                dk, dv = (a + mine for a, mine in zip(acc.wait(), (dk, dv)))
+            # ... and goes on: the next rank holds block src next step, or owns it after the last step
+            acc = _Pass([dk, dv], group) if cp > 1 else None
             if nxt is not None:
                 kb, vb = nxt.wait()
-        dk, dv = acc.wait() if acc is not None else (dk_acc, dv_acc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dk, dv = acc.wait() if acc is not None else (dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-# ---- Ulysses: all-to-all from sequence shards to head shards and back ------------------
+# ---- Ulysses: all-to-all from sequence shards to head shards and back ------------------------------
 
 class _AllToAll(torch.autograd.Function):
-    """Split x into cp pieces along scatter_dim, piece j to rank j; concatenate what arrives
-    along gather_dim. Its backward is the same exchange with the two dimensions swapped."""
+    """x cut into U pieces along scatter_dim, piece j to rank j; what arrives, concatenated along
+    gather_dim. Its backward is the same exchange with the two dimensions swapped."""
 
     @staticmethod
     def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        cp = dist.get_world_size(group)
-        if cp == 1:
+        ctx.group, ctx.dims, U = group, (scatter_dim, gather_dim), dist.get_world_size(group)
+        if U == 1:
             return x
-        send = torch.stack(x.chunk(cp, dim=scatter_dim)).contiguous()   # [cp, ...]: row j goes to rank j
+        send = torch.stack(x.chunk(U, dim=scatter_dim)).contiguous()    # [U, ...]: row j goes to rank j
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)                  # row i came from rank i
         return torch.cat(recv.unbind(0), dim=gather_dim)
 
     @staticmethod
     def backward(ctx, g):
-        scatter_dim, gather_dim = ctx.dims
-        return _AllToAll.apply(g, ctx.group, gather_dim, scatter_dim), None, None, None
+        return _AllToAll.apply(g, ctx.group, *reversed(ctx.dims)), None, None, None
 
 
 def check_ulysses(n_heads: int, cp: int) -> None:
     if n_heads % cp:
-        raise ValueError(f"Ulysses gives each of the cp={cp} ranks n_heads/cp heads, but n_heads={n_heads} "
-                         f"is not divisible by {cp}: choose cp from "
-                         f"{[d for d in range(1, n_heads + 1) if n_heads % d == 0]} or use ring attention")
+        raise ValueError(f"Ulysses gives each of the cp={cp} ranks n_heads/cp heads, but n_heads={n_heads} is not "
+                         f"divisible by {cp}: choose cp from {[d for d in range(1, n_heads + 1) if n_heads % d == 0]} "
+                         f"or use ring attention")
 
 
-def ulysses_attention(q, k, v, group, layout, causal):
-    """q [B, H, c, D], k, v [B, Hkv, c, D] sequence shards -> out [B, H, c, D]."""
-    cp = dist.get_world_size(group)
-    H, Hkv = q.shape[1], k.shape[1]
-    if Hkv % cp:                       # GQA with fewer kv heads than ranks: repeat them up to H
+def ulysses_attention(q, k, v, group, layout, causal, ring_group=None):
+    """q [B, H, c, D], k, v [B, Hkv, c, D] sequence shards -> out [B, H, c, D]. With ring_group: ring
+    attention over it on what the Ulysses all-to-all over `group` gathered (cp = ring size · U)."""
+    U, R = dist.get_world_size(group), 1 if ring_group is None else dist.get_world_size(ring_group)
+    H, me = q.shape[1], 0 if ring_group is None else dist.get_rank(ring_group)
+    if k.shape[1] % U:                  # fewer kv heads than ranks (GQA): repeat them up to H
         k, v = _expand_kv(k, H), _expand_kv(v, H)
-    hq, hkv = H // cp, k.shape[1] // cp
-    # one all-to-all for q, k, v: group heads by destination rank, [B, cp·(hq+2hkv), c, D]
-    qkv = torch.cat([t.unflatten(1, (cp, -1)) for t in (q, k, v)], dim=2).flatten(1, 2)
-    qkv = _AllToAll.apply(qkv, group, 1, 2)                        # [B, hq+2hkv, S, D] in shard order
-    order = [i for r in range(cp) for i in chunk_ids(layout, cp, r)]  # chunk held at each place
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    qkv = qkv.unflatten(2, (len(order), -1))[:, :, inverse].flatten(2, 3)  # natural token order
-    q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != hq)  # [B, hq, S, D]
-    o = o.unflatten(2, (len(order), -1))[:, :, order].flatten(2, 3)      # back to shard order
-    return _AllToAll.apply(o, group, 2, 1)                             # [B, H, c, D]
+    hq, hkv = H // U, k.shape[1] // U
+    # one all-to-all for q, k and v: heads grouped by destination, [B, U·(hq + 2·hkv), c, D]
+    qkv = torch.cat([t.unflatten(1, (U, -1)) for t in (q, k, v)], dim=2).flatten(1, 2)
+    qkv = _AllToAll.apply(qkv, group, 1, 2)                           # [B, hq + 2·hkv, U·c, D]: U shards
+    held = [i for u in range(U) for i in chunk_ids(layout, U * R, me * U + u)]    # the chunk at each place
+    order = sorted(range(len(held)), key=held.__getitem__)           # ascending chunks: the whole sequence
+    back = sorted(range(len(held)), key=order.__getitem__)           # (R = 1), or the ring shard in `layout`
+    q, k, v = qkv.unflatten(2, (len(held), -1))[:, :, order].flatten(2, 3).split([hq, hkv, hkv], dim=1)
+    if ring_group is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != hq)
+    else:
+        o = RingAttention.apply(q, k, v, ring_group, layout, causal)
+    o = o.unflatten(2, (len(held), -1))[:, :, back].flatten(2, 3)      # [B, hq, U·c, D] in shard order
+    return _AllToAll.apply(o, group, 2, 1)                            # [B, H, c, D]
 
 
-# ---- the module that takes the place of block.attn.sdpa ------------------------------
+def ring_ulysses_groups(cp_groups: list[list[int]], ulysses: int):
+    """Split every cp group (global ranks in cp order) into U-rank Ulysses groups (consecutive cp ranks)
+    and R-rank rings (the ranks at the same place of each Ulysses group), so cp rank i·U + u is ring
+    rank i, Ulysses rank u. new_group is a collective over the whole world: every rank calls this with
+    the same lists. Returns this rank's (ring group, Ulysses group)."""
+    if any(len(ranks) % ulysses for ranks in cp_groups):
+        raise ValueError(f"the Ulysses size {ulysses} must divide the cp size {len(cp_groups[0])}")
+    mine = [None, None]
+    for ranks in cp_groups:
+        grid = torch.tensor(ranks).view(-1, ulysses)                  # [R, U]
+        for k, rows in enumerate((grid.T.tolist(), grid.tolist())):  # rings: columns; Ulysses: rows
+            for r in rows:
+                g = dist.new_group(r)
+                mine[k] = g if dist.get_rank() in r else mine[k]
+    return tuple(mine)
+
+
+# ---- the module that takes the place of block.attn.sdpa ---------------------------------------------
+
+def check_layout(seq_len: int, cp: int, layout: str) -> None:
+    """Raise ValueError (on every rank alike: arithmetic) unless S splits into the layout's chunks."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} unknown: choose one of {LAYOUTS}")
+    n = cp if layout == "contiguous" else 2 * cp
+    if seq_len % n:
+        raise ValueError(f"sequence length {seq_len} is not divisible by {n} ({layout} layout, cp={cp} needs "
+                         f"{'cp' if n == cp else '2·cp'} equal chunks): use a multiple of {n}")
+
 
 class ContextParallelAttention(nn.Module):
-    """Attention over a sequence sharded across `group` (the model's rotary already used
-    the shard's absolute positions). method "ring" or "ulysses"; layout "contiguous" or "zigzag"."""
+    """Attention over a sequence sharded across `group` (the model's rotary used the shard's absolute
+    positions). method "ring" or "ulysses" (with ring_group: Ulysses over `group` × a ring over
+    ring_group); layout "contiguous" or "zigzag"."""
 
-    def __init__(self, group, method: str = "ring", layout: str = "zigzag", causal: bool = True, log=False):
+    def __init__(self, group, method: str = "ring", layout: str = "zigzag", causal: bool = True, ring_group=None):
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"method {method!r} unknown: choose one of {METHODS}")
-        check_layout(2 * dist.get_world_size(group), dist.get_world_size(group), layout)
-        self.group, self.method, self.layout, self.causal = group, method, layout, causal
-        self.work = new_work(log)  # counters of what this rank's ring computed (and the blocks, if log)
+        if method not in METHODS or (ring_group is not None and method != "ulysses"):
+            raise ValueError(f"method {method!r} unknown: choose one of {METHODS} (ring_group goes with 'ulysses')")
+        check_layout(2, 1, layout)
+        self.group, self.method, self.layout, self.causal, self.ring_group = group, method, layout, causal, ring_group
+        self.cp = dist.get_world_size(group) * (1 if ring_group is None else dist.get_world_size(ring_group))
 
     def forward(self, q, k, v):
-        cp = dist.get_world_size(self.group)
-        # every check is arithmetic on shapes all ranks share: it raises before any collective
-        check_layout(q.shape[2] * cp, cp, self.layout)
+        check_layout(q.shape[2] * self.cp, self.cp, self.layout)   # shapes every rank shares: all raise alike
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")
-        if self.method == "ulysses":
-            check_ulysses(q.shape[1], cp)
-            return ulysses_attention(q, k, v, self.group, self.layout, self.causal)
-        return RingAttention.apply(q, k, v, self.group, self.layout, self.causal, self.work)
+        if self.method == "ring":
+            return RingAttention.apply(q, k, v, self.group, self.layout, self.causal)
+        check_ulysses(q.shape[1], dist.get_world_size(self.group))
+        return ulysses_attention(q, k, v, self.group, self.layout, self.causal, self.ring_group)
 
 
-def ring_bytes(B, c, Hkv, D, cp, b):
-    """Formula: bytes one rank sends per ring-attention layer (forward, backward)."""
-    block = 2 * B * c * Hkv * D
-    acc = max(b, 4)  # the dk, dv accumulators are fp32 (float64 stays float64)
-    return (cp - 1) * block * b, (cp - 1) * block * b + (cp if cp > 1 else 0) * block * acc
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, layout: str, dim: int = 1) -> torch.Tensor:
+    """This rank's part of x along the sequence dimension `dim` ([B, S] -> [B, S/cp])."""
+    check_layout(x.shape[dim], cp, layout)
+    chunks = x.chunk(cp if layout == "contiguous" else 2 * cp, dim)
+    return torch.cat([chunks[i] for i in chunk_ids(layout, cp, rank)], dim)
 
 
-def ulysses_bytes(B, c, H, Hkv, D, cp, b):
-    """Formula: API bytes of the two all-to-alls per layer (forward; the backward is the same)."""
-    hkv = Hkv if Hkv % cp == 0 else H
-    return 0 if cp == 1 else B * c * (H + 2 * hkv) * D * b + B * c * H * D * b
+def shard_positions(seq_len: int, cp: int, rank: int, layout: str) -> torch.Tensor:
+    """Absolute positions of the tokens this rank holds (rotary needs them, not 0..S/cp-1)."""
+    return shard_sequence(torch.arange(seq_len), cp, rank, layout, dim=0)
 
-
-# ---- training the shared model with cp ranks ---------------------------------------------
 
 def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=0, device=None):
-    """Train the shared model, each rank holding S/cp tokens of every sequence. Returns the
-    global losses and the trained model (every rank's parameters stay identical)."""
+    """Train the shared model, each rank holding S/cp tokens of every sequence. Returns the global
+    losses and the trained model (every rank's parameters stay the same)."""
     from model import build_model, get_config
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    S = batches[0][0].shape[1]
-    check_layout(S, cp, layout)          # before any collective, on every rank alike
+    cp, rank, S = dist.get_world_size(group), dist.get_rank(group), batches[0][0].shape[1]
+    check_layout(S, cp, layout)                       # before any collective, on every rank alike
     if method == "ulysses":
         check_ulysses(cfg.n_heads, cp)
     model = build_model(cfg, seed=seed, device=device)
     for blk in model.layers:
         blk.attn.sdpa = ContextParallelAttention(group, method, layout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    pos = shard_positions(S, cp, rank, layout).to(device)
-    losses = []
+    pos, losses = shard_positions(S, cp, rank, layout).to(device), []
     for x, y in batches:
-        x, y = (shard_sequence(t, cp, rank, layout).to(device) for t in (x, y))   # [B, S/cp]
+        x, y = (shard_sequence(t, cp, rank, layout).to(device) for t in (x, y))       # [B, S/cp]
         loss = model(x, y, positions=pos)
-        # global loss = mean over ranks of the local means (equal token counts); the ring's
-        # backward already sent each rank's dk, dv home, so summing the ranks' parameter
-        # gradients of loss/cp gives the gradient of the global mean. (An MoE aux loss is not a
-        # mean of per-rank parts: this lesson trains the dense model.) The all-reduce over cp is
-        # the data-parallel one of lesson 1; torchtitan folds cp into its dp_shard_cp group.
+        # The global loss is the mean of the ranks' local means (equal token counts): each rank
+        # backpropagates loss/cp and the ranks' parameter gradients are summed (the ring's backward
+        # already sent every dk, dv home). This all-reduce is lesson 1's; torchtitan folds cp into dp.
         (loss / cp).backward()
-        grads = [p.grad for p in model.parameters()]
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, group=group)
-        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(f.view_as(g))
+        all_reduce_flat([p.grad for p in model.parameters()], group)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        l = loss.detach().clone()
-        dist.all_reduce(l, group=group)
-        losses.append(l.item() / cp)
+        total = loss.detach() / cp
+        all_reduce_flat([total], group)
+        losses.append(total.item())
     return losses, model
 
 
-# ---- measured runs (the tests, the notebook and the demo call these on every rank) ------
+# ---- formulas and measurements (tests, notebook and demo call these on every rank) ---------------------
 
-def _inputs(B, S, H, Hkv, D, dtype, seed, device=None, round_to=None):
-    """The seeded global q, k, v [B, h, S, D] and output gradient, the same on every rank
-    (round_to: first rounded to that dtype, e.g. the exact answer for bf16 inputs)."""
+def ring_bytes(B, c, Hkv, D, cp, b):
+    """Bytes one rank sends per ring-attention layer: (forward, backward)."""
+    block, acc = 2 * B * c * Hkv * D, max(b, 4)     # the dk, dv accumulators are fp32 (float64 stays)
+    return (cp - 1) * block * b, (cp - 1) * block * b + (cp if cp > 1 else 0) * block * acc
+
+
+def ulysses_bytes(B, c, H, Hkv, D, cp, b):
+    """API bytes of the two all-to-alls per layer, each way."""
+    return 0 if cp == 1 else B * c * (H + 2 * (Hkv if Hkv % cp == 0 else H)) * D * b + B * c * H * D * b
+
+
+def schedule_work(cp, rank, layout, causal, B, H, c, D) -> dict:
+    """Arithmetic on ring_schedule: matmul FLOPs of the forward (QKᵀ and PV: 4·B·H·cq·ck·D per block
+    pair, whole blocks) and backward (5 matmuls: 10·B·H·cq·ck·D), and the useful (unmasked) scores."""
+    n = len(chunk_ids(layout, cp, rank))
+    pairs = [d for _, _, ps in ring_schedule(cp, rank, layout, causal) for _, _, d in ps]
+    cq = c // n
+    return dict(fwd=4 * B * H * cq * cq * D * len(pairs), bwd=10 * B * H * cq * cq * D * len(pairs),
+                scores=B * H * sum(cq * (cq + 1) // 2 if d else cq * cq for d in pairs))
+
+
+@contextlib.contextmanager
+def timed_waits():
+    """Seconds this rank spends blocked in the ring's wait() — the next block not there yet — measured
+    by wrapping _Pass.wait from outside. Yields the list the durations are appended to."""
+    spent, inner = [], _Pass.wait
+
+    def wait(self):
+        t0 = time.perf_counter()
+        out = inner(self)
+        spent.append(time.perf_counter() - t0)
+        return out
+    _Pass.wait = wait
+    try:
+        yield spent
+    finally:
+        _Pass.wait = inner
+
+
+def _inputs(B, S, H, Hkv, D, dtype, seed, device=None, round_to=None, q_scale=1.0):
+    """The seeded global q, k, v [B, h, S, D] and output gradient, the same on every rank (round_to: first
+    rounded to that dtype — the exact answer for bf16 inputs — q_scale: q multiplied, scores grow)."""
     gen = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) for h in (H, Hkv, Hkv, H)]
+    xs = [torch.randn(B, h, S, D, generator=gen, dtype=torch.float64) * (q_scale if i == 0 else 1)
+          for i, h in enumerate((H, Hkv, Hkv, H))]
     return [x.to(round_to or dtype).to(device, dtype) for x in xs]
 
 
-def _measure(res, step, device, memory, repeats, group=None):
-    """Peak memory of one forward+backward (MemTracker: everything it allocates) and median time."""
+def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layout="zigzag", dtype=torch.float64,
+                   seed=0, group=None, ring_group=None, repeats=0, memory=False, device=None, q_scale=1.0):
+    """One forward + backward of context-parallel attention on this rank's shard of a seeded global batch:
+    its shards of out, dq, dk, dv; the collectives (CommCounter) and matmul FLOPs (FlopCounterMode) of
+    forward and backward; optionally peak memory (MemTracker), the median time of `repeats` calls and the
+    forward's waits for the next block. (On a group of one, "ulysses" is PyTorch's SDPA on all of S.)"""
+    group = group or dist.group.WORLD
+    attn = ContextParallelAttention(group, method, layout, causal, ring_group)
+    rank = dist.get_rank(group) + (0 if ring_group is None else dist.get_rank(ring_group) * dist.get_world_size(group))
+    q, k, v, dout = (shard_sequence(t, attn.cp, rank, layout, dim=2).requires_grad_(i < 3)      # [B, h, S/cp, D]
+                     for i, t in enumerate(_inputs(B, S, H, Hkv, D, dtype, seed, device, q_scale=q_scale)))
+    with CommCounter() as fwd, FlopCounterMode(display=False) as ffl:
+        out = attn(q, k, v)
+    with CommCounter() as bwd, FlopCounterMode(display=False) as bfl:
+        out.backward(dout)
+    res = dict(out=out.detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone(),
+               flops=(ffl.get_total_flops(), bfl.get_total_flops()), calls=(fwd.summary(), bwd.summary()),
+               bytes=tuple(c.bytes("send") + c.bytes("all_to_all") for c in (fwd, bwd)))
+    step = lambda: attn(q, k, v).backward(dout)  # noqa: E731
     if memory:
         with memory_tracker() as mt:
             step()
-        res["peak_bytes"] = mt.get_tracker_snapshot("peak")[device]["Total"]
-    if repeats:   # ranks start each call together, so the time is the ring's, not a straggler's
-        res["time"] = time_steps(lambda: (group is None or dist.barrier(group=group), step()), repeats)
+        res["peak_bytes"] = mt.get_tracker_snapshot("peak")[q.device]["Total"]
+    if repeats:   # every rank starts each call at once: the time is the ring's, not a straggler's
+        res["time"] = time_steps(lambda: (dist.barrier(), step()), repeats)
+        with torch.no_grad(), timed_waits() as waits:
+            for _ in range(repeats):
+                dist.barrier()
+                attn(q, k, v)
+        res["wait"] = sum(waits) / repeats
     return res
 
 
-def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layout="zigzag",
-                   dtype=torch.float64, seed=0, group=None, repeats=0, memory=False, device=None):
-    """One forward + backward of context-parallel attention on this rank's shard of a seeded
-    global batch: this rank's shards of out, dq, dk, dv, its work, the bytes it sent
-    (forward, backward), and optionally its peak attention memory and the time per call."""
-    group = group or dist.group.WORLD
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    q, k, v, dout = (shard_sequence(t, cp, rank, layout, dim=2)          # [B, h, S/cp, D]
-                     for t in _inputs(B, S, H, Hkv, D, dtype, seed, device))
+def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, device=None, round_to=None,
+                   q_scale=1.0):
+    """The reference: the same seeded batch through whole-sequence SDPA, in one process."""
+    q, k, v, dout = _inputs(B, S, H, Hkv, D, dtype, seed, device, round_to, q_scale)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    attn = ContextParallelAttention(group, method, layout, causal, log=True)
-    with CommCounter() as fwd:
-        out = attn(q, k, v)
-    with CommCounter() as bwd:
-        out.backward(dout)
-    res = dict(out=out.detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone(),
-               work=dict(attn.work),
-               bytes=(fwd.bytes("send") + fwd.bytes("all_to_all"), bwd.bytes("send") + bwd.bytes("all_to_all")),
-               calls=(fwd.summary(), bwd.summary()))
-    step = lambda: attn(q, k, v).backward(dout)  # noqa: E731
-    res = _measure(res, step, q.device, memory, 0)
-    if repeats:   # time_steps makes repeats + 1 calls (one warm-up)
-        attn.work["wait_s"] = 0.0
-        res = _measure(res, step, q.device, False, repeats, group)
-        res["wait"] = attn.work["wait_s"] / (repeats + 1)
-    return res
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)
+    out.backward(dout)
+    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
 
 
-def run_cases(cases: list[dict]) -> list[dict]:
-    """Rank function: attention_case for every case, on a cp group of the whole world."""
-    group = Mesh(cp=dist.get_world_size()).group("cp")
-    return [attention_case(group=group, **c) for c in cases]
+def sweep(seq_lens, layouts=LAYOUTS, **shape) -> dict:
+    """Rank function (a cp group of the whole world): per layout and S, this rank's peak ring-attention
+    memory (forward + backward) and the forward's matmul FLOPs."""
+    return {layout: [(r["peak_bytes"], r["flops"][0]) for r in (
+        attention_case(S=S, layout=layout, dtype=torch.float32, memory=True, **shape) for S in seq_lens)]
+        for layout in layouts}
 
 
-def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, repeats=0, memory=False,
-                   device=None, round_to=None):
-    """The reference: the same seeded batch through full-sequence SDPA, in one process."""
-    q, k, v, dout = _inputs(B, S, H, Hkv, D, dtype, seed, device, round_to)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)  # noqa: E731
-    run().backward(dout)
-    res = dict(out=run().detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone())
-    return _measure(res, lambda: run().backward(dout), q.device, memory, repeats)
+# ---- demo: torchrun --nproc_per_node 4 ring_attention.py ------------------------------------------------
 
+def _demo(argv=None) -> int:
+    """Each method against full-sequence SDPA (error, FLOPs, memory, bytes against the formula, time, the
+    forward's waits), then the tiny model trained with cp ranks against one process."""
+    import argparse
+    import os
 
-def memory_sweep(seq_lens, layouts=LAYOUTS, **shape) -> dict:
-    """Rank function: this rank's peak ring-attention memory (forward + backward) per layout and S."""
-    group = Mesh(cp=dist.get_world_size()).group("cp")
-    return {layout: [attention_case(S=S, method="ring", layout=layout, dtype=torch.float32, group=group,
-                                    memory=True, **shape)["peak_bytes"] for S in seq_lens]
-            for layout in layouts}
-
-
-# ---- demo --------------------------------------------------------------------------------
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in [("batch", 1), ("seq", 512), ("heads", 8), ("kv-heads", 4), ("head-dim", 32),
-                          ("repeats", 3), ("model-steps", 3)]:
-        ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--no-causal", action="store_true")
-    args = ap.parse_args()
-    device = init_distributed()
-    cp, rank = dist.get_world_size(), dist.get_rank()
-    check_layout(args.seq, cp, "zigzag")    # before any collective
-    group = Mesh(cp=cp).group("cp")
-    alone = [dist.new_group([r]) for r in range(cp)][rank]   # a cp=1 "ring": the same kernel, full S
-    shape = dict(B=args.batch, S=args.seq, H=args.heads, Hkv=args.kv_heads, D=args.head_dim,
-                 causal=not args.no_causal, dtype=torch.float32, repeats=args.repeats, memory=True, device=device)
-    ref = full_attention(**shape)
-    one = attention_case(**shape, layout="contiguous", group=alone)
-    print0(f"cp={cp} ranks, B={args.batch} S={args.seq} heads={args.heads} kv_heads={args.kv_heads} "
-           f"head_dim={args.head_dim} {'full' if args.no_causal else 'causal'} fp32, device {device}")
-    print0(f"{'one rank, full S':24s}{'work (fwd GFLOP)':>18s}{'peak MiB':>10s}{'ms':>8s}")
-    print0(f"{'  PyTorch SDPA':24s}{'':>18s}{ref['peak_bytes'] / 2**20:10.2f}{ref['time'] * 1e3:8.1f}")
-    print0(f"{'  hand kernel (cp=1)':24s}{one['work']['flops'] / 1e9:18.3f}{one['peak_bytes'] / 2**20:10.2f}"
-           f"{one['time'] * 1e3:8.1f}")
-    print0(f"{'cp=' + str(cp) + ', per rank':24s}{'max err':>9s}{'work (fwd GFLOP)':>30s}{'peak MiB':>26s}"
-           f"{'bytes/layer fwd+bwd (formula)':>32s}{'ms':>8s}")
-    ok, c = True, args.seq // cp
-    for method, layout in [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "contiguous")]:
-        if method == "ulysses" and args.heads % cp:
-            print0(f"  (Ulysses skipped: {args.heads} heads are not divisible by cp={cp})")
-            continue
-        res = attention_case(**shape, method=method, layout=layout, group=group)
-        err = max((res[n] - shard_sequence(ref[n], cp, rank, layout, dim=2)).abs().max().item()
-                  for n in ("out", "dq", "dk", "dv"))
-        every = [torch.empty(5, device=device) for _ in range(cp)]
-        dist.all_gather(every, torch.tensor([err, res["work"]["flops"] / 1e9, res["peak_bytes"] / 2**20,
-                                             res["time"], res.get("wait", 0.0)], device=device), group=group)
-        err, work, peak, ms, wait = torch.stack(every).T.tolist()
-        formula = sum(ring_bytes(args.batch, c, args.kv_heads, args.head_dim, cp, 4) if method == "ring" else
-                      [ulysses_bytes(args.batch, c, args.heads, args.kv_heads, args.head_dim, cp, 4)] * 2)
-        ok &= max(err) < 1e-4 and sum(res["bytes"]) == formula
-        work = " ".join(f"{w:.3f}" for w in work) if method == "ring" else "equal: H/cp heads, full S"
-        print0(f"  {method + ' ' + layout:22s}{max(err):9.1e}{work:>30s}{' '.join(f'{m:.2f}' for m in peak):>26s}"
-               f"{sum(res['bytes']):>17,d} ({formula:,d}){max(ms) * 1e3:8.1f}")
-        if method == "ring":   # forward only: time blocked in wait() for the next k, v block
-            print0(f"{'':24s}forward waits for the next block, ms per rank: "
-                   + " ".join(f"{w * 1e3:.1f}" for w in wait))
-    ok &= train_demo(args.model_steps, group, device)
-    print0("all checks", "ok" if ok else "FAILED")
-    dist.destroy_process_group()
-    return 0 if ok else 1
-
-
-def train_demo(n_steps, group, device) -> bool:
-    """The shared tiny model, each sequence spread over the cp ranks, against one process."""
     from data import get_batch, load_corpus
+    from demo import all_agree, finish, single_process
+    from mesh import init_distributed, print0
     from model import build_model
-    tokens = load_corpus()
-    batches = [get_batch(tokens, s, 2, 32, seed=0) for s in range(n_steps)]
-    model = build_model("tiny", seed=0, device=device)
-    opt, ref = torch.optim.AdamW(model.parameters(), lr=1e-3), []
-    for x, y in batches:
-        ref.append(model(x.to(device), y.to(device)))
-        ref[-1].backward()
-        opt.step()
-        opt.zero_grad()
-    ref, ok = [l.item() for l in ref], True
-    print0(f"tiny model, {n_steps} steps, S=32, cp={dist.get_world_size(group)}: one process "
-           + " ".join(f"{l:.5f}" for l in ref))
-    for method, layout in [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag")]:
-        if method == "ulysses" and model.cfg.n_heads % dist.get_world_size(group):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in [("batch", 1), ("seq", 512), ("heads", 8), ("kv-heads", 4), ("head-dim", 32), ("repeats", 3),
+                          ("model-steps", 3), ("q-scale", 1.0)]:
+        ap.add_argument(f"--{name}", type=type(default), default=default)
+    ap.add_argument("--no-causal", action="store_true")
+    a = ap.parse_args(argv)
+    cp, H = int(os.environ.get("WORLD_SIZE", "1")), a.heads
+    check_layout(a.seq, cp, "zigzag")                           # arithmetic, before any collective
+    if H % a.kv_heads:
+        raise ValueError(f"--heads {H} must be a multiple of --kv-heads {a.kv_heads}")
+    device, rank, world = init_distributed(), dist.get_rank(), dist.group.WORLD
+    alone = [dist.new_group([r]) for r in range(cp)][rank]     # a "ring" of one: the same kernel on all of S
+    U = 2 if cp >= 4 and cp % 2 == 0 else 1                    # ring x Ulysses: R = cp/2 rings of U = 2
+    ring, uly = ring_ulysses_groups([list(range(cp))], U) if U > 1 else (None, None)
+    shape = dict(B=a.batch, S=a.seq, H=H, Hkv=a.kv_heads, D=a.head_dim, causal=not a.no_causal, dtype=torch.float32,
+                 repeats=a.repeats, memory=True, device=device, q_scale=a.q_scale)
+    ref = full_attention(**{k: v for k, v in shape.items() if k not in ("repeats", "memory")})
+    sdpa, one = (attention_case(**shape, method=m, layout="contiguous", group=alone) for m in ("ulysses", "ring"))
+    print0(f"cp={cp} ranks, B={a.batch} S={a.seq} heads={H} kv_heads={a.kv_heads} head_dim={a.head_dim} "
+           f"{'full' if a.no_causal else 'causal'} fp32, q x {a.q_scale:g}, {device}\n{'one rank, all of S':32s}"
+           f"{'fwd MFLOP':12s}{'peak MiB':10s}{'ms':>6s}\n{'  PyTorch SDPA':44s}{sdpa['peak_bytes'] / 2**20:<10.2f}"
+           f"{sdpa['time'] * 1e3:6.1f}\n{'  hand kernel, cp=1':32s}{one['flops'][0] / 1e6:<12.1f}"
+           f"{one['peak_bytes'] / 2**20:<10.2f}"
+           f"{one['time'] * 1e3:6.1f}\ncp={cp}, per rank{'rel. err':>24s}  {'fwd MFLOP':28s}{'peak MiB':24s}"
+           f"{'bytes/layer fwd+bwd (formula)':>30s}{'ms':>8s}")
+    ok, c = True, a.seq // cp
+    for method, layout, u in [("ring", "contiguous", 1), ("ring", "zigzag", 1), ("ulysses", "contiguous", cp),
+                              ("ulysses", "zigzag", U)][:3 + (U > 1)]:
+        name = f"{method} {layout}" if u in (1, cp) else f"ring {cp // U} x ulysses {U} {layout}"
+        if method == "ulysses" and H % u:
+            print0(f"  ({name} skipped: {H} heads are not divisible by {u})")
             continue
-        losses, _ = train_cp("tiny", batches, group, method, layout, device=device)
-        diff = max(abs(a - b) for a, b in zip(losses, ref))
-        ok &= diff < 1e-5
-        print0(f"  {method + ' ' + layout:20s} " + " ".join(f"{l:.5f}" for l in losses) + f"  max |diff| {diff:.1e}")
-    return ok
+        res = attention_case(**shape, method=method, layout=layout, group=uly if 1 < u < cp else world,
+                             ring_group=ring if 1 < u < cp else None)
+        err = torch.stack([(res[n] - shard_sequence(ref[n], cp, rank, layout, dim=2)).abs().max() / ref[n].abs().max()
+                           for n in ("out", "dq", "dk", "dv")]).max()        # (torch's max keeps a nan)
+        every = [torch.empty(5, device=device) for _ in range(cp)]
+        dist.all_gather(every, torch.tensor([err, res["flops"][0] / 1e6, res["peak_bytes"] / 2**20, res["time"],
+                                             res["wait"]], device=device))
+        err, (flops, peak, ms, wait) = torch.stack(every)[:, 0].max().item(), torch.stack(every)[:, 1:].T.tolist()
+        hkv = a.kv_heads if a.kv_heads % u == 0 else H   # (Ulysses repeats kv heads it cannot split)
+        formula = sum(ring_bytes(a.batch, u * c, hkv // u, a.head_dim, cp // u, 4)) \
+            + (2 * ulysses_bytes(a.batch, c, H, a.kv_heads, a.head_dim, u, 4) if method == "ulysses" else 0)
+        ok &= err < 1e-4 and sum(res["bytes"]) == formula
+        flops = " ".join(f"{f:.1f}" for f in flops) if u < cp else "(SDPA: not counted on CPU)"
+        print0(f"  {name:36s}{err:7.1e}  {flops:28s}{' '.join(f'{m:.2f}' for m in peak):24s}"
+               f"{sum(res['bytes']):>15,d} ({formula:,d}){max(ms) * 1e3:8.1f}")
+        if u < cp:
+            print0(f"{'':38s}forward waits for the next block, ms per rank: "
+                   + " ".join(f"{w * 1e3:.1f}" for w in wait))
+    batches = [get_batch(load_corpus(), s, 2, 32, device=device) for s in range(a.model_steps)]
+    want = single_process(build_model("tiny", device=device), batches)["losses"]
+    print0(f"tiny model, {a.model_steps} steps, S=32, cp={cp}: one process " + " ".join(f"{v:.5f}" for v in want))
+    for method, layout in [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag")][:2 + (4 % cp == 0)]:
+        losses, _ = train_cp("tiny", batches, world, method, layout, device=device)
+        ok &= max(abs(x - y) for x, y in zip(losses, want)) < 1e-5
+        print0(f"  {method + ' ' + layout:24s}" + " ".join(f"{v:.5f}" for v in losses)
+               + f"  max |diff| {max(abs(x - y) for x, y in zip(losses, want)):.1e}")
+    ok = all_agree(ok)
+    print0("all checks", "ok" if ok else "FAILED")
+    return finish(ok)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from demo import main
+    main(_demo)

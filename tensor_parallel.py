@@ -1,564 +1,478 @@
 """Lesson 4 — tensor parallel (Megatron) and sequence parallel.
 
-The idea
---------
-Split every weight matrix of a layer across the t ranks of a tp group. A pair of linears
-    Y = (X A) B          X [B, S, H], A [H, F], B [F, H]
-needs NO communication between the two matmuls if A is split by COLUMNS (rank r holds
-A[:, r-th F/t] and computes its own slice of XA) and B by ROWS (rank r multiplies its slice
-of XA by B[r-th F/t, :], a partial sum of Y). One all-reduce adds the partials.
-Two conjugate operators make autograd do the right thing (Megatron's f and g):
-    f  "copy to tp":       forward identity,   backward all-reduce   (entry of a pair)
-    g  "reduce from tp":   forward all-reduce,  backward identity     (exit of a pair)
-A transformer block has two pairs — attention (wq, wk, wv column / wo row, split by heads)
-and the SwiGLU MLP (w1, w3 column / w2 row) — so per layer
-    forward: 2 all-reduces of [B, S, H],   backward: 2 all-reduces of [B, S, H].
-The embedding is split by vocabulary (a rank's out-of-range tokens give zeros, then g),
-the head by vocabulary too (logits [B, S, V/t] stay split) and the cross-entropy is
-computed without gathering the logits: 3 small all-reduces of [B·S] (max, target logit,
-sum of exponentials).
+Split every weight matrix of a layer over the t ranks of a tp group (Shoeybi et al. 2019, Megatron-LM,
+arXiv:1909.08053 §3). A pair of linears Y = (X A) B needs no communication between its matmuls if A is
+cut by COLUMNS (rank r computes its own F/t features of XA) and B by ROWS (rank r multiplies them by its
+F/t rows of B: a partial sum of Y); one all-reduce adds the partials. Two conjugate operators make
+autograd right (Megatron's f and g, §3 Figure 3): f at the entry of a pair (forward identity, backward
+all-reduce), g at its exit (forward all-reduce, backward identity). A block has two pairs, attention
+(wq, wk, wv by heads / wo) and the SwiGLU MLP (w1, w3 / w2); the embedding and the head are cut by
+vocabulary, and the cross-entropy never gathers the logits (3 all-reduces of one number per token, §3).
+GQA: if t divides n_kv a rank keeps n_kv/t kv heads; if n_kv divides t each kv head is replicated on
+the t/n_kv ranks whose query heads read it, and its gradient there is partial.
+Sequence parallel (Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2): between the pairs, keep the
+activations (norms, residuals) as [B, S/t, H] instead of whole [B, S, H] on every rank: f becomes an
+all-gather over S (backward reduce-scatter), g a reduce-scatter (backward all-gather); the norm weights
+then see S/t tokens and their gradients are partial too. finish_grads sums partial gradients over tp.
 
-Grouped-query attention: heads are split, so kv heads must be too. If t divides n_kv, each
-rank keeps n_kv/t kv heads. If n_kv divides t, each kv head is REPLICATED on t/n_kv ranks
-(each keeps the one its query heads read); each replica then sees only the gradient of its
-own query heads, so those partial gradients are summed after backward (finish_grads).
-
-Sequence parallel (Korthikanti et al.): between the pairs the activations are replicated
-under plain TP, so norms and residuals cost full [B, S, H] memory on every rank. Instead
-keep them split over the sequence, [B, S/t, H], and replace
-    f -> all-gather over S (backward reduce-scatter),  g -> reduce-scatter over S (backward all-gather).
-A ring all-reduce IS a reduce-scatter plus an all-gather, so the bytes on the wire are the
-same: per rank per collective 2(t-1)/t · BSH·b either way. The norm weights then see only
-their shard's tokens: their gradients are summed after backward (finish_grads, one
-all-reduce of (2L+1)·H elements per step).
-
-Memory per rank: every matmul weight / t (norms replicated); activations per layer
-sbh(10 + 24/t + 5as/(ht)) bytes with TP, sbh/t·(34 + 5as/h) with TP + SP (GPT, fp16).
+One step, L layers, b bytes per element (API bytes handed to the collectives; [ring wire bytes per rank]):
+    TP   4L + 2 all-reduces of B·S·H·b                             [2(t-1)/t of each]
+    SP   4L + 2 all-gathers + 4L + 2 reduce-scatters of B·S·H·b     [(t-1)/t of each]: the same wire bytes
+    (+2: the embedding's g forward, the head's f backward; the loss: 3 all-reduces of B·S·max(b, 4))
+    finish_grads: one all-reduce of 2L·n_kv·(H/n_heads)·H elements if t > n_kv (replicated kv weights,
+    each zero-padded to n_kv slots) + (2L + 1)·H with SP (the norm weights).
+Memory per rank: matmul weights / t, the kv projections / min(t, n_kv), norms replicated. Activations of
+one layer (Korthikanti §4.2; their s sequence, b batch, h hidden, a heads; 16-bit bytes):
+    TP  sbh(10 + 24/t + 5as/(ht))          TP + SP  sbh/t·(34 + 5as/h)
 """
 from __future__ import annotations
-
-import argparse
-import copy
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mesh import Mesh, all_gather_single, init_distributed, print0, reduce_scatter_single
-from model import Attention, SwiGLU, build_model, get_config, rope_cos_sin
+from mesh import all_gather_single, all_reduce_flat, reduce_scatter_single, resolve_group
+from model import IGNORE, Attention, RMSNorm, SwiGLU
 
 
-# ---- the conjugate operators ---------------------------------------------------------------
+# ---- the conjugate operators f and g --------------------------------------------------------------
 
 def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-class CopyToTP(torch.autograd.Function):
-    """f: forward identity, backward all-reduce (every rank's use of x adds to x's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        if _size(ctx.group) > 1:
-            g = g.contiguous()
-            dist.all_reduce(g, group=ctx.group)
-        return g, None
+def _all_reduce(x, group):
+    x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: not on autograd's tensor
+    dist.all_reduce(x, group=group)
+    return x
 
 
-class ReduceFromTP(torch.autograd.Function):
-    """g: forward all-reduce of the partial sums, backward identity (the sum's gradient is copied)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        if _size(group) > 1:
-            x = x.contiguous().clone()  # all_reduce is in place: never overwrite autograd's tensor
-            dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def _gather_seq(x, group):
-    """[B, S/t, H] -> [B, S, H]: all-gather along the sequence (collectives gather dim 0)."""
-    t = _size(group)
-    if t == 1:
-        return x
-    xs = x.transpose(0, 1).contiguous()                       # [S/t, B, H]
-    out = xs.new_empty((t * xs.shape[0],) + xs.shape[1:])     # [S, B, H]
+def _gather_seq(x, group):                                 # [B, S/t, H] -> [B, S, H]
+    xs = x.transpose(0, 1).contiguous()                    # [S/t, B, H]: collectives concatenate dim 0
+    out = xs.new_empty((_size(group) * xs.shape[0],) + xs.shape[1:])
     all_gather_single(out, xs, group=group)
-    # One contiguous copy: q, k, v (or w1, w3) then save ONE [B, S, H] input between them
-    # (a strided view would make each linear save its own flattened copy).
-    return out.transpose(0, 1).contiguous()
+    return out.transpose(0, 1).contiguous()  # contiguous: q, k, v then save ONE input, not a copy each
 
 
-def _reduce_scatter_seq(x, group):
-    """[B, S, H] partial sums -> [B, S/t, H]: sum over ranks, keep my sequence shard."""
-    t = _size(group)
-    if t == 1:
-        return x
-    xs = x.transpose(0, 1).contiguous()                       # [S, B, H]
-    out = xs.new_empty((xs.shape[0] // t,) + xs.shape[1:])    # [S/t, B, H]
+def _reduce_scatter_seq(x, group):                         # [B, S, H] partial -> [B, S/t, H] summed
+    xs = x.transpose(0, 1).contiguous()                    # [S, B, H]
+    out = xs.new_empty((xs.shape[0] // _size(group),) + xs.shape[1:])
     reduce_scatter_single(out, xs, group=group)
     return out.transpose(0, 1)
 
 
-class GatherFromSP(torch.autograd.Function):
-    """SP's f: forward all-gather over S, backward reduce-scatter over S."""
+class _Conjugate(torch.autograd.Function):
+    """forward: fwd(x); backward: bwd(grad)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
+    def forward(ctx, x, group, fwd, bwd):
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group) if _size(group) > 1 else x
 
     @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_seq(g, ctx.group), None
+    def backward(ctx, grad):
+        return (ctx.bwd(grad, ctx.group) if _size(ctx.group) > 1 else grad), None, None, None
 
 
-class ReduceScatterToSP(torch.autograd.Function):
-    """SP's g: forward reduce-scatter over S, backward all-gather over S."""
+def _identity(x, group):
+    return x
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
 
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_seq(g, ctx.group), None
+#      forward               backward
+F_TP = (_identity,           _all_reduce)           # f: every rank's use of x adds to x's gradient
+G_TP = (_all_reduce,         _identity)             # g: the sum's gradient is copied to every part
+F_SP = (_gather_seq,         _reduce_scatter_seq)   # SP's f: [B, S/t, H] in, [B, S, H] out
+G_SP = (_reduce_scatter_seq, _gather_seq)           # SP's g: [B, S, H] partial in, [B, S/t, H] out
 
 
 def enter_tp(x, group, sp: bool):
-    """Into a column/row pair: [B, S, H] replicated (f) or [B, S/t, H] gathered (SP)."""
-    return GatherFromSP.apply(x, group) if sp else CopyToTP.apply(x, group)
+    """Into a column/row pair: f, or SP's all-gather."""
+    return _Conjugate.apply(x, group, *(F_SP if sp else F_TP))
 
 
 def exit_tp(x, group, sp: bool):
-    """Out of a pair: partial [B, S, H] -> summed [B, S, H] (g) or summed [B, S/t, H] (SP)."""
-    return ReduceScatterToSP.apply(x, group) if sp else ReduceFromTP.apply(x, group)
+    """Out of a pair: g, or SP's reduce-scatter."""
+    return _Conjugate.apply(x, group, *(G_SP if sp else G_TP))
 
 
-# ---- parallel layers ------------------------------------------------------------------------
+# ---- column- and row-parallel linears -------------------------------------------------------------
 
 def _shard(full: torch.Tensor, dim: int, start: int, end: int) -> nn.Parameter:
-    """My slice of a full weight, as a fresh parameter that remembers where it came from."""
+    """My slice of a full weight, as a new parameter that remembers where it came from."""
     p = nn.Parameter(full.detach().narrow(dim, start, end - start).clone())
-    p.tp_slice = (dim, start, end)  # for tests and pictures: which part of the full weight
+    p.tp_slice = (dim, start, end)
     return p
 
 
+def full_slice(full: torch.Tensor, p) -> torch.Tensor:
+    """The part of a full tensor (a weight, its gradient) that parameter p holds."""
+    return full.narrow(p.tp_slice[0], p.tp_slice[1], p.tp_slice[2] - p.tp_slice[1]) if hasattr(p, "tp_slice") else full
+
+
 class ColumnParallelLinear(nn.Module):
-    """y[..., rows] = x @ W[rows].T  —  output features split (the output stays split: gather
-    it with gather_last_dim to look at it). input_op: "copy" (f), "gather" (SP all-gather) or None
-    when the caller already entered the tp region (attention and MLP enter once for all)."""
+    """y = x @ W[rows].T, my output features [..., F/t]. input_op: "copy" (f), "gather" (SP's f), or
+    None when the caller entered the pair already (attention and the MLP enter once for all)."""
 
     def __init__(self, weight, group, rows: tuple[int, int], input_op="copy"):
         super().__init__()
-        self.weight = _shard(weight, 0, *rows)                  # [F/t, H]
-        self.group, self.input_op = group, input_op
+        self.weight, self.group, self.input_op = _shard(weight, 0, *rows), group, input_op   # [F/t, H]
 
     def forward(self, x):
         if self.input_op is not None:
             x = enter_tp(x, self.group, sp=self.input_op == "gather")
-        return F.linear(x, self.weight)                          # [B, S, F/t]
+        return F.linear(x, self.weight)                                  # [B, S, F/t]
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x[..., cols] @ W[:, cols].T  —  input features split (already so)."""
+    """y = Σ over ranks of x[..., my F/t] @ W[:, my F/t].T, then g (the input is split already)."""
 
     def __init__(self, weight, group, cols: tuple[int, int], sequence_parallel=False):
         super().__init__()
-        self.weight = _shard(weight, 1, *cols)                  # [H, F/t]
-        self.group, self.sp = group, sequence_parallel
+        self.weight, self.group, self.sp = _shard(weight, 1, *cols), group, sequence_parallel   # [H, F/t]
 
-    def forward(self, x):                                        # x [B, S, F/t]
-        return exit_tp(F.linear(x, self.weight), self.group, self.sp)  # [B, S(/t), H]
+    def forward(self, x):                                                # [B, S, F/t]
+        return exit_tp(F.linear(x, self.weight), self.group, self.sp)   # [B, S, H] or [B, S/t, H]
 
 
-def gather_last_dim(y, group):
-    """[..., F/t] on each rank -> [..., F] (for looking at outputs; not differentiable)."""
-    t = _size(group)
-    if t == 1:
-        return y
-    out = y.new_empty((t * y.shape[0],) + y.shape[1:])       # ranks' slices stacked on dim 0
-    all_gather_single(out, y.contiguous(), group=group)
-    return torch.cat(out.chunk(t, dim=0), dim=-1)
-
+# ---- the model's layers, made parallel -----------------------------------------------------------
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r owns rows [r·V/t, (r+1)·V/t); other tokens give zeros; the partials are summed."""
+    """Rank r owns rows [r·V/t, (r+1)·V/t); other tokens give zeros; g sums the partials."""
 
     def __init__(self, weight, group, sequence_parallel=False):
         super().__init__()
-        t, r = _size(group), dist.get_rank(group)
-        V = weight.shape[0]
+        t, r, V = _size(group), dist.get_rank(group), weight.shape[0]
         self.start, self.end = r * V // t, (r + 1) * V // t
-        self.weight = _shard(weight, 0, self.start, self.end)   # [V/t, H]
-        self.group, self.sp = group, sequence_parallel
+        self.weight, self.group, self.sp = _shard(weight, 0, self.start, self.end), group, sequence_parallel
 
-    def forward(self, tokens):                                   # [B, S] (the same on every rank)
+    def forward(self, tokens):                                           # [B, S], the same on every rank
         t = _size(self.group)
         if self.sp and tokens.shape[1] % t:  # every rank sees the same tokens: all raise, none hangs
             raise ValueError(f"sequence parallel splits the sequence over tp={t} ranks, but the "
                              f"sequence length is {tokens.shape[1]}: use a multiple of {t}")
         mine = (tokens >= self.start) & (tokens < self.end)
-        local = torch.where(mine, tokens - self.start, 0)
-        h = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)  # [B, S, H] partial
-        return exit_tp(h, self.group, self.sp)                  # [B, S, H] or [B, S/t, H]
+        h = F.embedding(torch.where(mine, tokens - self.start, 0), self.weight)
+        return exit_tp(h * mine.unsqueeze(-1).to(h.dtype), self.group, self.sp)  # [B, S(/t), H]
 
-
-class VocabParallelCE(torch.autograd.Function):
-    """Mean cross-entropy over logits split by vocabulary, never gathering them.
-
-    loss_i = log sum_v exp(z_iv - m_i) - (z_i,y_i - m_i), m_i = max_v z_iv: three all-reduces
-    over the tp group (max, target logit, sum of exponentials) of one number per token.
-    Gradient (local, no communication): (softmax_i - onehot(y_i)) / n_valid on my vocab slice.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group, ignore_index):
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))     # [N, V/t]
-        t, Vl = _size(group), z.shape[1]
-        m = z.max(dim=-1).values                                            # [N]
-        if t > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)           # 1: global max
-        z = z - m[:, None]  # the max is a constant: softmax does not depend on it
-        local_y = targets - vocab_start
-        mine = (local_y >= 0) & (local_y < Vl)                              # my rank owns the target
-        idx = torch.where(mine, local_y, 0)
-        target_logit = torch.where(mine, z.gather(1, idx[:, None]).squeeze(1), 0.0)
-        e = z.exp()
-        sum_exp = e.sum(-1)
-        if t > 1:
-            dist.all_reduce(target_logit, group=group)                      # 2: the target's logit
-            dist.all_reduce(sum_exp, group=group)                           # 3: the partition sum
-        valid = targets != ignore_index
-        n = valid.sum()
-        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0).sum() / n
-        ctx.save_for_backward(e / sum_exp[:, None], idx, mine & valid, valid, n)
-        ctx.in_dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        softmax, idx, hit, valid, n = ctx.saved_tensors
-        # softmax - onehot(target) on the rank owning the target (no host sync: scatter, not indexing)
-        grad = softmax.scatter_add(1, idx[:, None], -hit[:, None].to(softmax.dtype))
-        grad = grad * (valid[:, None].to(grad.dtype) * (g / n))
-        return grad.to(ctx.in_dtype), None, None, None, None
-
-
-class VocabParallelCrossEntropy(nn.Module):
-    """Drop-in for model.loss_fn: logits [B, S, V/t] (my vocab slice), targets [B, S]."""
-
-    def __init__(self, vocab_start: int, group, ignore_index: int = -100):
-        super().__init__()
-        self.vocab_start, self.group, self.ignore_index = vocab_start, group, ignore_index
-
-    def forward(self, logits, targets):
-        return VocabParallelCE.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start,
-                                     self.group, self.ignore_index)
-
-
-# ---- the model's blocks, made parallel ---------------------------------------------------------
 
 class ParallelAttention(Attention):
-    """model.Attention with wq/wk/wv column-parallel (by heads) and wo row-parallel.
-
-    It reuses Attention.forward: that infers the local head counts from the projections' sizes.
-    """
+    """model.Attention with wq, wk, wv column-parallel (by heads) and wo row-parallel. Its forward is
+    Attention.forward, which takes the local head counts from the projections' sizes."""
 
     def __init__(self, attn: Attention, cfg, group, sp: bool):
         nn.Module.__init__(self)
         t, r, hd = _size(group), dist.get_rank(group), attn.head_dim
         self.head_dim, self.sdpa, self.group, self.sp = hd, attn.sdpa, group, sp
-        hq = cfg.n_heads // t                                   # my query heads: [r·hq, (r+1)·hq)
+        hq = cfg.n_heads // t                                  # my query heads [r·hq, (r+1)·hq)
         q_rows = (r * hq * hd, (r + 1) * hq * hd)
-        if cfg.n_kv_heads % t == 0:                             # kv heads split like the queries
-            hkv = cfg.n_kv_heads // t
+        if cfg.n_kv_heads % t == 0:                            # kv heads split like the queries
+            hkv, self.kv_slot = cfg.n_kv_heads // t, None
             kv_rows = (r * hkv * hd, (r + 1) * hkv * hd)
-            self.kv_slot = None
-        else:                                                   # t/n_kv ranks share one kv head
-            j = r // (t // cfg.n_kv_heads)                      # the kv head my query heads read
-            kv_rows = (j * hd, (j + 1) * hd)
-            self.kv_slot = (j, cfg.n_kv_heads)
-        self.wq = ColumnParallelLinear(attn.wq.weight, group, q_rows, input_op=None)
-        self.wk = ColumnParallelLinear(attn.wk.weight, group, kv_rows, input_op=None)
-        self.wv = ColumnParallelLinear(attn.wv.weight, group, kv_rows, input_op=None)
+        else:                                                  # the t/n_kv ranks of slot j share kv head j
+            j = r // (t // cfg.n_kv_heads)
+            kv_rows, self.kv_slot = (j * hd, (j + 1) * hd), (j, cfg.n_kv_heads)
+        # input_op=None: forward enters the pair ONCE for q, k and v (one all-reduce in backward, not 3)
+        self.wq, self.wk, self.wv = (ColumnParallelLinear(w.weight, group, rows, input_op=None)
+                                     for w, rows in ((attn.wq, q_rows), (attn.wk, kv_rows), (attn.wv, kv_rows)))
         self.wo = RowParallelLinear(attn.wo.weight, group, q_rows, sequence_parallel=sp)
 
     def forward(self, x, cos, sin):                            # x [B, S, H] or [B, S/t, H] (SP)
-        # Enter ONCE for q, k and v: one all-reduce (or all-gather) in backward, not three.
+        S = x.shape[1] * (_size(self.group) if self.sp else 1)
+        if cos.shape[0] != S:  # shapes every rank shares: all raise, before the all-gather
+            raise ValueError(f"rotary positions cover {cos.shape[0]} tokens but attention sees {S}: under "
+                             f"sequence parallel a pipeline stage's input holds S/tp tokens; give the stage "
+                             f"the positions of all S (stage.positions = torch.arange(S))")
         return super().forward(enter_tp(x, self.group, self.sp), cos, sin)
 
 
 class ParallelSwiGLU(SwiGLU):
-    """w2(silu(w1 x) * w3 x) with w1, w3 column-parallel and w2 row-parallel: silu and the
-    product are elementwise, so they run on the local F/t slice without communication."""
+    """w2(silu(w1 x) * w3 x) with w1, w3 column-parallel and w2 row-parallel: silu and the product are
+    elementwise, so they run on my F/t features without communication."""
 
     def __init__(self, mlp: SwiGLU, group, sp: bool):
         nn.Module.__init__(self)
-        t, r = _size(group), dist.get_rank(group)
-        Fl = mlp.w1.weight.shape[0] // t
-        cols = (r * Fl, (r + 1) * Fl)
-        self.w1 = ColumnParallelLinear(mlp.w1.weight, group, cols, input_op=None)
-        self.w3 = ColumnParallelLinear(mlp.w3.weight, group, cols, input_op=None)
-        self.w2 = RowParallelLinear(mlp.w2.weight, group, cols, sequence_parallel=sp)
+        f, r = mlp.w1.weight.shape[0] // _size(group), dist.get_rank(group)
+        self.w1, self.w3 = (ColumnParallelLinear(w.weight, group, (r * f, r * f + f), input_op=None)
+                            for w in (mlp.w1, mlp.w3))
+        self.w2 = RowParallelLinear(mlp.w2.weight, group, (r * f, r * f + f), sequence_parallel=sp)
         self.group, self.sp = group, sp
 
     def forward(self, x):
         return super().forward(enter_tp(x, self.group, self.sp))
 
 
+class VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy of logits [N, V/t] (my vocabulary slice), never gathering them:
+    loss_i = log Σ_v exp(z_iv − m_i) − (z_{i,y_i} − m_i), m_i = max_v z_iv. divide_by None: the mean over
+    the counted targets (not IGNORE); a number: their sum / divide_by. The gradient is local:
+    (softmax − onehot(y)) / divisor on my slice."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group, divide_by):
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))      # [N, V/t]
+        m, t = z.max(dim=-1).values, _size(group)                            # [N]
+        if t > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)             # 1: the max over all V
+        z = z - m[:, None]                            # a constant per row: the softmax does not change
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < z.shape[1])                            # I hold the target's logit
+        idx = torch.where(mine, local, 0)
+        target_logit = torch.where(mine, z.gather(1, idx[:, None]).squeeze(1), 0.0)
+        e = z.exp()
+        sum_exp = e.sum(-1)
+        if t > 1:
+            dist.all_reduce(target_logit, group=group)                        # 2: the target's logit
+            dist.all_reduce(sum_exp, group=group)                             # 3: the partition sum
+        valid = targets != IGNORE
+        ctx.n = valid.sum() if divide_by is None else divide_by
+        ctx.save_for_backward(e / sum_exp[:, None], idx, mine & valid, valid)
+        ctx.in_dtype = logits.dtype
+        return torch.where(valid, sum_exp.log() - target_logit, 0.0).sum() / ctx.n
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, hit, valid = ctx.saved_tensors
+        grad = softmax.scatter_add(1, idx[:, None], -hit[:, None].to(softmax.dtype))  # − onehot, no host sync
+        return (grad * (valid[:, None].to(grad.dtype) * (g / ctx.n))).to(ctx.in_dtype), None, None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """In place of model.CrossEntropy: logits [B, S, V/t], targets [B, S]; divide_by as there."""
+
+    def __init__(self, vocab_start: int, group):
+        super().__init__()
+        self.vocab_start, self.group, self.divide_by = vocab_start, group, None
+
+    def forward(self, logits, targets):
+        return VocabParallelCE.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start, self.group,
+                                     self.divide_by)
+
+
+# ---- the whole model ---------------------------------------------------------------------------------
+
 def check_divisible(cfg, t: int) -> None:
-    """Raise ONE clear ValueError (pure arithmetic: on every rank, before any collective)."""
+    """Raise ONE clear ValueError (arithmetic only: on every rank, before any collective)."""
     if cfg.n_experts:
-        raise ValueError("tensor_parallel.py splits dense SwiGLU MLPs; for experts use expert "
-                         "parallel (n_experts=0 here)")
-    # (the hidden size dim = n_heads·head_dim divides whenever n_heads does)
-    for what, n in [("n_heads", cfg.n_heads), ("ffn_dim (MLP width)", cfg.ffn_dim),
-                    ("vocab_size", cfg.vocab_size)]:
-        if n % t:
-            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-            raise ValueError(f"tp={t} does not divide {what}={n}: choose tp from {ok} "
-                             f"or change {what.split()[0]}")
+        raise ValueError("tensor_parallel.py splits dense SwiGLU MLPs; for experts use expert parallel "
+                         "(n_experts=0 here)")
+    for what, n in [("n_heads", cfg.n_heads), ("ffn_dim (MLP width)", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)]:
+        if n % t:  # (the hidden size n_heads·head_dim divides whenever n_heads does)
+            ok = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
+            raise ValueError(f"tp={t} does not divide {what}={n}: choose tp from {ok} or change {what.split()[0]}")
     if cfg.n_kv_heads % t and t % cfg.n_kv_heads:
         raise ValueError(f"tp={t} and n_kv_heads={cfg.n_kv_heads}: one must divide the other "
                          f"(split the kv heads, or replicate each on tp/n_kv ranks)")
 
 
 def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = False):
-    """Convert the shared model IN PLACE: each rank keeps its slice of the full weights.
+    """Convert the shared model IN PLACE: each rank keeps its slice of every full weight.
 
-    mesh_or_group: a Mesh (its "tp" group is used), a process group, or None (the world).
-    model: a model.Transformer, or a pipeline.Stage (layers in a ModuleDict; the embedding,
-    final norm and head only on the stages that have them): whatever is present is converted.
+    mesh_or_group: a Mesh (its "tp" group), a process group, or None (the world). model: a
+    model.Transformer or a pipeline.Stage (whatever of embedding, layers, norm and head it has).
+    Sets model.tp_group, model.sequence_parallel (a pipeline stage then sends [b, S/t, H]) and
+    model.tp_partial_grads = {parameter name: (slot, n_slots)}.
     """
-    group = mesh_or_group.group("tp") if isinstance(mesh_or_group, Mesh) else mesh_or_group
-    group = group if group is not None else dist.group.WORLD
+    group = resolve_group(mesh_or_group, "tp")
     t, cfg, sp = _size(group), model.cfg, sequence_parallel
     check_divisible(cfg, t)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, group, sp)
-    partial = []  # (param, slot, n_slots): gradients that are only partial on each rank
-    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in layers:
-        block.attn = ParallelAttention(block.attn, cfg, group, sp)
-        block.mlp = ParallelSwiGLU(block.mlp, group, sp)
-        if block.attn.kv_slot is not None:
-            partial += [(block.attn.wk.weight, *block.attn.kv_slot), (block.attn.wv.weight, *block.attn.kv_slot)]
-        if sp:
-            partial += [(block.attn_norm.weight, 0, 1), (block.mlp_norm.weight, 0, 1)]
-    if getattr(model, "output", None) is not None:
-        if sp:
-            partial.append((model.norm.weight, 0, 1))
+    for block in (model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers):
+        block.attn, block.mlp = ParallelAttention(block.attn, cfg, group, sp), ParallelSwiGLU(block.mlp, group, sp)
+    if getattr(model, "output", None) is not None:   # the head: logits stay split by vocabulary
         r, V = dist.get_rank(group), cfg.vocab_size
-        rows = (r * V // t, (r + 1) * V // t)
-        # The head: enter (f, or all-gather under SP), logits stay split by vocabulary [B, S, V/t].
-        model.output = ColumnParallelLinear(model.output.weight, group, rows, input_op="gather" if sp else "copy")
-        model.loss_fn = VocabParallelCrossEntropy(rows[0], group)
-    model.tp_group, model.tp_partial_grads = group, partial
+        model.output = ColumnParallelLinear(model.output.weight, group, (r * V // t, (r + 1) * V // t),
+                                            input_op="gather" if sp else "copy")
+        model.loss_fn = VocabParallelCrossEntropy(r * V // t, group)
+    model.tp_group, model.sequence_parallel, model.tp_partial_grads = group, sp, {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, ParallelAttention) and mod.kv_slot is not None:
+            mark_partial(model, f"{name}.wk.weight", *mod.kv_slot)
+            mark_partial(model, f"{name}.wv.weight", *mod.kv_slot)
+        elif sp and isinstance(mod, RMSNorm):
+            mark_partial(model, f"{name}.weight")
     return model
 
 
-def finish_grads(model) -> None:
-    """After backward: sum the gradients each rank holds only a part of, in ONE all-reduce.
+def mark_partial(model, name: str, slot: int = 0, n_slots: int = 1) -> None:
+    """Declare parameter `name`'s gradient partial over tp: finish_grads sums it over the tp group into
+    slot `slot` of n_slots (a slot's ranks share it) — slot 0 of 1 is a plain sum (e.g. a router)."""
+    model.tp_partial_grads[name] = (slot, n_slots)
 
-    Replicated kv heads: a zero-padded [n_kv, ...] buffer per weight, my gradient in my kv
-    head's slot; the sum gives each slot the total over the ranks sharing that head.
-    SP norms: each rank's gradient covers its tokens only; the sum covers all of them.
+
+def finish_grads(model, params=None) -> None:
+    """After backward: sum over tp the gradients each rank holds only a part of, in ONE all-reduce.
+
+    Each partial gradient goes into its slot of a zero buffer [n_slots, ...]: the sum gives each slot
+    the total over the ranks sharing it. params: only those (found by name, so parameters that ZeRO
+    replaced are found too); no collective if none of them is partial. Every tp rank must call it with
+    the same parameters, in the same order.
     """
-    items, group = model.tp_partial_grads, model.tp_group
-    if not items or _size(group) == 1:
+    group, partial = getattr(model, "tp_group", None), getattr(model, "tp_partial_grads", {})
+    named = dict(model.named_parameters())
+    wanted = None if params is None else {id(p) for p in params}
+    names = [n for n in partial if wanted is None or id(named[n]) in wanted]
+    if not names or group is None or _size(group) == 1:
         return
-    bufs = []
-    for p, slot, n in items:
-        buf = p.new_zeros((n,) + p.shape)
-        if p.grad is not None:
-            buf[slot] = p.grad
-        bufs.append(buf.flatten())
-    flat = torch.cat(bufs)
-    dist.all_reduce(flat, group=group)
-    for (p, slot, n), part in zip(items, flat.split([b.numel() for b in bufs])):
-        p.grad = part.view((n,) + p.shape)[slot].clone()
+    bufs = [named[n].new_zeros((partial[n][1],) + named[n].shape) for n in names]
+    for n, buf in zip(names, bufs):
+        if named[n].grad is not None:
+            buf[partial[n][0]] = named[n].grad
+    all_reduce_flat(bufs, group)
+    for n, buf in zip(names, bufs):
+        named[n].grad = buf[partial[n][0]].clone()
 
 
 def train_step(model, opt, x, y):
-    """One optimizer step of a tensor-parallel model (finish_grads between backward and step)."""
+    """One optimizer step of a tensor-parallel model: finish_grads between backward and step."""
     loss = model(x, y)
     loss.backward()
-    if hasattr(model, "tp_partial_grads"):
-        finish_grads(model)
+    finish_grads(model)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
 
 
-# ---- measurements for the notebook -------------------------------------------------------------
+# ---- the formulas the demo and the tests measure against ----------------------------------------------
 
-def _saved_activation_bytes(model, cfg, batch, seq):
-    """Bytes ONE layer keeps for backward on this rank (once per storage; weights excluded)."""
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    h = model.tok_embeddings(x).detach().requires_grad_()               # [B, S(/t), H]
-    cos, sin = rope_cos_sin(torch.arange(seq), cfg.head_dim, cfg.rope_theta, h.dtype)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers[0](h, cos, sin)
-    return sum(n for ptr, n in saved.items() if ptr not in weights)
+def comm_formula(cfg, B: int, S: int, b: int, t: int, sp: bool) -> dict:
+    """{op: (calls, API bytes)} of one forward + backward (finish_grads apart), as in the docstring."""
+    n, act, loss = 4 * cfg.n_layers + 2, B * S * cfg.dim * b, 3 * B * S * max(b, 4)
+    if t == 1:
+        return {}
+    return ({"all_gather": (n, n * act), "reduce_scatter": (n, n * act), "all_reduce": (3, loss)} if sp
+            else {"all_reduce": (n + 3, n * act + loss)})
 
 
-def notebook_measurements(model_name="tiny", batch=2, seq=64):
-    """For the notebook (run on t ranks): which slice of each weight this rank keeps (layer 0,
-    embedding, head), and its parameter and one-layer activation bytes without and with SP."""
-    cfg = get_config(model_name)
-    out = {}
-    for sp in (False, True):
-        full = build_model(cfg)
-        shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
-        m = apply_tensor_parallel(full, None, sequence_parallel=sp)
-        out["layout"] = {n: (shapes[n], p.tp_slice) for n, p in m.named_parameters()
-                         if hasattr(p, "tp_slice") and not n.startswith("layers.1")}
-        out[sp] = dict(params=sum(p.numel() * p.element_size() for p in m.parameters()),
-                       activations=_saved_activation_bytes(m, cfg, batch, seq))
-    return out
+def partial_formula(cfg, t: int, sp: bool) -> int:
+    """Elements finish_grads all-reduces per step: replicated kv weights (n_kv slots each) + SP norms."""
+    L, H = cfg.n_layers, cfg.dim
+    kv = 2 * L * cfg.n_kv_heads * cfg.head_dim * H if cfg.n_kv_heads % t else 0
+    return 0 if t == 1 else kv + ((2 * L + 1) * H if sp else 0)
 
 
-# ---- demo: torchrun --nproc_per_node 2 tensor_parallel.py [--sp] [--no-compare] ------------------
-# PyTorch's DTensor TP appears only here, as the reference the demo is timed against.
+# ---- demo: torchrun --nproc_per_node 2 tensor_parallel.py [--sp] ---------------------------------------
+
+def _demo(argv=None, reference=None) -> int:
+    """Train by hand (and with `reference(model, group, sp)`: PyTorch's DTensor TP) against one process in
+    float64; count step 1's collectives against the formulas; time float32 steps side by side."""
+    import argparse
+    import copy
+    import itertools
+    import os
+    import statistics
+
+    from data import get_batch, load_corpus
+    from demo import all_agree, finish, print_by_rank, single_process
+    from instruments import CommCounter, time_steps
+    from mesh import init_distributed, print0
+    from model import build_model, get_config
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="small", help="tiny | small | ...")
+    for name, default in [("batch", 4), ("seq", 128), ("steps", 3), ("timed", 5), ("rounds", 3)]:
+        ap.add_argument(f"--{name}", type=int, default=default)  # steps: checked; timed x rounds: timed
+    ap.add_argument("--sp", action="store_true", help="sequence parallel")
+    ap.add_argument("--no-compare", action="store_true", help="leave PyTorch's DTensor TP out")
+    args = ap.parse_args(argv)
+    t, cfg, sp, B, S = int(os.environ.get("WORLD_SIZE", "1")), get_config(args.model), args.sp, args.batch, args.seq
+    check_divisible(cfg, t)                                     # arithmetic, before any collective
+    if sp and S % t:
+        raise ValueError(f"--sp splits the sequence over tp={t} ranks: --seq {S} must be a multiple of {t}")
+    device, group = init_distributed(), dist.group.WORLD
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
+    impls = {"by hand": lambda m: apply_tensor_parallel(copy.deepcopy(m), group, sp)}
+    if reference and not args.no_compare and cfg.n_kv_heads % t == 0:
+        impls["DTensor"] = lambda m: reference(copy.deepcopy(m), group, sp)
+    why = f": Colwise would cut {cfg.n_kv_heads} kv heads in {t}" if reference and not args.no_compare else ""
+    print0(f"tensor parallel: tp={t}, model {args.model}, batch {B}x{S}, sequence parallel {'on' if sp else 'off'}, "
+           f"{dist.get_backend()} on {device}; PyTorch's DTensor TP "
+           + ("beside it" if len(impls) > 1 else "left out" + why))
+    batches = [get_batch(load_corpus(), s, B, S, device=device) for s in range(args.steps)]
+
+    def err(mine, full, p):   # my tensor (a DTensor's: the whole) against my slice of the one-process one
+        mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
+        return (mine.detach() - full_slice(full, p)).abs().max().item()
+
+    # 1. Training in float64 against one process: losses, step 1's gradients, final parameters.
+    ref = build_model(cfg, seed=0, dtype=torch.float64, device=device)
+    one, ok, counts = single_process(ref, batches, lr=1e-3, keep_grads=True), True, {}
+    for name, make in impls.items():
+        m, losses = make(ref), []
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        for i, (x, y) in enumerate(batches):
+            with CommCounter() as fwd:
+                loss = m(x, y)
+            with CommCounter() as bwd:
+                loss.backward()
+            with CommCounter() as fin:
+                finish_grads(m)
+            if i == 0:
+                counts[name] = dict(forward=fwd, backward=bwd, finish_grads=fin)
+                off = [n for n, p in m.named_parameters() if err(p.grad, one["grads"][0][n], p) > 1e-10]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        dl = max(abs(a - b) for a, b in zip(losses, one["losses"]))
+        dp = max(err(p, dict(one["model"].named_parameters())[n], p) for n, p in m.named_parameters())
+        print0(f"{name:8s} vs one process, {args.steps} AdamW steps, float64: max |diff| loss {dl:.1e}, "
+               f"parameters {dp:.1e}")
+        print_by_rank(f"  rank {dist.get_rank()}: gradients of step 1 that differ: {', '.join(off) or 'none'}")
+        ok &= dl < 1e-10 and dp < 1e-10 and not off
+
+    # 2. Step 1's collectives against the formulas (float64: b = 8 bytes).
+    print0(f"collectives of one step (L={cfg.n_layers} layers; one [B,S,H] = {B * S * cfg.dim * 8:,d} bytes):")
+    for name, phases in counts.items():
+        for phase, c in phases.items():
+            print0(f"  {name:8s} {phase:12s} " + (", ".join(f"{s['calls']} {op} ({s['bytes']:,d} B, "
+                                                           f"{s['wire_bytes']:,.0f} on the wire)"
+                                                           for op, s in c.summary().items()) or "-"))
+    fwd, bwd, fin = counts["by hand"].values()
+    want, plain = comm_formula(cfg, B, S, 8, t, sp), comm_formula(cfg, B, S, 8, t, False)
+    got = {op: (fwd.calls(op) + bwd.calls(op), fwd.bytes(op) + bwd.bytes(op)) for op in want}
+    wire, wire_want = fwd.wire_bytes() + bwd.wire_bytes(), 2 * (t - 1) / t * sum(v[1] for v in plain.values())
+    print0(f"  by hand, forward + backward (calls, bytes) {got}\n                            formula {want}\n  wire "
+           f"{wire:,.0f} bytes, formula {wire_want:,.0f} (with or without --sp); finish_grads {fin.bytes() // 8} "
+           f"elements, formula {partial_formula(cfg, t, sp)}")
+    ok &= got == want and abs(wire - wire_want) <= 1e-9 * wire_want and fin.bytes() == 8 * partial_formula(cfg, t, sp)
+
+    # 3. Step time in float32: the implementations in alternating rounds (machine noise hits both alike).
+    models = {k: make(ref.float()) for k, make in impls.items()}
+    opts, times = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}, {k: [] for k in impls}
+    for _, k in itertools.product(range(args.rounds), impls):
+        step = lambda: (dist.barrier(), train_step(models[k], opts[k], *batches[0]).item())  # noqa: E731
+        times[k].append(time_steps(step, args.timed))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print0("float32: " + ", ".join(f"{k}{' +SP' if sp else ''} {s * 1e3:.1f} ms/step ({B * S / s:.0f} tokens/s)"
+                                   for k, s in med.items())
+           + (f"; throughput by hand / DTensor {med['DTensor'] / med['by hand']:.2f}x" if len(med) == 2 else ""))
+    ok = all_agree(ok)
+    print0("all checks", "ok" if ok else "FAILED")
+    return finish(ok)
+
 
 if __name__ == "__main__":
     def dtensor_tensor_parallel(model, group, sp=False):
-        """The same split with DTensor's parallelize_module (torchtitan-style plan)."""
+        """The same split with PyTorch's DTensor parallelize_module (torchtitan's plan)."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                       SequenceParallel, parallelize_module)
+        from torch.distributed.tensor.parallel import ColwiseParallel as Col, PrepareModuleInput, RowwiseParallel as Row
+        from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
         seq = Shard(1) if sp else Replicate()  # the layout between the pairs
-        plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-                "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+        plan = {"tok_embeddings": Row(input_layouts=Replicate(), output_layouts=seq),
+                "output": Col(input_layouts=seq, output_layouts=Replicate()),
+                **({"norm": SequenceParallel()} if sp else {})}
         for i in range(len(model.layers)):
             p = f"layers.{i}."
-            plan.update({p + n: ColwiseParallel() for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")})
-            plan.update({p + n: RowwiseParallel(output_layouts=seq) for n in ("attn.wo", "mlp.w2")})
-            if sp:  # norms on the shard; gather once before attention and before the MLP
+            plan.update({p + n: Col() for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")})
+            plan.update({p + n: Row(output_layouts=seq) for n in ("attn.wo", "mlp.w2")})
+            if sp:  # norms on the shard; gathered once before attention and once before the MLP
                 plan.update({p + "attn_norm": SequenceParallel(), p + "mlp_norm": SequenceParallel(),
                              p + "attn": PrepareModuleInput(input_layouts=(seq, None, None),
                                                             desired_input_layouts=(Replicate(), None, None)),
                              p + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))})
-        if sp:
-            plan["norm"] = SequenceParallel()
-        return parallelize_module(model, DeviceMesh.from_group(group, device_type=model.output.weight.device.type), plan)
+        mesh = DeviceMesh.from_group(group, device_type=model.output.weight.device.type)
+        return parallelize_module(model, mesh, plan)
 
-    def main():
-        import os
-
-        from data import get_batch, load_corpus
-        from instruments import CommCounter
-        p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-        p.add_argument("--model", default="small", help="tiny | small | ...")
-        p.add_argument("--batch", type=int, default=4)
-        p.add_argument("--seq", type=int, default=128)
-        p.add_argument("--steps", type=int, default=5, help="timed steps per round")
-        p.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (against noise)")
-        p.add_argument("--sp", action="store_true", help="sequence parallel")
-        p.add_argument("--no-compare", action="store_true", help="skip PyTorch's DTensor TP")
-        args = p.parse_args()
-        device = init_distributed()
-        t, group = dist.get_world_size(), dist.group.WORLD
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
-        cfg = get_config(args.model)
-        check_divisible(cfg, t)  # before any collective: a clear error on every rank
-        ref = build_model(cfg, seed=0, device=device)
-        x, y = get_batch(load_corpus(), 0, args.batch, args.seq, device=device)  # same batch on every rank
-        print0(f"tensor parallel: tp={t}, model {args.model}, batch {args.batch}x{args.seq}, "
-               f"sequence parallel {'on' if args.sp else 'off'}, {dist.get_backend()} on {device}")
-
-        # 1. Check against the single-process model: loss, logits, every gradient (my slice of it).
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        mine = apply_tensor_parallel(copy.deepcopy(ref), group, sequence_parallel=args.sp)
-        with CommCounter() as fwd:
-            loss = mine(x, y)
-        with CommCounter() as bwd:
-            loss.backward()
-        with CommCounter() as fin:
-            finish_grads(mine)
-        full = dict(ref.named_parameters())
-        errs = dict(loss=abs(loss.item() - ref_loss.item()),
-                    logits=(gather_last_dim(mine(x).detach(), group) - ref(x)).abs().max().item(),
-                    grads=max((q.grad - full[n].grad.narrow(*q.tp_slice[:2], q.tp_slice[2] - q.tp_slice[1])
-                               if hasattr(q, "tp_slice") else q.grad - full[n].grad).abs().max().item()
-                              for n, q in mine.named_parameters()))
-        print0("vs single process: " + ", ".join(f"max |diff| {k} {v:.1e}" for k, v in errs.items()))
-        if max(errs.values()) > 1e-4:
-            raise SystemExit("tensor-parallel model does NOT match the single-process model")
-        L, act = cfg.n_layers, args.batch * args.seq * cfg.dim * 4  # bytes of one [B, S, H] fp32 activation
-        print0(f"collectives of one step (L={L} layers; one [B,S,H] = {act / 1e6:.3f} MB):")
-        for name, c in (("forward", fwd), ("backward", bwd), ("finish_grads", fin)):
-            for op, s in c.summary().items():
-                print0(f"  {name:12s} {op:15s} {s['calls']:3d} calls  {s['bytes'] / 1e6:8.3f} MB API  "
-                       f"{s['wire_bytes'] / 1e6:8.3f} MB wire")
-        print0(f"  expected: forward 1 (embedding) + 2/layer x {L} + 3 (loss) = {2 * L + 4}, backward "
-               f"2/layer x {L} + 1 (head) = {2 * L + 1} all-reduces"
-               + (" (SP: activation all-reduces -> all-gather + reduce-scatter)" if args.sp else ""))
-
-        def per_layer(model):  # the collectives of ONE block, counted alone
-            h = model.tok_embeddings(x).detach().requires_grad_()
-            cos, sin = rope_cos_sin(torch.arange(args.seq, device=device), cfg.head_dim, cfg.rope_theta, h.dtype)
-            with CommCounter() as f:
-                out = model.layers[0](h, cos, sin)
-            with CommCounter() as b:
-                out.backward(torch.ones_like(out))
-            model.zero_grad(set_to_none=True)
-            return " | ".join(f"{name}: " + ", ".join(f"{s['calls']} {op}" for op, s in c.summary().items())
-                              for name, c in (("forward", f), ("backward", b)))
-        print0(f"one layer, by hand:  {per_layer(mine)}")
-
-        # 2. Step time, alternating rounds with PyTorch's DTensor TP on the same model.
-        impls = {"by hand" + (" +SP" if args.sp else ""): mine}
-        if not args.no_compare and cfg.n_kv_heads % t:
-            print0(f"DTensor compare skipped: Colwise would cut n_kv_heads={cfg.n_kv_heads} into {t} pieces")
-        elif not args.no_compare:
-            dt = dtensor_tensor_parallel(copy.deepcopy(ref), group, sp=args.sp)
-            with CommCounter() as dc:
-                dl = dt(x, y)
-                dl.backward()
-            print0(f"DTensor parallelize_module: loss |diff| {abs(dl.item() - ref_loss.item()):.1e}; "
-                   + ", ".join(f"{op} {s['calls']} calls {s['wire_bytes'] / 1e6:.3f} MB wire"
-                               for op, s in dc.summary().items()))
-            print0(f"one layer, DTensor:  {per_layer(dt)}")
-            impls["DTensor Colwise/Rowwise" + (" +SP" if args.sp else "")] = dt
-        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for k, m in impls.items()}
-        times = {k: [] for k in impls}
-        for _ in range(args.rounds):
-            for k, m in impls.items():
-                train_step(m, opts[k], x, y)  # warm-up
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    last = train_step(m, opts[k], x, y)
-                last.item()
-                times[k].append((time.perf_counter() - t0) / args.steps)
-        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        for k, s in med.items():
-            print0(f"  {k:26s} {s * 1e3:8.1f} ms/step   {args.batch * args.seq / s:9.0f} tokens/s")
-        if len(med) == 2:
-            a, b = med.values()
-            print0(f"throughput ratio by hand / DTensor: {b / a:.2f}x")
-        dist.destroy_process_group()
-
-    main()
+    from demo import main
+    main(lambda argv: _demo(argv, reference=dtensor_tensor_parallel))
