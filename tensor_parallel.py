@@ -253,10 +253,10 @@ class VocabParallelCrossEntropy(nn.Module):
 
 def check_divisible(cfg, t: int) -> None:
     """Raise ONE clear ValueError (arithmetic only: on every rank, before any collective)."""
-    if cfg.n_experts:
-        raise ValueError("tensor_parallel.py splits dense SwiGLU MLPs; for experts use expert parallel "
-                         "(n_experts=0 here)")
-    for what, n in [("n_heads", cfg.n_heads), ("ffn_dim (MLP width)", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)]:
+    # (a mixture of experts' MLP is not split: expert parallel dispatches its tokens, expert_parallel.py)
+    sizes = [("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size)]
+    sizes += [] if cfg.n_experts else [("ffn_dim (MLP width)", cfg.ffn_dim)]
+    for what, n in sizes:
         if n % t:  # (the hidden size n_heads·head_dim divides whenever n_heads does)
             ok = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
             raise ValueError(f"tp={t} does not divide {what}={n}: choose tp from {ok} or change {what.split()[0]}")
@@ -279,7 +279,9 @@ def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = F
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, group, sp)
     for block in (model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers):
-        block.attn, block.mlp = ParallelAttention(block.attn, cfg, group, sp), ParallelSwiGLU(block.mlp, group, sp)
+        block.attn = ParallelAttention(block.attn, cfg, group, sp)
+        if isinstance(block.mlp, SwiGLU):  # a MoE stays whole: expert parallel splits its tokens instead
+            block.mlp = ParallelSwiGLU(block.mlp, group, sp)
     if getattr(model, "output", None) is not None:   # the head: logits stay split by vocabulary
         r, V = dist.get_rank(group), cfg.vocab_size
         model.output = ColumnParallelLinear(model.output.weight, group, (r * V // t, (r + 1) * V // t),
