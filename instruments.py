@@ -12,12 +12,14 @@ CommCounter   counts every collective and point-to-point op a region issues, per
 model_state_bytes   parameters, gradients and optimizer state held by this rank, by category.
 memory_tracker      PyTorch's MemTracker (torch.distributed._tools) around a region: peak by category.
 peak_memory_bytes   the CUDA allocator's peak on a GPU.
+SavedActivations    which micro-batches still hold saved activations (weak references), and their bytes.
 Timeline            named (start, end) spans on this rank, for timelines and overlap.
 """
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -201,6 +203,38 @@ def peak_memory_bytes(device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return None
+
+
+# ---- pipeline: activations held per micro-batch ------------------------------------
+
+class SavedActivations:
+    """Which micro-batches still hold activations, measured rather than assumed.
+
+    Tensors autograd saves while `track(key)` is entered (floating point, not parameters) are
+    followed by weak references; a key counts as held while any of them is alive — so until autograd
+    (or whatever kept them, e.g. a deferred weight gradient) has really let go. Call `sample()`
+    whenever the count may have changed; `peak_keys` and `peak_bytes` keep the maxima."""
+
+    def __init__(self, params=()):
+        self.param_ptrs = {q.untyped_storage().data_ptr() for q in params}
+        self.refs: dict = {}
+        self.peak_keys, self.peak_bytes = 0, 0
+
+    def track(self, key):
+        refs = self.refs.setdefault(key, [])
+
+        def pack(t):
+            if t.is_floating_point() and t.untyped_storage().data_ptr() not in self.param_ptrs:
+                refs.append(weakref.ref(t))
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def sample(self):
+        live = [t for ws in self.refs.values() for t in (w() for w in ws) if t is not None]
+        held = sum(any(w() is not None for w in ws) for ws in self.refs.values())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
+        self.peak_keys = max(self.peak_keys, held)
+        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
 
 
 # ---- time ----------------------------------------------------------------------------
