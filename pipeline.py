@@ -47,71 +47,70 @@ from model import MoE, Transformer, init_tensor, rope_cos_sin
 # ---- the simplest version: 1F1B as plain control flow ----------------------------------------
 
 def one_f_one_b_plain(stage, pg, x, y, m: int):
-    """One step of 1F1B on this rank's stage, written out; returns the loss on the last stage.
-    Warm-up: w = min(p-r-1, m) forwards; steady: one forward, one backward; cool-down: w backwards."""
+    """One 1F1B step of this rank's stage, written out; returns the mean loss on the last stage.
+    Warm-up: w = min(p-r-1, m) forwards; steady: a forward, then a backward; cool-down: w backwards."""
     shape, dtype = (x.shape[0] // m, x.shape[1], stage.cfg.dim), next(stage.parameters()).dtype
     xs, ys = x.chunk(m), y.chunk(m) if stage.is_last else None
     inputs, outputs, losses = [], [], []
 
     def p2p(send=None, to=None, recv_from=None):
-        # Post a send and a receive TOGETHER, then wait for both. Sent one after the other, stage r
-        # sending F i+1 while stage r+1 sends back B i would each wait for the other forever.
-        buf = torch.empty(shape, dtype=dtype, device=x.device) if recv_from is not None else None
+        # A send and a receive are posted TOGETHER, then both awaited: one after the other, rank r
+        # sending F i+1 while rank r+1 sends back B i would each wait for the other forever.
+        buf = None if recv_from is None else torch.empty(shape, dtype=dtype, device=x.device)
         ops = ([dist.P2POp(dist.isend, send, to)] if send is not None and to is not None else []) \
             + ([dist.P2POp(dist.irecv, buf, recv_from)] if buf is not None else [])
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         return buf if buf is None else buf.requires_grad_()
 
-    def forward(i, inp):                      # inp: tokens [b, S] or an activation [b, S, H]
+    def forward(i, inp):               # inp: tokens [b, S] or an activation [b, S, H]
         out = stage(inp, ys[i]) if stage.is_last else stage(inp)
         inputs.append(inp)
-        outputs.append(out / m if stage.is_last else out)   # 1/m: m micro-batch means add to the batch mean
-        losses.extend([out.detach()] * stage.is_last)
+        outputs.append(out / m if stage.is_last else out)   # 1/m: m micro-batch means add up to the batch mean
+        losses.extend([out.detach()] if stage.is_last else [])
         return None if stage.is_last else out.detach()
 
-    def backward(grad):                       # the oldest micro-batch in flight
+    def backward(grad):                # the oldest micro-batch in flight
         inp, out = inputs.pop(0), outputs.pop(0)
         out.backward(grad)
         return None if stage.is_first else inp.grad
 
     w = min(pg.p - pg.r - 1, m)
     inp = xs[0] if stage.is_first else p2p(recv_from=pg.prev)
-    for i in range(w):                        # warm-up: forwards only
+    for i in range(w):                                            # warm-up
         p2p(forward(i, inp), pg.next)
         if i + 1 < m:
             inp = xs[i + 1] if stage.is_first else p2p(recv_from=pg.prev)
-    for i in range(w, m):                     # steady: forward i, backward i-w
-        grad = p2p(forward(i, inp), pg.next, pg.next)       # send F i, receive the gradient for B i-w
+    for i in range(w, m):                                         # steady: F i, then B i-w
+        grad = p2p(forward(i, inp), pg.next, pg.next)             # send F i's output, get B i-w's gradient
         more = i + 1 < m
-        inp = p2p(backward(grad), pg.prev, pg.prev if more else None)   # send B i-w back, receive F i+1's input
+        inp = p2p(backward(grad), pg.prev, pg.prev if more else None)   # send B i-w's, get F i+1's input
         inp = xs[i + 1] if stage.is_first and more else inp
-    for _ in range(w):                        # cool-down: backwards only
+    for _ in range(w):                                            # cool-down
         p2p(backward(p2p(recv_from=pg.next)), pg.prev)
     return torch.stack(losses).mean() if stage.is_last else None
 
 
-# ---- the model part one rank holds ---------------------------------------------------------------
+# ---- the model part one rank holds -----------------------------------------------------------------
 
 def split_layers(n_layers: int, n: int) -> list[range]:
-    """Layer indices of each of n stages: balanced; the first n_layers % n take one layer more (the
-    last stage already carries the head and the loss, the first only an embedding lookup)."""
+    """Layer indices of each of n stages, balanced; the first n_layers % n take one more (the last
+    stage already carries the head and the loss, the first only an embedding lookup)."""
     base, extra = divmod(n_layers, n)
     sizes = [base + (s < extra) for s in range(n)]
     return [range(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(n)]
 
 
 class Stage(nn.Module):
-    """Rank r's part of the shared Transformer: v chunks, the virtual stages r, r+p, .., r+(v-1)p of
+    """Rank r's part of the shared Transformer: its v chunks, the virtual stages r, r+p, .., r+(v-1)p of
     p·v (v = 1: stage r of p). Parameters keep the full model's names (layers.5.attn.wq.weight), so
-    each is initialised as in the whole model, and other ranks' layers are never allocated."""
+    each is initialised as in the whole model; other ranks' layers are never allocated."""
 
     def __init__(self, cfg, r: int, p: int, seed: int = 0, device=None, dtype=torch.float32, v: int = 1):
         super().__init__()
         self.cfg, self.v, self.is_first, self.is_last = cfg, v, r == 0, r == p - 1
-        split = split_layers(cfg.n_layers, p * v)
-        self.chunks = [list(split[c * p + r]) for c in range(v)]   # layer ids of each chunk
-        with torch.device("meta"):                                  # shapes only
+        self.chunks = [list(split_layers(cfg.n_layers, p * v)[c * p + r]) for c in range(v)]  # layer ids
+        with torch.device("meta"):                                                          # shapes only
             full = Transformer(cfg, seed=None)
         self.tok_embeddings = full.tok_embeddings if self.is_first else None
         self.layers = nn.ModuleDict({str(i): full.layers[i] for ids in self.chunks for i in ids})
@@ -125,8 +124,8 @@ class Stage(nn.Module):
         self.positions = None  # absolute token positions [S] (a context-parallel shard); None: 0..S-1
 
     def forward(self, x, targets=None, positions=None, chunk: int = 0):
-        """tokens [b, S] (chunk 0 of rank 0) or activations [b, S, H] -> [b, S, H]; the last chunk
-        of the last rank returns logits [b, S, V], or the mean loss if targets are given."""
+        """tokens [b, S] (chunk 0 of rank 0) or activations [b, S, H] -> [b, S, H]; the last chunk of
+        the last rank returns logits [b, S, V], or the mean loss if targets are given."""
         h = self.tok_embeddings(x) if self.is_first and chunk == 0 else x
         pos = positions if positions is not None else self.positions
         pos = pos if pos is not None else torch.arange(h.shape[1], device=h.device)
@@ -139,12 +138,12 @@ class Stage(nn.Module):
         return logits if targets is None else self.loss_fn(logits, targets)
 
     def aux_loss(self, chunk: int = 0):
-        """The MoE auxiliary loss of this chunk's last forward (model.Transformer.aux_loss), or None."""
+        """The MoE auxiliary loss of this chunk's last forward (as model.Transformer.aux_loss), or None."""
         aux = [self.layers[str(i)].mlp.aux_loss for i in self.chunks[chunk] if isinstance(self.layers[str(i)].mlp, MoE)]
         return sum(aux) if aux else None
 
 
-# ---- schedules as data ------------------------------------------------------------------------------
+# ---- schedules as data -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Action:
@@ -161,17 +160,14 @@ COMPUTE = ("F", "B", "W")
 
 def _transfers(op, i, c, r, p, v):
     """(receives before, sends after) compute `op` of micro-batch i on chunk c of rank r."""
-    s, last = c * p + r, p * v - 1   # the virtual stage
-    if op == "F":
-        return [Action("RECV_F", i, c)] * (s > 0), [Action("SEND_F", i, c)] * (s < last)
-    if op == "B":
-        return [Action("RECV_B", i, c)] * (s < last), [Action("SEND_B", i, c)] * (s > 0)
-    return [], []
+    s, n = c * p + r, p * v   # the virtual stage, of n
+    recv, send = {"F": (s > 0, s < n - 1), "B": (s < n - 1, s > 0), "W": (False, False)}[op]
+    return [Action("RECV_" + op, i, c)] * recv, [Action("SEND_" + op, i, c)] * send
 
 
 def _by_ticks(ticks, r, p, v=1):
-    """Computes grouped into ticks; between two ticks ONE batch of transfers: the sends of the tick
-    before and the receives of the tick after (Megatron's send_forward_recv_backward & co)."""
+    """Computes grouped in ticks; between two ticks ONE batch of transfers: the sends of the tick
+    before and the receives of the tick after (Megatron's send_forward_recv_backward and kin)."""
     out, sends = [], []
     for tick in ticks:
         out += sends + [a for op, i, c in tick for a in _transfers(op, i, c, r, p, v)[0]] + [Action(*a) for a in tick]
@@ -179,48 +175,47 @@ def _by_ticks(ticks, r, p, v=1):
     return out + sends
 
 
-def _single(v, name):
+def _one_chunk(v, name):
     if v != 1:
-        raise ValueError(f"{name} runs one chunk per rank: use virtual stages v = 1 (or the interleaved schedule)")
+        raise ValueError(f"{name} runs one chunk per rank: use v = 1 (or the interleaved schedule)")
 
 
 def gpipe(p: int, m: int, v: int = 1) -> list[list[Action]]:
     """All forwards, then all backwards."""
-    _single(v, "gpipe")
+    _one_chunk(v, "gpipe")
     return [_by_ticks([[("F", i, 0)] for i in range(m)] + [[("B", i, 0)] for i in range(m)], r, p) for r in range(p)]
 
 
 def one_f_one_b(p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Warm-up min(p-r-1, m) forwards, then alternate F and B, then drain; valid for any m >= 1."""
-    _single(v, "1f1b")
-    def ticks(w):
-        return [[("F", i, 0)] for i in range(w)] + [[a] for i in range(w, m) for a in (("F", i, 0), ("B", i - w, 0))] \
-            + [[("B", i, 0)] for i in range(m - w, m)]
-    return [_by_ticks(ticks(min(p - r - 1, m)), r, p) for r in range(p)]
+    """Warm-up min(p-r-1, m) forwards, then F and B in turn, then the last backwards; any m >= 1."""
+    _one_chunk(v, "1f1b")
+    def order(w):
+        return [("F", i, 0) for i in range(w)] + [a for i in range(w, m) for a in (("F", i, 0), ("B", i - w, 0))] \
+            + [("B", i, 0) for i in range(m - w, m)]
+    return [_by_ticks([[a] for a in order(min(p - r - 1, m))], r, p) for r in range(p)]
 
 
 def interleaved(p: int, m: int, v: int = 2) -> list[list[Action]]:
-    """Interleaved 1F1B: micro-batches go through a rank's chunks in groups of p (hence m % p == 0),
-    depth first; warm-up 2(p-r-1)+(v-1)p chunk-forwards; one batch of transfers per (F, B) tick —
-    sending right after each compute would deadlock where the last rank feeds the first."""
+    """Interleaved 1F1B: micro-batches pass a rank's chunks in groups of p (so m % p == 0), depth first;
+    warm-up 2(p-r-1)+(v-1)p chunk-forwards; one batch of transfers per (F, B) tick — with each transfer
+    next to its compute, the last rank feeding the first deadlocks (see the tests)."""
     if m % p:
         raise ValueError(f"interleaved needs m a multiple of p, got m={m}, p={p}")
-    fwd = lambda k: ("F", k // (p * v) * p + k % p, k // p % v)          # noqa: E731
-    bwd = lambda k: ("B", k // (p * v) * p + k % p, v - 1 - k // p % v)  # noqa: E731
-    sched = []
+    def f(k): return ("F", k // (p * v) * p + k % p, k // p % v)
+    def b(k): return ("B", k // (p * v) * p + k % p, v - 1 - k // p % v)
+    n, sched = m * v, []
     for r in range(p):
-        n, w = m * v, min(2 * (p - r - 1) + (v - 1) * p, m * v)
-        sched.append(_by_ticks([[fwd(k)] for k in range(w)] + [[fwd(k), bwd(k - w)] for k in range(w, n)]
-                               + [[bwd(k)] for k in range(n - w, n)], r, p, v))
+        w = min(2 * (p - r - 1) + (v - 1) * p, n)
+        sched.append(_by_ticks([[f(k)] for k in range(w)] + [[f(k), b(k - w)] for k in range(w, n)]
+                               + [[b(k)] for k in range(n - w, n)], r, p, v))
     return sched
 
 
 def zero_bubble(p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """ZB-H1: 1F1B with each backward split into B (input gradient, on the critical path) and W
-    (weight gradient). Rank r defers its first r W's (every rank then holds min(p, m)), which lets the
-    B's run back up the pipeline sooner; the deferred W's fill the tail. Transfers go where the
-    ideal timeline has them: a rendezvous send waits for its receive, so both sides must be there."""
-    _single(v, "zb")
+    """ZB-H1: 1F1B with each backward split into B (input gradient, on the critical path) and W (weight
+    gradient). Rank r defers its first r W's (every rank then holds min(p, m)), so the B's travel back
+    sooner; the deferred W's fill the tail. Transfers go where the ideal timeline has them."""
+    _one_chunk(v, "zb")
     orders = []
     for r in range(p):
         w = min(p - r - 1, m)
@@ -232,24 +227,23 @@ def zero_bubble(p: int, m: int, v: int = 1) -> list[list[Action]]:
 
 
 def _at_ideal_times(orders, p, v=1):
-    """Insert transfers where the ideal timeline (unit times, free transfers) has them: each send right
-    after the compute that makes its data, its receive after the receiver's last compute ending by then."""
+    """Transfers where the ideal timeline (unit times, free transfers) has them: a send right after the
+    compute that makes its data; its receive after the receiver's last compute ending by then. A
+    rendezvous transfer holds both sides, so both must reach it at that same moment."""
     ideal = simulate(orders)["spans"]
     made = {(a.op, a.mb, a.chunk * p + r): end for r, spans in enumerate(ideal) for a, _, end in spans}
-    out = []
+    sched = []
     for r, spans in enumerate(ideal):
-        slots = [[] for _ in range(len(spans) + 1)]   # transfers posted before compute k
+        slots = [[] for _ in range(len(spans) + 1)]   # slot k: transfers posted just before compute k
         for k, (a, _, end) in enumerate(spans):
             recv, send = _transfers(a.op, a.mb, a.chunk, r, p, v)
             slots[k + 1] += [(end, x) for x in send]
-            for x in recv:   # its data is made on the neighbouring virtual stage
+            for x in recv:
                 t = made[(a.op, a.mb, a.chunk * p + r + (1 if a.op == "B" else -1))]
                 slots[sum(e <= t for _, _, e in spans[:k])].append((t, x))
-        acts = []
-        for k, slot in enumerate(slots):
-            acts += [x for _, x in sorted(slot, key=lambda s: (s[0], repr(s[1])))] + [a for a, _, _ in spans[k:k + 1]]
-        out.append(acts)
-    return out
+        sched.append([y for k, slot in enumerate(slots) for y in
+                      [x for _, x in sorted(slot, key=lambda q: (q[0], repr(q[1])))] + [a for a, _, _ in spans[k:k + 1]]])
+    return sched
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble}
@@ -263,9 +257,9 @@ def validate(p: int, m: int, n_layers: int, batch: int, schedule: str = "1f1b", 
         raise ValueError(f"batch {batch} is not divisible into {m} micro-batches: "
                          f"choose --microbatches among {[d for d in range(1, batch + 1) if batch % d == 0]}")
     if schedule == "interleaved" and (v < 2 or p < 2 or m % p):
-        raise ValueError(f"interleaved needs virtual stages v >= 2 (got {v}), p >= 2 ranks (got {p}) and "
-                         f"micro-batches a multiple of p (got m={m}): micro-batches pass a rank's chunks in "
-                         f"groups of p; use --microbatches {' or '.join(str(k) for k in (m // p * p, m // p * p + p) if k)}")
+        raise ValueError(f"interleaved needs virtual stages v >= 2 (got {v}), p >= 2 ranks (got {p}) and micro-"
+                         f"batches a multiple of p (got m={m}): micro-batches pass a rank's chunks in groups of p; "
+                         f"use --microbatches {' or '.join(str(k) for k in (m // p * p, m // p * p + p) if k)}")
     if schedule != "interleaved" and v != 1:
         raise ValueError(f"--virtual-stages {v} needs --schedule interleaved ({schedule} runs one chunk per rank)")
     if n_layers < p * v:
@@ -273,11 +267,11 @@ def validate(p: int, m: int, n_layers: int, batch: int, schedule: str = "1f1b", 
                          f"use a model with >= {p * v} layers, or fewer stages")
 
 
-# ---- the runner: any schedule, one step --------------------------------------------------------
+# ---- the runner: any schedule, one step ----------------------------------------------------------
 
 @dataclass
 class PipeGroup:
-    """Where this rank sits: index r of the p ranks `ranks` (global ranks, in pipeline order)."""
+    """Where this rank sits: index r of the p global ranks `ranks`, in pipeline order."""
     r: int
     p: int
     ranks: list
@@ -286,7 +280,7 @@ class PipeGroup:
     def from_ranks(cls, ranks: list[int]) -> "PipeGroup":
         return cls(list(ranks).index(dist.get_rank()), len(ranks), list(ranks))
 
-    def peer(self, d: int) -> int:   # wraps around: an interleaved last rank feeds the first rank's next chunk
+    def peer(self, d: int) -> int:   # wraps: an interleaved last rank feeds the first rank's next chunk
         return self.ranks[(self.r + d) % self.p]
 
     prev = property(lambda self: self.peer(-1) if self.r > 0 else None)
@@ -294,8 +288,8 @@ class PipeGroup:
 
 
 class _InputGradOnly(torch.autograd.Function):
-    """y = x W^T + b whose backward returns only dL/dx (B) and leaves (x, dL/dy) for W. The weight
-    and bias come in a tuple, out of autograd's sight: B has no edge to them, so no hook fires."""
+    """y = x W^T + b whose backward returns dL/dx only (B) and leaves (x, dL/dy) for W. Weight and
+    bias come in a tuple, out of autograd's sight: B has no edge to them, so no hook of theirs fires."""
 
     @staticmethod
     def forward(ctx, x, params, deferred):
@@ -310,8 +304,8 @@ class _InputGradOnly(torch.autograd.Function):
 
 
 class DeferWeightGrads(TorchFunctionMode):
-    """Inside it, every F.linear with a trainable weight (nn.Linear, tensor_parallel's Column/Row
-    ParallelLinear) computes only its input gradient in backward; `weight_grads(deferred)` does the rest."""
+    """Inside it, every F.linear of a trainable weight on a differentiable input (nn.Linear, tensor_parallel's
+    Column/RowParallelLinear) computes only dL/dx in backward; weight_grads(deferred) does the rest."""
 
     def __init__(self, deferred: list):
         super().__init__()
@@ -319,18 +313,18 @@ class DeferWeightGrads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.linear or not torch.is_grad_enabled() or not (args[0].requires_grad and args[1].requires_grad):
+        if func is not F.linear or not (torch.is_grad_enabled() and args[0].requires_grad and args[1].requires_grad):
             return func(*args, **kwargs)
         x, w, b = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
         dev = x.device.type
-        if torch.is_autocast_enabled(dev):  # cast as autocast would, outside the Function
+        if torch.is_autocast_enabled(dev):   # cast as autocast would, outside the Function
             x, w, b = (t if t is None else t.to(torch.get_autocast_dtype(dev)) for t in (x, w, b))
         with torch.autocast(dev, enabled=False):
             return _InputGradOnly.apply(x, (w, b), self.deferred)
 
 
 def weight_grads(deferred: list) -> None:
-    """W: dL/dW = dL/dy^T x (and dL/db = sum dL/dy) for each deferred linear, accumulated through
+    """W: dL/dW = dL/dy^T x (and dL/db = sum of dL/dy) of each deferred linear, accumulated through
     autograd, so .grad and post-accumulate-grad hooks (ZeRO, DDP) see an ordinary backward."""
     params, grads = [], []
     for x, gy, w, b in deferred:
@@ -343,19 +337,26 @@ def weight_grads(deferred: list) -> None:
         torch.autograd.backward(params, grads)
 
 
-def _nothing(group):
-    return nullcontext()
+def comm_batches(actions: list[Action]) -> list[list[Action]]:
+    """Each compute alone, each run of consecutive transfers together (one batch_isend_irecv)."""
+    groups = []
+    for a in actions:
+        if a.op not in COMPUTE and groups and groups[-1][0].op not in COMPUTE:
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    return groups
 
 
 def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: int, dp_group=None, *,
-                  act_shape=None, act_dtype=None, trace=_nothing) -> dict:
+                  act_shape=None, act_dtype=None, trace=lambda group: nullcontext()) -> dict:
     """One forward+backward of the local batch x, y [B, S] (y: the last rank's targets) through this
-    rank's actions. Leaves the full-batch gradients in .grad (no optimizer step, no zero_grad).
-    act_shape: one micro-batch's stage-boundary tensor (default [B/m, S, H]; sequence parallel sends
-    [B/m, S/tp, H]). trace(group): a context manager entered around each group of actions (a compute
-    alone, consecutive transfers together) — the place to measure from outside.
+    rank's actions; leaves the full-batch gradients in .grad (no optimizer step, no zero_grad).
+    act_shape: one micro-batch's tensor at a stage boundary (default [B/m, S, H]; sequence parallel
+    sends [B/m, S/tp, H]). trace(group): a context manager entered around each group of actions (a
+    compute alone, consecutive transfers together): the place to measure from, outside.
     Returns dict(loss: the mean loss on the last rank, else None; aux: the MoE aux loss of this rank's
-    layers, averaged over micro-batches, or None)."""
+    layers, averaged over micro-batches — add it to the reported loss — or None)."""
     shape, dtype = act_shape or (x.shape[0] // m, x.shape[1], stage.cfg.dim), act_dtype or next(stage.parameters()).dtype
     xs, ys = x.chunk(m), (y.chunk(m) if stage.is_last else None)
     split = any(a.op == "W" for a in actions)
@@ -386,8 +387,8 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        for t in sent:   # sent and not needed again: the stage ends in a residual add, which saves
-            t.untyped_storage().resize_(0)   # no output, so its backward needs only the graph
+        for t in sent:   # sent, not needed again: the stage ends in a residual add, which saves no
+            t.untyped_storage().resize_(0)   # output, so its backward needs only the graph
         for t in group:
             if t.op == "RECV_F":
                 inputs[(t.mb, t.chunk)].requires_grad_()   # so its gradient can be sent back
@@ -408,91 +409,71 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
     if dp_group is not None and dist.get_world_size(dp_group) > 1:   # replicas of this stage: one all-reduce
         all_reduce_flat([q.grad for q in stage.parameters() if q.grad is not None], dp_group,
                         divide_by=dist.get_world_size(dp_group))
-    return dict(loss=torch.stack(losses).sum() / m if losses else None,
-                aux=torch.stack(aux).sum() / m if aux else None)
+    return dict(loss=torch.stack(losses).sum() / m if losses else None, aux=torch.stack(aux).sum() / m if aux else None)
 
 
-def comm_batches(actions: list[Action]) -> list[list[Action]]:
-    """Each compute alone, each run of consecutive transfers together (one batch_isend_irecv)."""
-    groups = []
-    for a in actions:
-        if a.op not in COMPUTE and groups and groups[-1][0].op not in COMPUTE:
-            groups[-1].append(a)
-        else:
-            groups.append([a])
-    return groups
-
-
-# ---- checking and playing a schedule without running it ---------------------------------------------
+# ---- checking and playing a schedule without running it ------------------------------------------
 
 def _message(a: Action, r: int, p: int):
-    """A transfer's (role, message): the message is (kind, micro-batch, virtual stage that made it)."""
+    """A transfer as (role, message): a message is (kind, micro-batch, the virtual stage that made it)."""
     s = a.chunk * p + r
-    made_by = {"SEND_F": s, "SEND_B": s, "RECV_F": s - 1, "RECV_B": s + 1}[a.op]
-    return a.op[:4], (a.op[-1], a.mb, made_by)
+    return a.op[:4], (a.op[-1], a.mb, {"SEND_F": s, "SEND_B": s, "RECV_F": s - 1, "RECV_B": s + 1}[a.op])
 
 
 def check_schedule(sched: list[list[Action]]) -> None:
-    """Raise ValueError unless every chunk of every rank runs F, B (and W, if any rank splits) of every
-    micro-batch once, with exactly the transfers it needs, each before/after what depends on it, and
-    every pair of ranks sends and receives the same messages in the same order."""
+    """Raise ValueError unless every chunk of every rank runs F, B (and W if the schedule splits) of each
+    micro-batch once, with exactly the transfers it needs, each in order with what depends on it, and
+    each pair of ranks sends and receives the same messages in the same order."""
     p, v = len(sched), 1 + max(a.chunk for acts in sched for a in acts)
-    m, split = sum(a.op == "F" for a in sched[0]) // v, any(a.op == "W" for acts in sched for a in acts)
-    order = [("RECV_F", "F"), ("F", "SEND_F"), ("F", "B"), ("RECV_B", "B"), ("B", "SEND_B"), ("B", "W")]
-    sent, received = {}, {}
+    m, split, pairs = sum(a.op == "F" for a in sched[0]) // v, any(a.op == "W" for acts in sched for a in acts), {}
     for r, acts in enumerate(sched):
         pos = {a: k for k, a in enumerate(acts)}
-        if len(pos) != len(acts):
-            raise ValueError(f"rank {r}: an action appears twice")
-        need = {Action(op, i, c) for i in range(m) for c in range(v) for kind in "FBW"[:2 + split]
-                for op in [kind] + [a.op for a in sum(_transfers(kind, i, c, r, p, v), [])]}
-        if set(pos) != need:
-            raise ValueError(f"rank {r}: missing {sorted(map(repr, need - set(pos)))}, "
-                             f"unexpected {sorted(map(repr, set(pos) - need))}")
-        for a, b in order:
-            for i in range(m):
-                for c in range(v):
-                    if Action(a, i, c) in pos and Action(b, i, c) in pos and pos[Action(a, i, c)] > pos[Action(b, i, c)]:
-                        raise ValueError(f"rank {r}: {Action(b, i, c)} comes before {Action(a, i, c)}, out of order")
-        for a in acts:
-            if a.op not in COMPUTE:
-                role, msg = _message(a, r, p)
-                peer = (r + (1 if a.op in ("SEND_F", "RECV_B") else -1)) % p
-                pair = (r, peer) if role == "SEND" else (peer, r)
-                (sent if role == "SEND" else received).setdefault(pair, []).append(msg)
-    for pair in set(sent) | set(received):
-        if sent.get(pair) != received.get(pair):
-            raise ValueError(f"ranks {pair}: sent in the order {sent.get(pair)} but received in the order {received.get(pair)}")
+        need = {x for i in range(m) for c in range(v) for op in "FBW"[:2 + split]
+                for x in [Action(op, i, c)] + sum(_transfers(op, i, c, r, p, v), [])}
+        if len(pos) != len(acts) or set(pos) != need:
+            raise ValueError(f"rank {r}: missing {sorted(map(repr, need - set(pos)))}, unexpected or repeated "
+                             f"{sorted(map(repr, set(pos) - need)) or [a for a in acts if acts.count(a) > 1]}")
+        for a, b in [("RECV_F", "F"), ("F", "SEND_F"), ("F", "B"), ("RECV_B", "B"), ("B", "SEND_B"), ("B", "W")]:
+            for i, c in ((i, c) for i in range(m) for c in range(v)):
+                if pos.get(Action(a, i, c), -1) > pos.get(Action(b, i, c), len(acts)):
+                    raise ValueError(f"rank {r}: {Action(b, i, c)} before {Action(a, i, c)}: out of order")
+        for a in (a for a in acts if a.op not in COMPUTE):
+            role, msg = _message(a, r, p)
+            peer = (r + (1 if a.op in ("SEND_F", "RECV_B") else -1)) % p
+            pairs.setdefault(((r, peer) if role == "SEND" else (peer, r), role), []).append(msg)
+    for (pair, role), msgs in pairs.items():
+        if msgs != pairs.get((pair, "RECV" if role == "SEND" else "SEND")):
+            raise ValueError(f"ranks {pair}: the messages are sent and received in a different order")
 
 
-def simulate(sched: list[list[Action]], t_f: float = 1, t_b: float = 1, t_w: float = 1) -> dict:
-    """Play a schedule: t_f, t_b (input gradient), t_w (weight gradient) per micro-batch and stage, a
-    chunk 1/v of that; an unsplit B costs t_b + t_w. Transfers are free but *rendezvous*: a batch ends
+def simulate(sched: list[list[Action]], t_f=1, t_b=1, t_w=1) -> dict:
+    """Play a schedule: per micro-batch and stage t_f forward, t_b input gradient, t_w weight gradient
+    (an unsplit B: t_b + t_w), a chunk 1/v of that. Transfers are free but *rendezvous*: a batch ends
     once every partner has reached the batch holding its match — the strictest backend (gloo's send
     waits for its receive), so a schedule that finishes here cannot deadlock; one that does not raises.
-    A schedule of computes alone is played with free, instant transfers (the ideal timeline).
-    Returns spans [(action, start, end)] per rank, total, idle time and bubble per rank, peak_in_flight."""
+    Computes alone are played with free, instant transfers (the ideal timeline).
+    Returns spans [(action, start, end)] per rank, total, idle and bubble (idle/total) per rank, and
+    peak_in_flight (micro-batches between F and the pass that frees them: W if split, else B)."""
     p, v = len(sched), 1 + max(a.chunk for acts in sched for a in acts)
-    split = any(a.op == "W" for acts in sched for a in acts)
-    free = all(a.op in COMPUTE for acts in sched for a in acts)
-    cost = {"F": t_f / v, "B": (t_b if split else t_b + t_w) / v, "W": t_w / v}
+    split, free = any(a.op == "W" for acts in sched for a in acts), all(a.op in COMPUTE for acts in sched for a in acts)
+    cost, n = {"F": t_f / v, "B": (t_b if split else t_b + t_w) / v, "W": t_w / v}, p * v
     groups = [comm_batches(acts) for acts in sched]
-    idx, clock, posted, ready = [0] * p, [0] * p, {}, {}
-    spans, held, peak = [[] for _ in range(p)], [0] * p, [0] * p
-    progress = True
+    idx, clock, posted, ready, held, peak = [0] * p, [0] * p, {}, {}, [0] * p, [0] * p
+    spans, progress = [[] for _ in range(p)], True
     while progress:
         progress = False
         for r in range(p):
             while idx[r] < len(groups[r]):
                 g = groups[r][idx[r]]
                 if g[0].op in COMPUTE:
-                    a, s = g[0], g[0].chunk * p + r
-                    dep = ("F", a.mb, s - 1) if a.op == "F" and s > 0 else ("B", a.mb, s + 1) if a.op == "B" and s < p * v - 1 else None
-                    if free and dep is not None and dep not in ready:
-                        break   # its input is made by a rank that has not got there yet
-                    start = max(clock[r], ready[dep] if free and dep else 0)
-                    clock[r] = start + cost[a.op]
-                    ready[(a.op, a.mb, s)] = clock[r]
+                    a = g[0]
+                    s = a.chunk * p + r
+                    dep = {"F": ("F", a.mb, s - 1) if s > 0 else None, "W": None,
+                           "B": ("B", a.mb, s + 1) if s < n - 1 else None}[a.op] if free else None
+                    if dep is not None and dep not in ready:
+                        break   # its input is made on a rank that has not got there yet
+                    start = max(clock[r], ready.get(dep, 0))
+                    clock[r] = ready[(a.op, a.mb, s)] = start + cost[a.op]
                     held[r] += {"F": 1, "B": -(not split), "W": -1}[a.op]
                     peak[r] = max(peak[r], held[r])
                     spans[r].append((a, start, clock[r]))
@@ -503,21 +484,19 @@ def simulate(sched: list[list[Action]], t_f: float = 1, t_b: float = 1, t_w: flo
                     partners = [("RECV" if role == "SEND" else "SEND", msg) for role, msg in msgs]
                     if not all(q in posted for q in partners):
                         break   # blocked until the peers get there
-                    done = max(posted[q] for q in msgs + partners)
-                    spans[r] += [(a, posted[q], done) for a, q in zip(g, msgs)]
-                    clock[r] = done
+                    clock[r] = max(posted[q] for q in msgs + partners)
+                    spans[r] += [(a, posted[q], clock[r]) for a, q in zip(g, msgs)]
                 idx[r] += 1
                 progress = True
     if any(idx[r] < len(groups[r]) for r in range(p)):
-        stuck = {r: groups[r][idx[r]] for r in range(p) if idx[r] < len(groups[r])}
-        raise RuntimeError(f"schedule deadlocks: ranks wait at {stuck}")
+        raise RuntimeError(f"schedule deadlocks: ranks wait at {({r: groups[r][idx[r]] for r in range(p) if idx[r] < len(groups[r])})}")
     total = max(clock)
     idle = [total - sum(e - s for a, s, e in sp if a.op in COMPUTE) for sp in spans]
     return dict(spans=spans, total=total, idle=idle, bubble=[i / total for i in idle], peak_in_flight=peak)
 
 
 def idle_formula(name: str, p: int, m: int, v: int = 1, t_f=1, t_b=1, t_w=1):
-    """Each stage's idle time per step, from the papers (see the module docstring)."""
+    """Each rank's idle time per step, from the papers (see the module docstring)."""
     if name == "zb":
         return (p - 1) * (t_f + t_b) - (min(m, p) - 1) * t_w
     return (p - 1) * (t_f + t_b + t_w) / (v if name == "interleaved" else 1)
@@ -525,15 +504,14 @@ def idle_formula(name: str, p: int, m: int, v: int = 1, t_f=1, t_b=1, t_w=1):
 
 def held_formula(name: str, p: int, m: int, r: int, v: int = 1) -> int:
     """Micro-batches (interleaved: chunk-micro-batches) rank r holds at its peak."""
-    return {"gpipe": m, "1f1b": min(p - r, m), "zb": min(p, m),
-            "interleaved": min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)}[name]
+    return {"gpipe": m, "1f1b": min(p - r, m), "zb": min(p, m), "interleaved": min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)}[name]
 
 
-# ---- measuring from outside: the trace hook, and training with it -------------------------------
+# ---- measuring from outside: the trace hook, and training with it --------------------------------
 
 class StepTrace:
-    """A `trace` for pipeline_step: one Timeline span per action group, and (held=True) the micro-batches
-    whose saved activations are still alive after each group (instruments.SavedActivations)."""
+    """A `trace` for pipeline_step: one Timeline span per group of actions, and (held=True) the micro-batches
+    whose saved activations are alive after each group (instruments.SavedActivations)."""
 
     def __init__(self, stage, held: bool = True):
         self.timeline, self.saved = Timeline(), SavedActivations(stage.parameters()) if held else None
@@ -554,8 +532,7 @@ def train(cfg, schedule: str, m: int, batches, pp_ranks, v: int = 1, dp_group=No
     losses (last rank), the first step's gradients by name, the last step's timeline and peak held."""
     validate(len(pp_ranks), m, cfg.n_layers, batches[0][0].shape[0] // dp_size, schedule, v)  # before any send
     pg = PipeGroup.from_ranks(pp_ranks)
-    stage = Stage(cfg, pg.r, pg.p, seed, device, dtype, v)
-    actions = SCHEDULES[schedule](pg.p, m, v)[pg.r]
+    stage, actions = Stage(cfg, pg.r, pg.p, seed, device, dtype, v), SCHEDULES[schedule](pg.p, m, v)[pg.r]
     opt = torch.optim.AdamW(stage.parameters(), lr=lr) if lr else None
     out = dict(losses=[], grads=None, stage=stage, actions=actions, pg=pg)
     for x, y in batches:
@@ -569,165 +546,123 @@ def train(cfg, schedule: str, m: int, batches, pp_ranks, v: int = 1, dp_group=No
             opt.step()
         stage.zero_grad(set_to_none=True)
         out["losses"].append(None if res["loss"] is None else res["loss"].item())
-        out.update(spans=trace.timeline.spans, peak_held=trace.saved.peak_keys,
-                   peak_bytes=trace.saved.peak_bytes)
+        out.update(spans=trace.timeline.spans, peak_held=trace.saved.peak_keys, peak_bytes=trace.saved.peak_bytes)
     return out
-
-
-def measured_bubble(spans_per_rank) -> tuple[list[float], float]:
-    """Each rank's idle share of the step (from the first start to the last rank's last end)."""
-    total = max(s["end"] for spans in spans_per_rank for s in spans)
-    return [1 - sum(s["end"] - s["start"] for s in sp if s["name"] in COMPUTE) / total for sp in spans_per_rank], total
-
-
-def ascii_timeline(spans_per_rank, width: int = 72) -> str:
-    """One row per rank: F forward, B backward (input gradient), W weight gradient, . idle or waiting."""
-    total, rows = max(s["end"] for spans in spans_per_rank for s in spans), []
-    for r, spans in enumerate(spans_per_rank):
-        row = ["."] * width
-        for s in (s for s in spans if s["name"] in COMPUTE):
-            a = min(int(s["start"] / total * width), width - 1)
-            row[a:max(int(s["end"] / total * width), a + 1)] = s["name"] * (max(int(s["end"] / total * width), a + 1) - a)
-        rows.append(f"  rank {r}  " + "".join(row[:width]))
-    return "\n".join(rows)
 
 
 def timeline_ranks(configs, model: str = "small", n_layers: int = 8, batch: int = 8, seq: int = 32) -> dict:
-    """For launch.run_ranks (the notebook): every rank a stage; per (schedule, m, v), two steps with lr=0
-    and the second step's timeline and peak of micro-batches held."""
+    """For launch.run_ranks (the notebook): per (schedule, m, v), two steps with lr=0; the second's spans."""
     from data import get_batch, load_corpus
     from model import get_config
-    tokens = load_corpus()
-    batches = [get_batch(tokens, s, batch, seq) for s in range(2)]
-    out = {}
-    for name, m, v in configs:
-        res = train(get_config(model, n_layers=n_layers), name, m, batches, list(range(dist.get_world_size())), v, lr=0)
-        out[(name, m, v)] = {k: res[k] for k in ("spans", "peak_held", "peak_bytes")}
-    return out
-
-
-# ---- demo (PyTorch's own pipelining appears only below this line, as the reference) ------------------
+    batches = [get_batch(load_corpus(), s, batch, seq) for s in range(2)]
+    return {c: {k: v for k, v in train(get_config(model, n_layers=n_layers), c[0], c[1], batches,
+                                       list(range(dist.get_world_size())), c[2], lr=0).items()
+                if k in ("spans", "peak_held", "peak_bytes")} for c in configs}
+# ---- demo (PyTorch's own pipelining appears only below the __main__ line, as the reference) ----------
 
 def _demo(argv=None, reference=None) -> int:
     import argparse
+    import os
 
     from data import get_batch, load_corpus
-    from demo import all_agree, finish, print_by_rank, single_process
-    from instruments import time_steps
+    from demo import all_agree, finish, single_process
+    from instruments import ascii_timeline, idle_share
     from mesh import Mesh, init_distributed, print0
     from model import build_model, get_config
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (default: 2 for interleaved, else 1)")
+    ap.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (default: 2 if interleaved, else 1)")
     ap.add_argument("--model", default="small")
-    ap.add_argument("--layers", type=int, default=None, help="override n_layers (default: 2 per chunk)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas of each stage")
+    ap.add_argument("--layers", type=int, default=None, help="n_layers (default: 2 per chunk)")
+    for name, default in [("batch", 8), ("seq", 32), ("steps", 2), ("dp", 1)]:
+        ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--compare", action="store_true", help="also run torch.distributed.pipelining's schedule")
     args = ap.parse_args(argv)
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    v = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
-    if world % args.dp:
-        raise ValueError(f"--dp {args.dp} must divide the world size {world}")
-    p, m = world // args.dp, args.microbatches
+    world, v = int(os.environ.get("WORLD_SIZE", "1")), args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+    if world % args.dp or args.batch % args.dp:
+        raise ValueError(f"--dp {args.dp} must divide the world size {world} and --batch {args.batch}")
+    p, m, name = world // args.dp, args.microbatches, args.schedule
     cfg = get_config(args.model, n_layers=args.layers or 2 * p * v)
-    if args.batch % args.dp:
-        raise ValueError(f"--batch {args.batch} must be divisible by --dp {args.dp}")
-    validate(p, m, cfg.n_layers, args.batch // args.dp, args.schedule, v)   # before any collective
+    validate(p, m, cfg.n_layers, args.batch // args.dp, name, v)   # before any collective
     device = init_distributed()
     mesh = Mesh(pp=p, dp_replicate=args.dp)
-    tokens = load_corpus()
-    batches = [get_batch(tokens, s, args.batch, args.seq) for s in range(args.steps)]
-    out = train(cfg, args.schedule, m, batches, mesh.ranks("pp"), v, mesh.group("dp"), mesh.rank("dp"), args.dp,
-                device=device)
-    print0(f"{args.schedule}: p={p} ranks x v={v} chunks x dp={args.dp}, m={m} micro-batches of "
-           f"{args.batch // args.dp // m}; {cfg.n_layers} layers split {[len(s) for s in split_layers(cfg.n_layers, p * v)]}")
+    batches = [get_batch(load_corpus(), s, args.batch, args.seq) for s in range(args.steps)]
+    out = train(cfg, name, m, batches, mesh.ranks("pp"), v, mesh.group("dp"), mesh.rank("dp"), args.dp, device=device)
+    print0(f"{name}: p={p} ranks x v={v} chunks x dp={args.dp}, m={m} micro-batches of {args.batch // args.dp // m};"
+           f" {cfg.n_layers} layers split {[len(s) for s in split_layers(cfg.n_layers, p * v)]}")
     ok = True
     if out["losses"][0] is not None and mesh.rank("dp") == 0:   # the last rank: losses against one process
         ref = single_process(build_model(cfg, seed=0), batches)["losses"]
-        diff = max(abs(a - b) for a, b in zip(out["losses"], ref))
-        ok = diff < 1e-4
-        print(f"  losses {[round(x, 6) for x in out['losses']]}   one process {[round(x, 6) for x in ref]}   "
-              f"max |diff| {diff:.1e}", flush=True)
+        ok = max(abs(a - b) for a, b in zip(out["losses"], ref)) < 1e-4
+        print(f"  losses {[round(x, 6) for x in out['losses']]}, one process {[round(x, 6) for x in ref]}", flush=True)
     ok = all_agree(ok)
-
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (mesh.coords["pp"], mesh.rank("dp"), out["spans"], out["peak_held"], out["peak_bytes"]))
     rows = sorted((e for e in every if e[1] == 0), key=lambda e: e[0])
-    bubble, total = measured_bubble([e[2] for e in rows])
-    sim = simulate(SCHEDULES[args.schedule](p, m, v))
-    print0(f"last step {total * 1e3:.0f} ms; timeline (F forward, B backward, W weight gradient, . idle):\n"
+    measured, total = idle_share([e[2] for e in rows])
+    idle, sim = idle_formula(name, p, m, v), simulate(SCHEDULES[name](p, m, v))
+    print0(f"last step {total * 1e3:.0f} ms (F forward, B backward, W weight gradient, . idle):\n"
            + ascii_timeline([e[2] for e in rows]))
-    print0(f"  bubble (idle share of the step): formula {idle_formula(args.schedule, p, m, v) / (3 * m + idle_formula(args.schedule, p, m, v)):.3f}"
-           f", simulated {sim['bubble'][0]:.3f}, measured per rank " + " ".join(f"{b:.3f}" for b in bubble))
-    print0("  micro-batches held at peak per rank (formula / measured from autograd's saved tensors): "
-           + "  ".join(f"{held_formula(args.schedule, p, m, r, v)}/{e[3]}" for r, e in enumerate(rows))
+    print0(f"  bubble, idle share of the step: formula {idle / (3 * m + idle):.3f}, simulated {sim['bubble'][0]:.3f}, "
+           f"measured per rank " + " ".join(f"{b:.3f}" for b in measured))
+    print0("  micro-batches held at the peak, formula/measured from autograd's saved tensors: "
+           + "  ".join(f"{held_formula(name, p, m, r, v)}/{e[3]}" for r, e in enumerate(rows))
            + "   activation MB: " + " ".join(f"{e[4] / 2**20:.1f}" for e in rows))
     if args.compare and reference is not None and args.dp == 1:
-        ok &= reference(out, cfg, p, m, v, args, batches[0], device, mesh)
+        ok &= reference(out, cfg, name, m, batches[0], device, mesh.group("pp"))
     print0("loss matches the single-process model:", "ok" if ok else "FAILED")
     return finish(ok)
 
 
 if __name__ == "__main__":
-    from demo import main
+    import copy
 
-    def torch_pipelining(out, cfg, p, m, v, args, batch, device, mesh) -> bool:
+    import torch.distributed.pipelining as pl
+
+    from demo import all_agree, main
+    from instruments import time_steps
+    from mesh import print0
+    from model import CrossEntropy
+    NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+             "zb": "ScheduleInterleavedZeroBubble"}   # PyTorch's zero-bubble for one stage per rank: ZB-H1's order
+
+    def torch_pipelining(out, cfg, name, m, batch, device, group) -> bool:
         """The same split run by torch.distributed.pipelining's schedule of the same name: gradients and
-        step time side by side. Shapes are given up front, as ours are; every rank passes the loss
-        (it tells the schedule there is a backward)."""
-        import copy
-
-        import torch.distributed.pipelining as pl
-
-        from demo import all_agree
-        from instruments import time_steps
-        from mesh import print0
-        from model import CrossEntropy
-        name = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                "zb": "ScheduleInterleavedZeroBubble"}[args.schedule]
-        if not hasattr(pl, name):
-            print0(f"  torch.distributed.pipelining has no {name} in torch {torch.__version__}")
+        step time side by side. Shapes are given up front, as ours are; every rank passes the loss."""
+        if not hasattr(pl, NAMES[name]):
+            print0(f"  torch {torch.__version__} has no {NAMES[name]}")
             return True
-        x, y = (t.to(device) for t in batch)
-        pg, ours, b, S = out["pg"], copy.deepcopy(out["stage"]), x.shape[0] // m, x.shape[1]
-        chunks = [Stage(cfg, c * p + pg.r, p * v, 0, device, next(ours.parameters()).dtype) for c in range(v)]
-        for ch in chunks:   # the trained weights: the same names in our stage and in its chunks
-            ch.load_state_dict({n: t for n, t in ours.state_dict().items() if n in ch.state_dict()})
-        act = torch.empty(b, S, cfg.dim, device=device, requires_grad=True)
-        stages = [pl.PipelineStage(ch, c * p + pg.r, p * v, device, group=mesh.group("pp"),
+        (x, y), pg, ours = (t.to(device) for t in batch), out["pg"], copy.deepcopy(out["stage"])
+        p, v, b, n = pg.p, ours.v, x.shape[0] // m, pg.p * ours.v
+        chunks = [Stage(cfg, c * p + pg.r, n, 0, device, next(ours.parameters()).dtype) for c in range(v)]
+        for ch in chunks:   # our trained weights: a chunk's names are a subset of the stage's
+            ch.load_state_dict({k: t for k, t in ours.state_dict().items() if k in ch.state_dict()})
+        act = torch.empty(b, x.shape[1], cfg.dim, device=device, requires_grad=True)
+        stages = [pl.PipelineStage(ch, c * p + pg.r, n, device, group=group,
                                    input_args=(x[:b],) if c * p + pg.r == 0 else (act,),
-                                   output_args=(torch.empty(b, S, cfg.vocab_size, device=device),)
-                                   if c * p + pg.r == p * v - 1 else (act,)) for c, ch in enumerate(chunks)]
-        sched = getattr(pl, name)(stages if name in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
-                                  else stages[0], m, loss_fn=CrossEntropy())
-
-        def theirs_step():
-            sched.step(*((x,) if pg.r == 0 else ()), target=y if pg.r == p - 1 else None)
-
-        def ours_step():
-            pipeline_step(ours, out["actions"], pg, x, y, m)
-        for f in (ours_step, theirs_step):   # one step each, then the gradients must agree
+                                   output_args=(torch.empty(b, x.shape[1], cfg.vocab_size, device=device),)
+                                   if c * p + pg.r == n - 1 else (act,)) for c, ch in enumerate(chunks)]
+        multi = NAMES[name] in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+        sched = getattr(pl, NAMES[name])(stages if multi else stages[0], m, loss_fn=CrossEntropy())
+        steps = dict(ours=lambda: pipeline_step(ours, out["actions"], pg, x, y, m),
+                     theirs=lambda: sched.step(*((x,) if pg.r == 0 else ()), target=y if pg.r == p - 1 else None))
+        for f in steps.values():   # one step each: the gradients must agree
             f()
-        theirs = {n: q for ch in chunks for n, q in ch.named_parameters()}
-        diff = max((q.grad - theirs[n].grad).abs().max().item() for n, q in ours.named_parameters())
-        diff_max = torch.tensor([diff])
-        dist.all_reduce(diff_max, op=dist.ReduceOp.MAX)
-        t_ours, t_theirs = [], []
+        theirs = {k: q for ch in chunks for k, q in ch.named_parameters()}
+        diff = torch.tensor([max((q.grad - theirs[k].grad).abs().max().item() for k, q in ours.named_parameters())])
+        times = {k: [] for k in steps}
         for _ in range(3):   # alternate, so drift in machine load hits both alike
-            for mod in [ours] + chunks:
-                mod.zero_grad(set_to_none=True)
-            dist.barrier()
-            t_ours.append(time_steps(ours_step, 2, device=device))
-            dist.barrier()
-            t_theirs.append(time_steps(theirs_step, 2, device=device))
-        t = torch.tensor([min(t_ours), min(t_theirs)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        print0(f"  torch.distributed.pipelining {name}: gradients max |diff| {diff_max.item():.1e}; step time ours "
-               f"{t[0] * 1e3:.1f} ms, theirs {t[1] * 1e3:.1f} ms -> ours/theirs {t[0] / t[1]:.2f}")
-        return all_agree(diff_max.item() < 1e-6)
+            for k, f in steps.items():
+                for mod in [ours] + chunks:
+                    mod.zero_grad(set_to_none=True)
+                dist.barrier()
+                times[k].append(time_steps(f, 2, device=device))
+        t = torch.tensor([min(times["ours"]), min(times["theirs"])])
+        for tensor in (diff, t):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        print0(f"  torch.distributed.pipelining {NAMES[name]}: gradients max |diff| {diff.item():.1e}; step time "
+               f"ours {t[0] * 1e3:.1f} ms, theirs {t[1] * 1e3:.1f} ms: ours/theirs {t[0] / t[1]:.2f}")
+        return all_agree(diff.item() < 1e-6)
 
     main(lambda argv: _demo(argv, reference=torch_pipelining))
