@@ -256,10 +256,12 @@ def validate(p: int, m: int, n_layers: int, batch: int, schedule: str = "1f1b", 
     if m < 1 or batch % m:
         raise ValueError(f"batch {batch} is not divisible into {m} micro-batches: "
                          f"choose --microbatches among {[d for d in range(1, batch + 1) if batch % d == 0]}")
-    if schedule == "interleaved" and (v < 2 or p < 2 or m % p):
-        raise ValueError(f"interleaved needs virtual stages v >= 2 (got {v}), p >= 2 ranks (got {p}) and micro-"
-                         f"batches a multiple of p (got m={m}): micro-batches pass a rank's chunks in groups of p; "
-                         f"use --microbatches {' or '.join(str(k) for k in (m // p * p, m // p * p + p) if k)}")
+    if schedule == "interleaved" and (v < 2 or p < 2):
+        raise ValueError(f"interleaved needs >= 2 ranks and >= 2 virtual stages per rank, got p={p}, v={v}: "
+                         f"use --virtual-stages 2 or more on >= 2 ranks (one chunk per rank is 1f1b)")
+    if schedule == "interleaved" and m % p:
+        raise ValueError(f"interleaved needs the micro-batches to be a multiple of p={p}, got m={m} (they pass a "
+                         f"rank's chunks in groups of p): use --microbatches {' or '.join(str(k) for k in (m // p * p, m // p * p + p) if k)}")
     if schedule != "interleaved" and v != 1:
         raise ValueError(f"--virtual-stages {v} needs --schedule interleaved ({schedule} runs one chunk per rank)")
     if n_layers < p * v:
@@ -324,10 +326,15 @@ class DeferWeightGrads(TorchFunctionMode):
 
 
 def weight_grads(deferred: list) -> None:
-    """W: dL/dW = dL/dy^T x (and dL/db = sum of dL/dy) of each deferred linear, accumulated through
-    autograd, so .grad and post-accumulate-grad hooks (ZeRO, DDP) see an ordinary backward."""
+    """W: dL/dW = dL/dy^T x (and dL/db = sum of dL/dy) of each deferred linear — plus any (parameter,
+    gradient) B already had — handed to autograd at once, so .grad and post-accumulate-grad hooks
+    (ZeRO, DDP) see one ordinary backward per micro-batch."""
     params, grads = [], []
-    for x, gy, w, b in deferred:
+    for item in deferred:
+        if len(item) == 2:
+            params.append(item[0]), grads.append(item[1])
+            continue
+        x, gy, w, b = item
         gy2 = gy.reshape(-1, gy.shape[-1])
         params.append(w), grads.append(gy2.T @ x.reshape(-1, x.shape[-1]))   # [out, in]
         if b is not None:
@@ -371,7 +378,16 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
 
     def backward(key, last):   # (a sent activation's values are freed, see transfer: its graph is enough)
         outs = outputs.pop(key)
-        torch.autograd.backward(outs, [None if last else grads.pop(key)] + [None] * (len(outs) - 1))
+        grad_outs = [None if last else grads.pop(key)] + [None] * (len(outs) - 1)
+        if not split:
+            return torch.autograd.backward(outs, grad_outs)
+        # B of a split backward: dL/d(input) now; every parameter's gradient waits for W (the linears'
+        # are not even computed yet; norms', the embedding's are), so hooks see one pass per micro-batch
+        params, inp = [q for q in stage.parameters() if q.requires_grad], inputs.get(key)
+        got = torch.autograd.grad(outs, params + ([inp] if inp is not None else []), grad_outs, allow_unused=True)
+        deferred[key] += [(q, g) for q, g in zip(params, got) if g is not None]
+        if inp is not None:
+            inp.grad = got[-1]
 
     def transfer(group):       # consecutive transfers: ONE batch_isend_irecv (NCCL runs it as a group)
         ops, sent = [], []

@@ -110,7 +110,7 @@ def test_split_and_validation():
     assert [list(s) for s in split_layers(4, 2)] == [[0, 1], [2, 3]]
     assert Stage(get_config("tiny", n_layers=8), 1, 2, v=2, device="meta").chunks == [[2, 3], [6, 7]]
     for args, match in [((2, 3, 4, 8), "not divisible"), ((4, 4, 3, 8), "cannot fill"), ((2, 2, 4, 8, "x"), "unknown"),
-                        ((4, 6, 16, 12, "interleaved", 2), "multiple of p"), ((2, 2, 8, 8, "interleaved", 1), "v >= 2"),
+                        ((4, 6, 16, 12, "interleaved", 2), "multiple of p"), ((2, 2, 8, 8, "interleaved", 1), "virtual stages per rank"),
                         ((2, 2, 8, 8, "zb", 2), "needs --schedule interleaved"), ((4, 4, 7, 8, "interleaved", 2), "cannot fill")]:
         with pytest.raises(ValueError, match=match):
             validate(*args)
@@ -206,7 +206,7 @@ def _rank_runs(p, layers, configs, batches, extras=False):
         mesh = Mesh(pp=2, dp_replicate=2)   # pp=2 x dp=2: each stage's replicas all-reduce once
         res = train(cfg, "zb", 2, batches, mesh.ranks("pp"), 1, mesh.group("dp"), mesh.rank("dp"), 2, lr=LR, dtype=torch.float64)
         out["dp"] = dict(losses=res["losses"], grads=res["grads"], stage=mesh.coords["pp"])
-        out["zero3"] = _zero3(cfg, batches)
+        out["zero3"] = {name: _zero3(cfg, batches, name) for name in ("1f1b", "zb")}
         errors = {}
         for key, args in [("m%p", (cfg, "interleaved", 2, batches, list(range(p)), 2)),
                           ("layers", (get_config("tiny", n_layers=3), "gpipe", 4, batches, list(range(p)))),
@@ -221,9 +221,9 @@ def _rank_runs(p, layers, configs, batches, extras=False):
     return out
 
 
-def _zero3(cfg, batches):
+def _zero3(cfg, batches, name):
     """pp=2 x ZeRO-3 over dp_shard=2: forward pre-hooks gather each unit's parameters, the runner only
-    calls the stage; one step of AdamW, then the full parameters."""
+    calls the stage; a unit reduces once all its gradients arrived (zb: in W); AdamW; the full parameters."""
     from fsdp import shard_model
     mesh = Mesh(pp=2, dp_shard=2)
     pg = PipeGroup.from_ranks(mesh.ranks("pp"))
@@ -235,7 +235,7 @@ def _zero3(cfg, batches):
     for x, y in batches:
         b = x.shape[0] // 2
         sl = slice(mesh.rank("dp_shard") * b, (mesh.rank("dp_shard") + 1) * b)
-        res = pipeline_step(stage, SCHEDULES["1f1b"](2, 2)[pg.r], pg, x[sl], y[sl], 2)
+        res = pipeline_step(stage, SCHEDULES[name](2, 2)[pg.r], pg, x[sl], y[sl], 2)
         opt.step()
         opt.zero_grad()
         out.append(None if res["loss"] is None else res["loss"].item())
@@ -293,24 +293,22 @@ def test_p4_every_schedule_dp_zero3_and_errors():
     batches = global_batches(2, B, S)
     results = run_ranks(_rank_runs, 4, 4, LAYERS[4], CONFIGS[4], batches, extras=True, timeout=300)
     _check(results, 4, batches)
-    cfg = get_config("tiny", n_layers=LAYERS[4])
     ref = _reference(LAYERS[4], batches)
     for res in results:   # pp=2 x dp=2: gradients of the full batch; the loss averaged over the replicas
         for n, g in res["dp"]["grads"].items():
             torch.testing.assert_close(g, ref["grads"][0][n], rtol=1e-10, atol=1e-13)
     last = [res["dp"]["losses"] for res in results if res["dp"]["stage"] == 1]
     assert [sum(v) / 2 for v in zip(*last)] == pytest.approx(ref["losses"], rel=1e-10)
-    for res in results:   # pp=2 x ZeRO-3: parameters after two steps equal one process's
-        z = res["zero3"]
-        for n, t in z["params"].items():
-            torch.testing.assert_close(t, dict(ref["model"].named_parameters())[n].detach(), rtol=1e-9, atol=1e-12)
-    last = [res["zero3"]["losses"] for res in results if res["zero3"]["stage"] == 1]
-    assert [sum(v) / 2 for v in zip(*last)] == pytest.approx(ref["losses"], rel=1e-10)
+    for name in ("1f1b", "zb"):   # pp=2 x ZeRO-3: parameters after two steps equal one process's
+        for res in results:
+            for n, t in res["zero3"][name]["params"].items():
+                torch.testing.assert_close(t, dict(ref["model"].named_parameters())[n].detach(), rtol=1e-9, atol=1e-12)
+        last = [res["zero3"][name]["losses"] for res in results if res["zero3"][name]["stage"] == 1]
+        assert [sum(v) / 2 for v in zip(*last)] == pytest.approx(ref["losses"], rel=1e-10), name
     for key, match in [("m%p", "multiple of p"), ("layers", "cannot fill"), ("indivisible", "not divisible")]:
         for res in results:   # the same ValueError on every rank, before any communication
             msg, calls = res["errors"][key]
             assert match in msg and calls == 0, (key, msg, calls)
-    del cfg
 
 
 # ---- the demo and the README exercises ------------------------------------------------------------
@@ -348,7 +346,7 @@ def _check_bubble(formula):
 
 
 def _check_error(out):
-    assert out.count("interleaved needs") == 4 and "use --microbatches 4" in out, out
+    assert out.count("interleaved needs the micro-batches to be a multiple of p=4") == 4 and "use --microbatches 4" in out, out
 
 
 EXERCISES = [
