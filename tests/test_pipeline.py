@@ -323,7 +323,7 @@ def test_demo_against_torch_pipelining_and_plain_python():
 
 
 def _held(out):
-    return re.search(r"measured from autograd's saved tensors\): (.*?)   activation", out).group(1).split()
+    return re.search(r"measured from autograd's saved tensors: (.*?)   activation", out).group(1).split()
 
 
 def _bubbles(out):
