@@ -61,7 +61,7 @@ def one_f_one_b_plain(stage, pg, x, y, m: int):
             + ([dist.P2POp(dist.irecv, buf, recv_from)] if buf is not None else [])
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
-        return buf if buf is None else buf.requires_grad_()
+        return buf if buf is None else buf.requires_grad_(recv_from == pg.prev)   # an input: send its gradient back
 
     def forward(i, inp):               # inp: tokens [b, S] or an activation [b, S, H]
         out = stage(inp, ys[i]) if stage.is_last else stage(inp)
@@ -181,7 +181,7 @@ def _one_chunk(v, name):
 
 
 def gpipe(p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """All forwards, then all backwards."""
+    """All forwards, then all backwards (ticks of one compute: receive just before, send just after)."""
     _one_chunk(v, "gpipe")
     return [_by_ticks([[("F", i, 0)] for i in range(m)] + [[("B", i, 0)] for i in range(m)], r, p) for r in range(p)]
 
@@ -234,15 +234,17 @@ def _at_ideal_times(orders, p, v=1):
     made = {(a.op, a.mb, a.chunk * p + r): end for r, spans in enumerate(ideal) for a, _, end in spans}
     sched = []
     for r, spans in enumerate(ideal):
-        slots = [[] for _ in range(len(spans) + 1)]   # slot k: transfers posted just before compute k
+        posts = [[] for _ in range(len(spans) + 1)]   # posts[k]: (time, transfer) posted just before compute k
         for k, (a, _, end) in enumerate(spans):
             recv, send = _transfers(a.op, a.mb, a.chunk, r, p, v)
-            slots[k + 1] += [(end, x) for x in send]
-            for x in recv:
+            posts[k + 1] += [(end, x) for x in send]
+            for x in recv:   # its data is made on the neighbouring virtual stage at time t
                 t = made[(a.op, a.mb, a.chunk * p + r + (1 if a.op == "B" else -1))]
-                slots[sum(e <= t for _, _, e in spans[:k])].append((t, x))
-        sched.append([y for k, slot in enumerate(slots) for y in
-                      [x for _, x in sorted(slot, key=lambda q: (q[0], repr(q[1])))] + [a for a, _, _ in spans[k:k + 1]]])
+                posts[sum(e <= t for _, _, e in spans[:k])].append((t, x))
+        acts = []
+        for k, post in enumerate(posts):
+            acts += [x for _, x in sorted(post, key=lambda q: (q[0], repr(q[1])))] + [a for a, _, _ in spans[k:k + 1]]
+        sched.append(acts)
     return sched
 
 
