@@ -262,8 +262,9 @@ def validate(p: int, m: int, n_layers: int, batch: int, schedule: str = "1f1b", 
         raise ValueError(f"interleaved needs >= 2 ranks and >= 2 virtual stages per rank, got p={p}, v={v}: "
                          f"use --virtual-stages 2 or more on >= 2 ranks (one chunk per rank is 1f1b)")
     if schedule == "interleaved" and m % p:
+        near = " or ".join(str(k) for k in (m // p * p, m // p * p + p) if k)
         raise ValueError(f"interleaved needs the micro-batches to be a multiple of p={p}, got m={m} (they pass a "
-                         f"rank's chunks in groups of p): use --microbatches {' or '.join(str(k) for k in (m // p * p, m // p * p + p) if k)}")
+                         f"rank's chunks in groups of p): use --microbatches {near}")
     if schedule != "interleaved" and v != 1:
         raise ValueError(f"--virtual-stages {v} needs --schedule interleaved ({schedule} runs one chunk per rank)")
     if n_layers < p * v:
@@ -366,7 +367,8 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
     compute alone, consecutive transfers together): the place to measure from, outside.
     Returns dict(loss: the mean loss on the last rank, else None; aux: the MoE aux loss of this rank's
     layers, averaged over micro-batches — add it to the reported loss — or None)."""
-    shape, dtype = act_shape or (x.shape[0] // m, x.shape[1], stage.cfg.dim), act_dtype or next(stage.parameters()).dtype
+    shape = act_shape or (x.shape[0] // m, x.shape[1], stage.cfg.dim)
+    dtype = act_dtype or next(stage.parameters()).dtype
     xs, ys = x.chunk(m), (y.chunk(m) if stage.is_last else None)
     split = any(a.op == "W" for a in actions)
     inputs, outputs, grads, deferred, losses, aux = {}, {}, {}, {}, [], []
@@ -507,7 +509,8 @@ def simulate(sched: list[list[Action]], t_f=1, t_b=1, t_w=1) -> dict:
                 idx[r] += 1
                 progress = True
     if any(idx[r] < len(groups[r]) for r in range(p)):
-        raise RuntimeError(f"schedule deadlocks: ranks wait at {({r: groups[r][idx[r]] for r in range(p) if idx[r] < len(groups[r])})}")
+        stuck = {r: groups[r][idx[r]] for r in range(p) if idx[r] < len(groups[r])}
+        raise RuntimeError(f"schedule deadlocks: ranks wait at {stuck}")
     total = max(clock)
     idle = [total - sum(e - s for a, s, e in sp if a.op in COMPUTE) for sp in spans]
     return dict(spans=spans, total=total, idle=idle, bubble=[i / total for i in idle], peak_in_flight=peak)
@@ -522,7 +525,8 @@ def idle_formula(name: str, p: int, m: int, v: int = 1, t_f=1, t_b=1, t_w=1):
 
 def held_formula(name: str, p: int, m: int, r: int, v: int = 1) -> int:
     """Micro-batches (interleaved: chunk-micro-batches) rank r holds at its peak."""
-    return {"gpipe": m, "1f1b": min(p - r, m), "zb": min(p, m), "interleaved": min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)}[name]
+    return {"gpipe": m, "1f1b": min(p - r, m), "zb": min(p, m),
+            "interleaved": min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)}[name]
 
 
 # ---- measuring from outside: the trace hook, and training with it --------------------------------
@@ -576,6 +580,8 @@ def timeline_ranks(configs, model: str = "small", n_layers: int = 8, batch: int 
     return {c: {k: v for k, v in train(get_config(model, n_layers=n_layers), c[0], c[1], batches,
                                        list(range(dist.get_world_size())), c[2], lr=0).items()
                 if k in ("spans", "peak_held", "peak_bytes")} for c in configs}
+
+
 # ---- demo (PyTorch's own pipelining appears only below the __main__ line, as the reference) ----------
 
 def _demo(argv=None, reference=None) -> int:
@@ -590,14 +596,15 @@ def _demo(argv=None, reference=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (default: 2 if interleaved, else 1)")
+    ap.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (default: 2 interleaved, else 1)")
     ap.add_argument("--model", default="small")
     ap.add_argument("--layers", type=int, default=None, help="n_layers (default: 2 per chunk)")
     for name, default in [("batch", 8), ("seq", 32), ("steps", 2), ("dp", 1)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--compare", action="store_true", help="also run torch.distributed.pipelining's schedule")
     args = ap.parse_args(argv)
-    world, v = int(os.environ.get("WORLD_SIZE", "1")), args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    v = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
     if world % args.dp or args.batch % args.dp:
         raise ValueError(f"--dp {args.dp} must divide the world size {world} and --batch {args.batch}")
     p, m, name = world // args.dp, args.microbatches, args.schedule
@@ -608,8 +615,8 @@ def _demo(argv=None, reference=None) -> int:
     batches = [get_batch(load_corpus(), s, args.batch, args.seq) for s in range(args.steps)]
     out = train(cfg, name, m, batches, mesh.ranks("pp"), v, mesh.group("dp"), mesh.rank("dp"), args.dp, device=device)
     every = [None] * dist.get_world_size()   # rank 0 prints what every rank of replica 0 measured
-    dist.all_gather_object(every, (mesh.coords["pp"], mesh.rank("dp"), out["spans"], out["peak_held"], out["peak_bytes"],
-                                   out["losses"]))
+    dist.all_gather_object(every, (mesh.coords["pp"], mesh.rank("dp"), out["spans"], out["peak_held"],
+                                   out["peak_bytes"], out["losses"]))
     rows = sorted((e for e in every if e[1] == 0), key=lambda e: e[0])
     ok = True
     if dist.get_rank() == 0:
@@ -622,8 +629,8 @@ def _demo(argv=None, reference=None) -> int:
               f"  losses {[round(x, 6) for x in rows[-1][5]]}, one process {[round(x, 6) for x in ref]}\n"
               f"last step {total * 1e3:.0f} ms (F forward, B backward, W weight gradient, . idle):\n"
               + ascii_timeline([e[2] for e in rows]) + "\n"
-              f"  bubble, idle share of the step: formula {idle / (3 * m + idle):.3f}, simulated {sim['bubble'][0]:.3f}, "
-              f"measured per rank " + " ".join(f"{b:.3f}" for b in measured) + "\n"
+              f"  bubble, idle share of the step: formula {idle / (3 * m + idle):.3f}, "
+              f"simulated {sim['bubble'][0]:.3f}, measured per rank " + " ".join(f"{b:.3f}" for b in measured) + "\n"
               "  micro-batches held at the peak, formula/measured from autograd's saved tensors: "
               + "  ".join(f"{held_formula(name, p, m, r, v)}/{e[3]}" for r, e in enumerate(rows))
               + "   activation MB: " + " ".join(f"{e[4] / 2**20:.1f}" for e in rows), flush=True)

@@ -1,12 +1,10 @@
 """Pipeline parallel: schedules checked and played as data against their formulas, then real runs
 (every schedule, p = 2 and 4, several m, float64) checked against one process."""
-import copy
 import re
 from fractions import Fraction
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from demo import single_process
@@ -98,8 +96,10 @@ def test_bad_schedules_are_caught():
     with pytest.raises(ValueError, match="missing"):
         check_schedule([ok[0], ok[1][:-1]])
     A = Action   # each rank's order is valid, but rank 0 waits for a gradient before sending the input
-    dead = [[A("F", 0), A("SEND_F", 0), A("F", 1), A("RECV_B", 0), A("B", 0), A("SEND_F", 1), A("RECV_B", 1), A("B", 1)],
-            [A("RECV_F", 0), A("F", 0), A("RECV_F", 1), A("F", 1), A("B", 0), A("SEND_B", 0), A("B", 1), A("SEND_B", 1)]]
+    dead = [[A("F", 0), A("SEND_F", 0), A("F", 1), A("RECV_B", 0), A("B", 0), A("SEND_F", 1), A("RECV_B", 1),
+             A("B", 1)],
+            [A("RECV_F", 0), A("F", 0), A("RECV_F", 1), A("F", 1), A("B", 0), A("SEND_B", 0), A("B", 1),
+             A("SEND_B", 1)]]
     check_schedule(dead)
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate(dead)
@@ -110,8 +110,10 @@ def test_split_and_validation():
     assert [list(s) for s in split_layers(4, 2)] == [[0, 1], [2, 3]]
     assert Stage(get_config("tiny", n_layers=8), 1, 2, v=2, device="meta").chunks == [[2, 3], [6, 7]]
     for args, match in [((2, 3, 4, 8), "not divisible"), ((4, 4, 3, 8), "cannot fill"), ((2, 2, 4, 8, "x"), "unknown"),
-                        ((4, 6, 16, 12, "interleaved", 2), "multiple of p"), ((2, 2, 8, 8, "interleaved", 1), "virtual stages per rank"),
-                        ((2, 2, 8, 8, "zb", 2), "needs --schedule interleaved"), ((4, 4, 7, 8, "interleaved", 2), "cannot fill")]:
+                        ((4, 6, 16, 12, "interleaved", 2), "multiple of p"),
+                        ((2, 2, 8, 8, "interleaved", 1), "virtual stages per rank"),
+                        ((2, 2, 8, 8, "zb", 2), "needs --schedule interleaved"),
+                        ((4, 4, 7, 8, "interleaved", 2), "cannot fill")]:
         with pytest.raises(ValueError, match=match):
             validate(*args)
     validate(4, 1, 4, 8, "1f1b")   # m < p: 1F1B allows it
@@ -194,17 +196,21 @@ def _rank_runs(p, layers, configs, batches, extras=False):
         for name, m in [("1f1b", 2), ("zb", 4)]:
             stage = Stage(_moe_cfg(), pg.r, p, dtype=torch.float64)
             res = pipeline_step(stage, SCHEDULES[name](p, m)[pg.r], pg, x, y, m)
-            out[("moe", name, m)] = dict(loss=res["loss"], aux=res["aux"], grads={n: q.grad for n, q in stage.named_parameters()})
+            out[("moe", name, m)] = dict(loss=res["loss"], aux=res["aux"],
+                                         grads={n: q.grad for n, q in stage.named_parameters()})
         # the split on tensor-parallel linears (Column/RowParallelLinear call F.linear)
         import tensor_parallel as tp
-        models = [tp.apply_tensor_parallel(reference_model(get_config("tiny"), dtype=torch.float64), None) for _ in range(2)]
+        models = [tp.apply_tensor_parallel(reference_model(get_config("tiny"), dtype=torch.float64), None)
+                  for _ in range(2)]
         models[0](x[:2], y[:2]).backward()
         split = _split_backward(models[1], lambda mod: mod(x[:2], y[:2]))
-        out["tp"] = dict(diff=max((q.grad - split["grads"][n]).abs().max().item() for n, q in models[0].named_parameters()),
+        diff = max((q.grad - split["grads"][n]).abs().max().item() for n, q in models[0].named_parameters())
+        out["tp"] = dict(diff=diff,
                          fired=set(split["fired"].values()), after_b=split["after_b"])
     if extras:
         mesh = Mesh(pp=2, dp_replicate=2)   # pp=2 x dp=2: each stage's replicas all-reduce once
-        res = train(cfg, "zb", 2, batches, mesh.ranks("pp"), 1, mesh.group("dp"), mesh.rank("dp"), 2, lr=LR, dtype=torch.float64)
+        res = train(cfg, "zb", 2, batches, mesh.ranks("pp"), 1, mesh.group("dp"), mesh.rank("dp"), 2, lr=LR,
+                    dtype=torch.float64)
         out["dp"] = dict(losses=res["losses"], grads=res["grads"], stage=mesh.coords["pp"])
         out["zero3"] = {name: _zero3(cfg, batches, name) for name in ("1f1b", "zb")}
         errors = {}
@@ -346,7 +352,8 @@ def _check_bubble(formula):
 
 
 def _check_error(out):
-    assert out.count("interleaved needs the micro-batches to be a multiple of p=4") == 4 and "use --microbatches 4" in out, out
+    assert out.count("interleaved needs the micro-batches to be a multiple of p=4") == 4, out
+    assert "use --microbatches 4" in out, out
 
 
 EXERCISES = [
