@@ -12,12 +12,15 @@ CommCounter   counts every collective and point-to-point op a region issues, per
 model_state_bytes   parameters, gradients and optimizer state held by this rank, by category.
 memory_tracker      PyTorch's MemTracker (torch.distributed._tools) around a region: peak by category.
 peak_memory_bytes   the CUDA allocator's peak on a GPU.
+SavedActivations    which micro-batches still hold saved activations (weak references), and their bytes;
+idle_share, ascii_timeline   a step's idle share per rank, and its timeline as text, from Timeline spans.
 Timeline            named (start, end) spans on this rank, for timelines and overlap.
 """
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -201,6 +204,58 @@ def peak_memory_bytes(device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return None
+
+
+# ---- pipeline: activations held per micro-batch ------------------------------------
+
+class SavedActivations:
+    """Which micro-batches still hold activations, measured rather than assumed.
+
+    Tensors autograd saves while `track(key)` is entered (floating point, not parameters) are
+    followed by weak references; a key counts as held while any of them is alive — so until autograd
+    (or whatever kept them, e.g. a deferred weight gradient) has really let go. Call `sample()`
+    whenever the count may have changed; `peak_keys` and `peak_bytes` keep the maxima."""
+
+    def __init__(self, params=()):
+        self.param_ptrs = {q.untyped_storage().data_ptr() for q in params}
+        self.refs: dict = {}
+        self.peak_keys, self.peak_bytes = 0, 0
+
+    def track(self, key):
+        refs = self.refs.setdefault(key, [])
+
+        def pack(t):
+            if t.is_floating_point() and t.untyped_storage().data_ptr() not in self.param_ptrs:
+                refs.append(weakref.ref(t))
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def sample(self):
+        live = [t for ws in self.refs.values() for t in (w() for w in ws) if t is not None]
+        held = sum(any(w() is not None for w in ws) for ws in self.refs.values())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
+        self.peak_keys = max(self.peak_keys, held)
+        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
+
+
+def idle_share(spans_per_rank, busy=("F", "B", "W")) -> tuple[list[float], float]:
+    """Each rank's idle share of a step from its Timeline spans (one list per rank, one time origin):
+    1 - (time in spans named in `busy`) / (the common origin to the last end). Returns it and that step time."""
+    total = max(s["end"] for spans in spans_per_rank for s in spans)
+    return [1 - sum(s["end"] - s["start"] for s in sp if s["name"] in busy) / total for sp in spans_per_rank], total
+
+
+def ascii_timeline(spans_per_rank, busy=("F", "B", "W"), width: int = 72) -> str:
+    """One text row per rank: the first letter of each busy span's name where it ran, '.' elsewhere."""
+    total, rows = max(s["end"] for spans in spans_per_rank for s in spans), []
+    for r, spans in enumerate(spans_per_rank):
+        row = ["."] * width
+        for s in (s for s in spans if s["name"] in busy):
+            a = min(int(s["start"] / total * width), width - 1)
+            for c in range(a, max(int(s["end"] / total * width), a + 1)):
+                row[min(c, width - 1)] = s["name"][0]
+        rows.append(f"  rank {r}  " + "".join(row))
+    return "\n".join(rows)
 
 
 # ---- time ----------------------------------------------------------------------------
