@@ -331,7 +331,7 @@ def _demo(argv=None, reference=None) -> int:
     device = init_distributed()  # everything above is arithmetic: bad input fails before any collective
     rank, mesh = dist.get_rank(), Mesh(dp_shard=P)
     tokens = load_corpus()
-    n = args.steps + 2  # step 0 warms up, step 1 is profiled (and PyTorch's DDP re-buckets after it)
+    n = args.steps + 2  # step 0 warms up (PyTorch's DDP re-buckets after it), step 1 is profiled
     batches = [get_batch(tokens, s, args.batch, args.seq, device=device) for s in range(n)]
     local = [(x.chunk(P)[rank], y.chunk(P)[rank]) for x, y in batches]
 
@@ -361,24 +361,29 @@ def _demo(argv=None, reference=None) -> int:
     print0(f"{P} rank(s), model {args.model} ({sum(p.numel() for p in ref.parameters()):,} parameters, gradient "
            f"{grad_bytes / MiB:.2f} MiB), global batch {args.batch}x{args.seq}, {args.steps} timed steps\n"
            f"rank {'':18s} {'step ms':>8s} {'all-reduces':>11s} {'MiB/step':>9s} {'ring MiB sent':>13s} "
-           f"{'overlap':>8s} {'max|dp - 1 proc|':>17s}")
+           f"{'1st starts':>10s} {'overlap':>8s} {'max|dp - 1 proc|':>17s}")
     rows, ok = [], True
     for k in names:
         spans = [s for s in profs[k].spans if s["name"] == "all_reduce"]
+        bwd = next((s for s in profs[k].spans if s["name"] == "backward"), None)
+        first = (spans[0]["start"] - bwd["start"]) / (bwd["end"] - bwd["start"]) if bwd and spans else -1
         sent = sum(s["bytes"] or 0 for s in spans)
         diff = max_diff(models[k].module, ref)
         ok &= diff < tol
         rows.append(f"{rank:<4d} {k:18s} {1e3 * statistics.median(times[k][2:]):8.1f} {len(spans):11d} "
                     f"{sent / MiB:9.3f} {wire_bytes('all_reduce', sent, P) / MiB:13.3f} "
-                    f"{100 * overlap_fraction(profs[k].spans):7.0f}% {diff:17.2e}")
+                    + (f"{'after':>10s}" if first > 1 else f"{100 * first:9.0f}%" if first >= 0 else f"{'-':>10s}")
+                    + f" {100 * overlap_fraction(profs[k].spans):7.0f}% {diff:17.2e}")
     print_by_rank("\n".join(rows))
     bucketed = models[names[1]]
     ratio = statistics.median(t / b for t, b in zip(times[names[2]][2:], times[names[1]][2:]))
-    print0(f"bucketed / PyTorch DDP throughput: {ratio:.2f}x (step by step, median)\n"
+    print0(f"1st starts: when the first all-reduce began, as a share of backward's compute; overlap: the share\n"
+           f"of all-reduce time inside backward (both from torch.profiler, one step)\n"
+           f"bucketed / PyTorch DDP throughput: {ratio:.2f}x (step by step, median)\n"
            f"formula: Ψ·b = {grad_bytes / MiB:.3f} MiB of gradient per step, ring sends 2(P-1)/P of it = "
            f"{wire_bytes('all_reduce', grad_bytes, P) / MiB:.3f} MiB per rank, plus {len(bucketed.params)} bytes "
-           f"of used flags in 1 all-reduce\nbuckets (reverse parameter order): "
-           f"{[round(b.nbytes / MiB, 3) for b in bucketed.buckets]} MiB")
+           f"of used flags in 1 all-reduce\n{len(bucketed.buckets)} buckets, in reverse parameter order (MiB): "
+           f"{[round(b.nbytes / MiB, 3) for b in bucketed.buckets][:8]}" + (" ..." if len(bucketed.buckets) > 8 else ""))
     ok = all_agree(ok)
     print0("all three match the single-process run" if ok else f"MISMATCH (tolerance {tol})")
     return finish(ok)
