@@ -13,9 +13,10 @@ so one all-reduce (a sum — gloo has no ReduceOp.AVG, so each rank divides by P
 every rank, every rank takes the same optimizer step, and the copies stay identical without a
 parameter ever being sent again.
 
-Naive and bucketed (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", VLDB, arXiv:2006.15704, §3.2 and §4.2)
+Naive and bucketed
 ------------------
+(Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB,
+arXiv:2006.15704: §3.2 bucketing and overlap, §4.2 the reverse order and unused parameters.)
 NaiveDDP waits for backward to end, then all-reduces the gradients one tensor at a time: the network
 idles while backward computes, then the compute idles while the network works. BucketedDDP packs the
 gradients into flat buckets of about `bucket_cap_mb` MiB (PyTorch's default 25, its first bucket 1),
