@@ -258,6 +258,88 @@ def ascii_timeline(spans_per_rank, busy=("F", "B", "W"), width: int = 72) -> str
     return "\n".join(rows)
 
 
+# ---- data parallel (ddp.py): when backward computed and when each collective ran -----------
+
+# C++ type names the profiler gives for a collective's input -> bytes per element
+_ELEMENT_BYTES = {"double": 8, "long int": 8, "float": 4, "int": 4, "c10::BFloat16": 2, "c10::Half": 2,
+                  "short int": 2, "unsigned char": 1, "signed char": 1, "bool": 1}
+# NCCL kernel names (on a GPU) -> our op names
+_NCCL_KERNELS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter",
+                 "Broadcast": "broadcast", "SendRecv": "send_recv"}
+
+
+class ProfileSpans:
+    """What a region computed and communicated, and when, read afterwards from torch.profiler — so
+    nothing in the code being measured records anything.
+
+        with ProfileSpans() as prof:  loss.backward()
+        prof.spans   [dict(name, start, end, bytes)], sorted by start; seconds on the host's clock
+                     (ranks of one machine share it)
+
+    name="backward" (`compute`): from the first to the last autograd function the region ran (on CPU
+    the engine's evaluate_function events; on CUDA the first to the last non-NCCL kernel, so profile
+    the backward alone there). One span per collective, named like CommCounter's ops ("all_reduce"):
+    on gloo its "gloo:all_reduce" event, from the moment a gloo worker thread starts it until it
+    completes — so it includes waiting for a slower peer; on NCCL its kernel. bytes: the tensor
+    handed to it (None for a kernel).
+    """
+
+    def __init__(self, compute: str = "backward"):
+        self.compute, self.spans = compute, []
+
+    def __enter__(self):
+        import os
+        from torch.profiler import ProfilerActivity, profile
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else kineto prints two lines per region on stderr
+        self._cuda = torch.cuda.is_available()
+        self._prof = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * self._cuda,
+                             record_shapes=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        from torch.autograd import DeviceType
+        compute = []
+        for e in self._prof.profiler.kineto_results.events():
+            name, start, end = e.name(), e.start_ns() / 1e9, (e.start_ns() + e.duration_ns()) / 1e9
+            if e.device_type() == DeviceType.CUDA:
+                op = next((v for k, v in _NCCL_KERNELS.items() if k in name), None) if "nccl" in name else None
+                if op:
+                    self.spans.append(dict(name=op, start=start, end=end, bytes=None))
+                else:
+                    compute.append((start, end))
+            elif name.startswith("gloo:"):
+                shape, dtype = (e.shapes() or [[]])[0], (e.dtypes() or ["?"])[0]
+                size = _ELEMENT_BYTES.get(dtype)
+                self.spans.append(dict(name=name[len("gloo:"):], start=start, end=end,
+                                       bytes=None if size is None else math.prod(shape) * size))
+            elif name.startswith("autograd::engine::evaluate_function") and not self._cuda:
+                compute.append((start, end))
+        if compute:
+            self.spans.append(dict(name=self.compute, start=min(s for s, _ in compute),
+                                   end=max(e for _, e in compute), bytes=None))
+        self.spans.sort(key=lambda s: s["start"])
+        return False
+
+
+def overlap_fraction(spans, comm: str = "all_reduce", compute: str = "backward") -> float:
+    """Share of the time spent in `comm` spans (their union) that lay inside `compute` spans."""
+    def union(intervals):
+        out = []
+        for s, e in sorted(intervals):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+    busy = union([(s["start"], s["end"]) for s in spans if s["name"] == comm])
+    work = union([(s["start"], s["end"]) for s in spans if s["name"] == compute])
+    total = sum(e - s for s, e in busy)
+    inside = sum(max(0.0, min(e, we) - max(s, ws)) for s, e in busy for ws, we in work)
+    return inside / total if total > 0 else 0.0
+
+
 # ---- time ----------------------------------------------------------------------------
 
 def sync(device=None):

@@ -1,18 +1,22 @@
 """Data parallel (ddp.py) equals one process on the global batch, at 2 and 4 ranks.
 
-All configurations run inside one spawned group per world size (spawning costs seconds);
-the ranks return what they measured and the tests compare it with a single-process run.
+All configurations run inside one spawned group per world size (spawning costs seconds); the ranks
+return what they measured and the tests compare it with demo.single_process on the same batches.
 """
+import contextlib
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ddp import MiB, BucketedDDP, NaiveDDP, overlap_fraction
-from harness import global_batches, reference_model, run_ranks, run_script, train_reference
-from instruments import CommCounter
+from ddp import MiB, BucketedDDP, NaiveDDP
+from demo import max_diff, single_process, snapshot
+from harness import Exercise, global_batches, reference_model, run_ranks, run_script
+from instruments import CommCounter, ProfileSpans, overlap_fraction
 from mesh import Mesh
 from model import build_model
 
@@ -20,64 +24,34 @@ STEPS, B, S, LR = 3, 8, 16, 1e-3
 K = 2  # micro-batches for no_sync
 N_PARAMS = len(list(reference_model("tiny").parameters()))
 NUMEL = sum(p.numel() for p in reference_model("tiny").parameters())
-GRAD_BYTES = 4 * NUMEL  # fp32
+FLAGS = N_PARAMS  # the used-flags agreement: one uint8 per parameter tensor, one all-reduce per step
 
 
 def grad_bytes(dtype):
-    return NUMEL * torch.empty((), dtype=dtype).element_size()
+    return NUMEL * dtype.itemsize
 
 
 def caps(dtype):
     """(bucket_cap_mb, first_bucket_mb) giving exactly one bucket (the whole model), two, one per parameter."""
     return {"one": (25, 25), "two": (0.6 * grad_bytes(dtype) / MiB,) * 2, "many": (0, 0)}
 
-# Both world sizes in fp32 would do; the 4-rank run is in float64, where "equal" can mean 1e-10:
+# The 2-rank run is in fp32, the 4-rank run in float64, where "equal" can mean 1e-10:
 # Adam divides by sqrt(v), so fp32 rounding in near-zero gradients shows up as ~1e-6 in parameters.
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
-
-
-class Awkward(nn.Module):
-    """Tied embedding/output weight, a frozen norm, a branch only some ranks take, a parameter no one uses."""
-
-    def __init__(self, seed, dtype=torch.float32):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.body = build_model("tiny", seed=seed, dtype=dtype)
-        self.body.output.weight = self.body.tok_embeddings.weight
-        self.body.layers[0].attn_norm.weight.requires_grad_(False)
-        self.branch = nn.Linear(32, 32, bias=False)
-        self.unused = nn.Parameter(torch.randn(5))
-        self.to(dtype)
-
-    def forward(self, x, y, take_branch):
-        loss = self.body(x, y)
-        if take_branch:
-            loss = loss + self.branch(self.body.tok_embeddings(x)).pow(2).mean()
-        return loss
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def _local(batch, dp_rank, dp_size):
-    x, y = batch
-    n = x.shape[0] // dp_size
-    return x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
+    return tuple(t.chunk(dp_size)[dp_rank] for t in batch)
 
 
-def _params(module):
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-
-def _grads(module):
-    return {n: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()}
-
-
-def _train(ddp, dp_rank, dp_size, batches, micro=1):
-    """Train with `ddp`; per step: all-reduce calls/bytes/wire bytes, calls inside no_sync, timeline."""
+def _train(ddp, dp_rank, dp_size, batches, micro=1, profile=False):
+    """Train with `ddp`; per step: all-reduce calls/bytes/wire bytes, calls inside no_sync, and (last
+    step, if asked) the profiled spans of backward and the all-reduces."""
     opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
     steps = []
-    for batch in batches:
+    for i, batch in enumerate(batches):
         x, y = _local(batch, dp_rank, dp_size)
         xs, ys = x.chunk(micro), y.chunk(micro)
-        ddp.timeline.spans.clear()
         quiet = 0
         for m in range(micro - 1):
             with CommCounter() as c:
@@ -87,17 +61,85 @@ def _train(ddp, dp_rank, dp_size, batches, micro=1):
                 if isinstance(ddp, NaiveDDP):
                     ddp.all_reduce_gradients()
             quiet += c.calls()
-        with CommCounter() as c:
-            (ddp(xs[-1], ys[-1]) / micro).backward()
+        loss = ddp(xs[-1], ys[-1]) / micro
+        prof = ProfileSpans() if profile and i == len(batches) - 1 else None
+        with CommCounter() as c, prof or contextlib.nullcontext():
+            loss.backward()
             if isinstance(ddp, NaiveDDP):
                 ddp.all_reduce_gradients()
         steps.append(dict(calls=c.calls("all_reduce"), other=c.calls() - c.calls("all_reduce"),
                           bytes=c.bytes("all_reduce"), wire=c.wire_bytes("all_reduce"), quiet=quiet,
-                          spans=list(ddp.timeline.spans)))
+                          spans=prof.spans if prof else None))
         opt.step()
         opt.zero_grad(set_to_none=len(steps) % 2 == 0)  # both ways: views kept, and views rebuilt
-    return dict(params=_params(ddp.module), steps=steps)
+    return dict(params=snapshot(ddp.module), steps=steps)
 
+
+# ---- a parameter no rank used (issue 12, item 4) ----------------------------------------------
+
+V, D, U_STEPS, U_BATCH = 11, 8, 4, 8
+
+
+class Branchy(nn.Module):
+    """A branch that rank (step mod P) takes, a gate only rank 0 uses on even steps (so on odd steps
+    no rank uses it), and a parameter no rank ever uses."""
+
+    def __init__(self, seed):
+        torch.manual_seed(seed)
+        super().__init__()
+        self.emb, self.body, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+        self.branch, self.gate = nn.Linear(D, D), nn.Linear(D, D, bias=False)
+        self.never = nn.Parameter(torch.randn(D))
+        self.double()
+
+    def forward(self, x, y, rank, step, P):
+        h = torch.tanh(self.body(self.emb(x)))
+        if rank == step % P:
+            h = h + self.branch(h)
+        if rank == 0 and step % 2 == 0:
+            h = h * torch.sigmoid(self.gate(h))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def branchy_batches(P):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, V, (U_BATCH, 6), generator=g), torch.randint(0, V, (U_BATCH, 6), generator=g), step)
+            for step in range(U_STEPS)]
+
+
+def branchy_reference(P, weight_decay):
+    def loss_fn(model, batch):  # the mean over ranks of each rank's loss on its rows
+        x, y, step = batch
+        return sum(model(*_local((x, y), r, P), r, step, P) for r in range(P)) / P
+    return single_process(Branchy(0), branchy_batches(P), lr=LR, weight_decay=weight_decay, keep_grads=True,
+                          loss_fn=loss_fn)
+
+
+def _unused():
+    """Every wrapper, weight decay on and off: per-step gradients (None where none) and final parameters."""
+    rank, P, out = dist.get_rank(), dist.get_world_size(), {}
+    for wd in (0.0, 0.1):
+        for name in ("naive", "one", "many", "torch"):
+            if name == "torch":
+                ddp = nn.parallel.DistributedDataParallel(Branchy(rank), find_unused_parameters=True)
+            elif name == "naive":
+                ddp = NaiveDDP(Branchy(rank))
+            else:
+                ddp = BucketedDDP(Branchy(rank), None, *((25, 25) if name == "one" else (0, 0)))
+            opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=wd)
+            grads = []
+            for x, y, step in branchy_batches(P):
+                ddp(*_local((x, y), rank, P), rank, step, P).backward()
+                if name == "naive":
+                    ddp.all_reduce_gradients()
+                grads.append(snapshot(ddp.module, grads=True))
+                opt.step()
+                opt.zero_grad()  # set_to_none=True, as the single-process run does
+            out[wd, name] = dict(grads=grads, params=snapshot(ddp.module))
+    return out
+
+
+# ---- bad input, reentrant checkpointing ---------------------------------------------------------
 
 def _bad_input(group):
     """Every bad argument raises ValueError on every rank before any collective."""
@@ -109,15 +151,11 @@ def _bad_input(group):
                 BucketedDDP(build_model("tiny"), group, **kw)
             except ValueError as e:
                 errors.append(str(e))
-        try:
-            NaiveDDP(build_model("tiny"), "dp")
-        except ValueError as e:
-            errors.append(str(e))
-        frozen = build_model("tiny").requires_grad_(False)
-        try:
-            NaiveDDP(frozen, group)
-        except ValueError as e:
-            errors.append(str(e))
+        for module, g in ((build_model("tiny"), "dp"), (build_model("tiny").requires_grad_(False), group)):
+            try:
+                NaiveDDP(module, g)
+            except ValueError as e:
+                errors.append(str(e))
     return errors, c.calls()
 
 
@@ -143,19 +181,21 @@ def _reentrant(rank, P, batch):
     return None, c.calls()
 
 
+# ---- one spawned group per world size runs everything -------------------------------------------
+
 def _suite(dtype):
     rank, P = dist.get_rank(), dist.get_world_size()
     batches = global_batches(STEPS, B, S)
     out = {}
     # The group from a Mesh; each rank starts from its own seed, so only the broadcast makes them equal.
     mesh = Mesh(dp_shard=P)
-    CAPS = caps(dtype)
-    for name, (cap, first) in CAPS.items():
+    for name, (cap, first) in caps(dtype).items():
         ddp = BucketedDDP(build_model("tiny", seed=rank, dtype=dtype), mesh, cap, first)
-        out[name] = _train(ddp, rank, P, batches)
+        out[name] = _train(ddp, rank, P, batches, profile=name == "many")
         out[name]["buckets"] = [b.nbytes for b in ddp.buckets]
         out[name]["bucket_params"] = [[ddp.names[p] for p in b.params] for b in ddp.buckets]
-    out["naive"] = _train(NaiveDDP(build_model("tiny", seed=rank, dtype=dtype), dist.group.WORLD), rank, P, batches)
+    out["naive"] = _train(NaiveDDP(build_model("tiny", seed=rank, dtype=dtype), dist.group.WORLD), rank, P,
+                          batches, profile=True)
 
     torch_ddp = nn.parallel.DistributedDataParallel(build_model("tiny", seed=rank, dtype=dtype))
     opt = torch.optim.AdamW(torch_ddp.parameters(), lr=LR)
@@ -163,71 +203,32 @@ def _suite(dtype):
         torch_ddp(*_local(batch, rank, P)).backward()
         opt.step()
         opt.zero_grad()
-    out["torch"] = _params(torch_ddp.module)
+    out["torch"] = snapshot(torch_ddp.module)
 
     # no_sync: K micro-batches of the K-times bigger batch per optimizer step
     big = global_batches(2, K * B, S)
-    out["no_sync"] = _train(BucketedDDP(build_model("tiny", seed=rank, dtype=dtype), None, *CAPS["two"]), rank, P, big, micro=K)
+    out["no_sync"] = _train(BucketedDDP(build_model("tiny", seed=rank, dtype=dtype), None, *caps(dtype)["two"]),
+                            rank, P, big, micro=K)
     out["no_sync_naive"] = _train(NaiveDDP(build_model("tiny", seed=rank, dtype=dtype)), rank, P, big, micro=K)
-
-    # Awkward modules, with one bucket per parameter and with one bucket for all
-    for name, (cap, first) in (("awkward_many", CAPS["many"]), ("awkward_one", CAPS["one"])):
-        ddp = BucketedDDP(Awkward(seed=rank, dtype=dtype), None, cap, first)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.0)
-        grads = None
-        for batch in batches[:2]:
-            ddp(*_local(batch, rank, P), take_branch=rank == 0).backward()
-            grads = grads or _grads(ddp.module)
-            opt.step()
-            opt.zero_grad()
-        out[name] = dict(grads=grads, params=_params(ddp.module), n_bucketed=sum(len(b.params) for b in ddp.buckets),
-                         frozen_grad=ddp.module.body.layers[0].attn_norm.weight.grad)
 
     # Mixed precision: bf16 compute, gradients reduced in fp32 (default) or in bf16
     for name, rd in (("bf16_fp32", None), ("bf16_bf16", torch.bfloat16)):
         ddp = BucketedDDP(build_model("tiny", seed=rank), None, compute_dtype=torch.bfloat16, reduce_dtype=rd)
         with CommCounter() as c:
             ddp(*_local(batches[0], rank, P)).backward()
-        out[name] = dict(grads=_grads(ddp.module), bytes=c.bytes("all_reduce"), calls=c.calls("all_reduce"),
-                         grad_dtypes={p.grad.dtype for p in ddp.module.parameters()})
+        out[name] = dict(grads=snapshot(ddp.module, grads=True), bytes=c.bytes("all_reduce"),
+                         calls=c.calls("all_reduce"), grad_dtypes={p.grad.dtype for p in ddp.module.parameters()})
 
     # A dp sub-group: on 4 ranks, Mesh(dp_shard=2, tp=2) gives dp groups {0, 2} and {1, 3}
     if P == 4:
         sub = Mesh(dp_shard=2, tp=2)
-        ddp = BucketedDDP(build_model("tiny", seed=rank, dtype=dtype), sub, *CAPS["two"])
+        ddp = BucketedDDP(build_model("tiny", seed=rank, dtype=dtype), sub, *caps(dtype)["two"])
         out["subgroup"] = _train(ddp, sub.rank("dp"), sub.size("dp"), batches)
         out["subgroup"]["src"] = sub.ranks("dp")[0]
+    out["unused"] = _unused()
     out["bad"] = _bad_input(dist.group.WORLD)
     out["reentrant"] = _reentrant(rank, P, batches[0])
     return out
-
-
-def _reference_awkward(P, dtype):
-    model = Awkward(seed=0, dtype=dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    grads = None
-    for batch in global_batches(STEPS, B, S)[:2]:
-        loss = sum(model(*_local(batch, r, P), take_branch=r == 0) for r in range(P)) / P
-        loss.backward()
-        grads = grads or _grads(model)
-        opt.step()
-        opt.zero_grad()
-    return grads, _params(model)
-
-
-def _reference_bf16(P):
-    """One process, bf16 autocast, the global batch: the gradients mixed precision should give."""
-    model = reference_model("tiny")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(*global_batches(1, B, S)[0])
-    loss.backward()
-    return _grads(model)
-
-
-def _close(a, b, dtype):
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], **TOL[dtype], msg=lambda m: f"{k}: {m}")
 
 
 @pytest.fixture(scope="module", params=[(2, torch.float32), (4, torch.float64)], ids=["P2-fp32", "P4-fp64"])
@@ -237,8 +238,12 @@ def run(request):
 
 
 def _ref(dtype, steps=STEPS, batch=B, seed=0):
-    _, model = train_reference(reference_model("tiny", seed=seed, dtype=dtype), global_batches(steps, batch, S), lr=LR)
-    return _params(model)
+    return snapshot(single_process(reference_model("tiny", seed=seed, dtype=dtype),
+                                   global_batches(steps, batch, S), lr=LR)["model"])
+
+
+def _close(a, b, dtype):
+    assert max_diff(a, b) <= TOL[dtype]
 
 
 def test_matches_single_process_for_one_two_and_many_buckets(run):
@@ -251,11 +256,11 @@ def test_matches_single_process_for_one_two_and_many_buckets(run):
             assert sum(r[name]["buckets"]) == gb
             _close(r[name]["params"], ref, dtype)
             for st in r[name]["steps"]:
-                # one all-reduce per bucket, the whole gradient once, ring traffic 2(P-1)/P of it
-                assert st["calls"] == n_buckets and st["other"] == 0
-                assert st["bytes"] == gb
-                assert st["wire"] == pytest.approx(2 * (P - 1) / P * gb)
-                assert len([s for s in st["spans"] if s["name"] == "all_reduce"]) == n_buckets
+                # one all-reduce per bucket and one of the used flags; the gradient once, plus a byte per
+                # parameter tensor; a ring sends 2(P-1)/P of it all
+                assert st["calls"] == n_buckets + 1 and st["other"] == 0
+                assert st["bytes"] == gb + FLAGS
+                assert st["wire"] == pytest.approx(2 * (P - 1) / P * (gb + FLAGS))
     # Buckets fill in reverse parameter order: the first holds the output layer
     names = [n for n, _ in reference_model("tiny").named_parameters()]
     two = results[0]["two"]["bucket_params"]
@@ -268,14 +273,21 @@ def test_naive_matches_single_process_and_does_not_overlap(run):
     for r in results:
         _close(r["naive"]["params"], ref, dtype)
         for st in r["naive"]["steps"]:
-            assert st["calls"] == N_PARAMS and st["bytes"] == grad_bytes(dtype)
-            assert overlap_fraction(st["spans"]) == 0.0
-        # With one bucket per parameter, the first all-reduce starts while backward still runs.
-        for st in r["many"]["steps"]:
-            bwd = next(s for s in st["spans"] if s["name"] == "backward")
-            first = min(s["start"] for s in st["spans"] if s["name"] == "all_reduce")
-            assert bwd["start"] < first < bwd["end"]
-            assert overlap_fraction(st["spans"]) > 0
+            assert st["calls"] == N_PARAMS + 1 and st["bytes"] == grad_bytes(dtype) + FLAGS
+        spans = r["naive"]["steps"][-1]["spans"]  # the profiler saw every all-reduce, after backward
+        assert len([s for s in spans if s["name"] == "all_reduce"]) == N_PARAMS + 1, _timeline(spans)
+        assert overlap_fraction(spans) == 0.0, _timeline(spans)
+        # With one bucket per parameter, all-reduces start while backward still runs.
+        spans = r["many"]["steps"][-1]["spans"]
+        bwd = next(s for s in spans if s["name"] == "backward")
+        assert min(s["start"] for s in spans if s["name"] == "all_reduce") < bwd["end"], _timeline(spans)
+        assert overlap_fraction(spans) > 0, _timeline(spans)
+
+
+def _timeline(spans):
+    t0 = min(s["start"] for s in spans)
+    return "\n".join(f"{s['name']:10s} {1e3 * (s['start'] - t0):8.3f} {1e3 * (s['end'] - t0):8.3f} ms {s['bytes']}"
+                     for s in spans)
 
 
 def test_matches_pytorch_ddp(run):
@@ -293,31 +305,40 @@ def test_no_sync_accumulation_equals_one_big_step(run):
             _close(r[name]["params"], ref, dtype)
             for st in r[name]["steps"]:
                 assert st["quiet"] == 0  # nothing sent on the micro-steps inside no_sync
-                assert st["calls"] == (2 if name == "no_sync" else N_PARAMS)
-                assert st["bytes"] == grad_bytes(dtype)
+                assert st["calls"] == (2 if name == "no_sync" else N_PARAMS) + 1
+                assert st["bytes"] == grad_bytes(dtype) + FLAGS
 
 
-def test_tied_frozen_and_unused_parameters(run):
-    P, dtype, results = run
-    ref_grads, ref_params = _reference_awkward(P, dtype)
-    for r in results:
-        for name in ("awkward_many", "awkward_one"):
-            a = r[name]
-            # tied weight counted once, the frozen norm not at all
-            assert a["n_bucketed"] == len(ref_params) - 1
-            assert a["frozen_grad"] is None
-            _close(a["grads"], ref_grads, dtype)
-            assert torch.count_nonzero(a["grads"]["unused"]) == 0  # no rank used it: a zero gradient
-            assert a["grads"]["branch.weight"].abs().sum() > 0     # only rank 0 used it
-            _close(a["params"], ref_params, dtype)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_a_parameter_no_rank_used_gets_no_gradient(run, weight_decay):
+    """float64, one process vs every wrapper and PyTorch's DDP(find_unused_parameters=True): a branch a
+    different rank takes each step gets the average; a gate no rank uses on odd steps, and a parameter
+    no rank ever uses, end those steps with grad None — so AdamW neither moves them nor counts a step."""
+    P, _, results = run
+    ref = branchy_reference(P, weight_decay)
+    for rank, r in enumerate(results):
+        for name in ("naive", "one", "many", "torch"):
+            got = r["unused"][weight_decay, name]
+            for step, (g, want) in enumerate(zip(got["grads"], ref["grads"])):
+                nobody = {k for k, v in want.items() if v is None}
+                assert {k for k, v in g.items() if v is None} == nobody, \
+                    f"{name}, rank {rank}, step {step}: grad None should be exactly {sorted(nobody)}"
+                assert max_diff(g, want) <= 1e-12, f"{name}, rank {rank}, step {step}"
+            assert max_diff(got["params"], ref["model"]) <= 1e-12, \
+                f"{name}, rank {rank}: AdamW moved a parameter no rank used"
+    assert {k for k, v in ref["grads"][1].items() if v is None} == {"gate.weight", "never"}  # the test bites
 
 
 def test_mixed_precision_reduces_in_the_chosen_dtype(run):
     P, dtype, results = run
-    ref = _reference_bf16(P)
+    model = reference_model("tiny")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # one process, bf16 autocast, the global batch
+        loss = model(*global_batches(1, B, S)[0])
+    loss.backward()
+    ref = snapshot(model, grads=True)
     for r in results:
-        assert r["bf16_fp32"]["bytes"] == GRAD_BYTES and r["bf16_fp32"]["calls"] == 1
-        assert r["bf16_bf16"]["bytes"] == GRAD_BYTES // 2 and r["bf16_bf16"]["calls"] == 1
+        assert r["bf16_fp32"]["bytes"] == grad_bytes(torch.float32) + FLAGS and r["bf16_fp32"]["calls"] == 2
+        assert r["bf16_bf16"]["bytes"] == grad_bytes(torch.bfloat16) + FLAGS and r["bf16_bf16"]["calls"] == 2
         for name in ("bf16_fp32", "bf16_bf16"):
             assert r[name]["grad_dtypes"] == {torch.float32}
             for k, g in r[name]["grads"].items():
@@ -335,8 +356,8 @@ def test_dp_subgroup_of_a_mesh(run):
         for r in results:
             if r["subgroup"]["src"] == src:
                 _close(r["subgroup"]["params"], ref, dtype)
-                gb = grad_bytes(dtype)
-                assert all(st["wire"] == pytest.approx(gb) for st in r["subgroup"]["steps"])  # 2(2-1)/2
+                want = grad_bytes(dtype) + FLAGS  # 2(2-1)/2 = 1x on a group of two
+                assert all(st["wire"] == pytest.approx(want) for st in r["subgroup"]["steps"])
 
 
 def test_bad_input_raises_on_every_rank_before_any_collective(run):
@@ -367,8 +388,63 @@ def test_overlap_fraction():
 def test_torchrun_demo():
     out = run_script("ddp.py", "--model", "tiny", "--steps", "2", "--seq", "16", "--bucket-mb", "0.05", nproc=2)
     assert "all three match the single-process run" in out and "throughput" in out
+    assert len(_rows(out)) == 6  # three versions on each of two ranks
 
 
-def test_single_process_demo():
-    out = run_script("ddp.py", "--model", "tiny", "--steps", "1", "--seq", "16")
-    assert "all three match the single-process run" in out
+def test_single_process_demo_and_bad_arguments():
+    assert "all three match the single-process run" in run_script("ddp.py", "--model", "tiny", "--steps", "1", "--seq", "16")
+    out = run_script("ddp.py", "--model", "tiny", "--batch", "3", nproc=2, expect_fail=True)
+    assert out.count("error: --batch 3 must be a multiple of the world size 2") == 2  # one line per rank
+
+
+# ---- the README's exercises ----------------------------------------------------------------------
+
+def _rows(out):
+    """{(rank, version): dict(calls, mib, ring, first, overlap)} from the demo's table (first: None = after backward)."""
+    rows = {}
+    for m in re.finditer(r"^(\d+)\s+(naive|bucketed [\d.]+ MiB|PyTorch DDP)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)"
+                         r"\s+(\d+%|after)\s+(\d+)%", out, flags=re.M):
+        rows[int(m[1]), m[2].split()[0]] = dict(calls=int(m[4]), mib=float(m[5]), ring=float(m[6]),
+                                                first=None if m[7] == "after" else int(m[7][:-1]), overlap=int(m[8]))
+    return rows
+
+
+def _check_per_parameter(out):
+    rows = _rows(out)
+    for rank in (0, 1):  # one bucket per parameter: as many calls as naive, the same bytes, an early start
+        assert rows[rank, "bucketed"]["calls"] == rows[rank, "naive"]["calls"] == N_PARAMS + 1
+        assert rows[rank, "bucketed"]["mib"] == rows[rank, "naive"]["mib"]
+        assert rows[rank, "naive"]["first"] is None and rows[rank, "naive"]["overlap"] == 0
+        assert rows[rank, "bucketed"]["first"] <= 50
+    assert max(rows[r, "bucketed"]["overlap"] for r in (0, 1)) > 0
+
+
+def _check_one_bucket(out):
+    rows = _rows(out)
+    for rank in (0, 1):  # one bucket: two calls (it and the used flags); it starts only as backward ends
+        assert rows[rank, "bucketed"]["calls"] == 2
+        assert rows[rank, "bucketed"]["first"] is None or rows[rank, "bucketed"]["first"] >= 75  # None: after it
+
+
+def _check_ring(out):
+    for row in _rows(out).values():  # at P = 4 a ring sends 2(P-1)/P = 1.5x what is handed to all-reduce
+        assert row["ring"] == pytest.approx(1.5 * row["mib"], abs=2e-3)
+    assert len({row["mib"] for row in _rows(out).values()}) == 1  # every version sends the same bytes
+
+
+def _check_no_agreement(out):
+    # Rank 1 never takes the branch: deciding alone, it drops the gradient (None) that rank 0 steps with.
+    assert re.search(r"unused_some, (one_bucket|bucket_per_param), rank 1, step 0: grad None should be exactly \[\]", out)
+    assert "1 failed, 1 passed" in out  # unused_all still passes: there every rank alone reaches the same verdict
+
+
+NO_AGREEMENT = ("ddp.py", "used = dict(zip(self.params, self._agree_on_used()))",
+                "used = {p: p.grad is not None for p in self.params}")
+EXERCISES = [
+    Exercise("torchrun --nproc_per_node 2 ddp.py --model tiny --steps 3 --bucket-mb 0", _check_per_parameter),
+    Exercise("torchrun --nproc_per_node 2 ddp.py --model tiny --steps 3 --bucket-mb 100 --first-bucket-mb 100",
+             _check_one_bucket),
+    Exercise("torchrun --nproc_per_node 4 ddp.py --model tiny --steps 3", _check_ring),
+    Exercise("python -m pytest -q tests/test_awkward_ddp.py -k P2-unused", _check_no_agreement, edits=(NO_AGREEMENT,),
+             fails=True),
+]
