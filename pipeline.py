@@ -397,11 +397,11 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
         ops, sent = [], []
         for t in group:
             k, peer = (t.mb, t.chunk), pg.peer(+1 if t.op in ("SEND_F", "RECV_B") else -1)
-            if t.op == "SEND_F":
+            if t.op == "SEND_F":   # (contiguous: a sequence-parallel [b, S/t, H] is a transposed view)
                 sent.append(outputs[k][0])
-                ops.append(dist.P2POp(dist.isend, sent[-1], peer))
+                ops.append(dist.P2POp(dist.isend, sent[-1].contiguous(), peer))
             elif t.op == "SEND_B":
-                ops.append(dist.P2POp(dist.isend, inputs.pop(k).grad, peer))
+                ops.append(dist.P2POp(dist.isend, inputs.pop(k).grad.contiguous(), peer))
             else:
                 buf = (inputs if t.op == "RECV_F" else grads)[k] = torch.empty(shape, dtype=dtype, device=x.device)
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
