@@ -242,13 +242,6 @@ class ZeroOptimizer:
         self.pending, self.deferring, self.in_backward, self.reduced, self.grad_norm = [], False, False, False, None
         self.module = None  # the sharded model: full_state_dict also returns its frozen parameters and buffers
 
-    @classmethod
-    def from_params(cls, params, optimizer_cls=torch.optim.AdamW, group=None, **optimizer_kwargs):
-        """Stage 1 on its own, like ZeroRedundancyOptimizer: any parameters, any optimizer."""
-        group = resolve_group(group)
-        entries = [((f"param{i}",), [], p) for i, p in enumerate(p for p in params if p.requires_grad)]
-        return cls([FlatUnit(entries, 1, group, dist.get_world_size(group))], optimizer_cls, 1, **optimizer_kwargs)
-
     state = property(lambda self: self.inner.state)  # what LR schedulers and checkpoints look at
     param_groups = property(lambda self: self.inner.param_groups)
 
@@ -321,9 +314,6 @@ class ZeroOptimizer:
             self.clip_grad_norm_(self.max_grad_norm)
         self.inner.step()
         for u in self.units:
-            if self.stage == 0:  # as DDP: every .grad holds the averaged gradient (None if no rank made one)
-                for p, used, g in zip(u.params, u.used.tolist(), u.views(u.master.grad)):
-                    p.grad = g.to(p.dtype) if used else None
             if self.stage <= 1:  # the reduced gradient lived for this step only
                 for *_, q in u.pieces:
                     q.grad = None
@@ -356,7 +346,7 @@ class ZeroOptimizer:
         return self.grad_norm
 
     # ---- checkpoints and measurements ---------------------------------------------------------------
-    def _unsharded(self) -> dict:
+    def _unsharded(self) -> dict:  # the module's frozen parameters and buffers
         sharded = {n for u in self.units for names in u.aliases for n in names}
         return {k: v for k, v in (self.module.state_dict() if self.module else {}).items() if k not in sharded}
 
@@ -374,22 +364,15 @@ class ZeroOptimizer:
         return out
 
     @torch.no_grad()
-    def load_full_state_dict(self, sd: dict | None, src: int = 0):
-        """Load the full state dict that global rank `src` holds (every rank holds the same model): each
-        rank keeps its slices, refreshes its compute copies and drops any gathered copy."""
-        mine = dist.get_rank() == src
+    def load_full_state_dict(self, sd: dict):
+        """Load a full state dict (the same on every rank): each rank takes its slices, refreshes its
+        compute copies and drops any gathered copy; frozen parameters and buffers are copied whole."""
         for u in self.units:
-            full = u.master.new_zeros(u.N)
-            if mine:
-                for name, view in zip(u.names, u.views(full)):
-                    view.copy_(sd[name])
-            dist.broadcast(full, src=src)
+            full = torch.cat([sd[name].reshape(-1).to(u.master) for name in u.names] + [u.master.new_zeros(u.N)])
             u.master.copy_(full[u.r * u.n:(u.r + 1) * u.n])
             u.publish()
         for k, v in self._unsharded().items():
-            t = sd[k].to(v) if mine else v.clone()
-            dist.broadcast(t, src=src)
-            v.copy_(t)
+            v.copy_(sd[k])
 
     def shard_state_dict(self) -> dict:
         """This rank's training state, for a checkpoint the same layout reloads: its master slices and the
@@ -507,10 +490,7 @@ def _my_slice(u, entries, init_fn):
 def _repoint(entry, view):
     """Every holder of the parameter now holds `view` (of buf). `.data`-made views get their own version
     counter, so refilling buf (stage 3) does not trip autograd's check on saved tensors."""
-    _, holders, p = entry
-    if not holders:  # bare tensors (ZeroOptimizer.from_params): re-pointed in place
-        p.data = view
-        return p
+    _, holders, _ = entry
     p = nn.Parameter(view)
     for module, attr in holders:
         module._parameters[attr] = p
@@ -644,6 +624,7 @@ def _demo(argv=None, reference=None) -> int:
            f"compute {args.param_dtype}; losses {[round(x, 4) for x in res['losses']]}")
     lines = [f"rank {dist.get_rank()}: model state at rest, MiB (measured | formula)"]
     lines += [f"    {k:10s} {res['memory'][k] * mib:9.4f} | {v * mib:9.4f}" for k, v in res["memory_formula"].items()]
+    lines[-1] += f"   ({res['memory']['total'] / res['numel']:.2f} bytes per parameter)"
     lines.append("  bytes per step (API measured | formula; ring wire bytes sent by this rank)")
     for op, want in sorted((res["comm_formula"] | {k: 0 for k in res["comm"] if k not in res["comm_formula"]}).items()):
         got = res["comm"].get(op, dict(bytes=0, wire_bytes=0.0, calls=0))

@@ -118,7 +118,7 @@ def run_case(case, config, mesh):
         with torch.no_grad():
             model(ex)
         sd = build("load", seed=1).state_dict()
-        opt.load_full_state_dict(sd if r == 0 else None, src=0)
+        opt.load_full_state_dict(sd)
         with torch.no_grad():
             out["after_load"] = model(ex)
         out["loaded_state"] = opt.full_state_dict()

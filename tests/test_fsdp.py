@@ -125,7 +125,7 @@ def _checkpoint(stage, **kw):
 
 def _run_p2():
     """Everything measured on 2 ranks."""
-    from fsdp import ZeroOptimizer, shard_model, train_and_measure
+    from fsdp import shard_model, train_and_measure
     from model import Attention, SwiGLU, build_model
     kw = dict(steps=STEPS, batch=B, seq=S, lr=LR)
     out = {f"stage{s}": train_and_measure(s, **kw) for s in range(4)}
@@ -139,10 +139,11 @@ def _run_p2():
     out["eager3"] = train_and_measure(3, steps=1, lr=0.0)
     out["fsdp2"], out["fsdp2_bf16"] = _fsdp2_state(), _fsdp2_state(torch.bfloat16)
 
-    # Stage 1 on its own: any parameters, any torch.optim class (like ZeroRedundancyOptimizer).
+    # Stage 1 with any torch.optim class (its state is sharded: one piece per parameter)
     model = build_model("tiny", seed=0)
-    _loop(model, ZeroOptimizer.from_params(model.parameters(), torch.optim.AdamW, lr=LR))
-    out["zero1_alone"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = shard_model(model, 1, torch.optim.SGD, lr=LR, momentum=0.9)
+    _loop(model, opt)
+    out["sgd1"] = opt.full_state_dict()
     # Units as an explicit list of submodules.
     model = build_model("tiny", seed=0)
     opt = shard_model(model, 3, units=[model.layers[0].attn, model.layers[1]], lr=LR)
@@ -163,7 +164,7 @@ def _run_p2():
         saved = shard_model(build_model("tiny", seed=0), stage, lr=LR).full_state_dict()
         dst = shard_model(build_model("tiny", seed=1), stage, lr=LR)
         before = max_diff(dst.full_state_dict(), saved)
-        dst.load_full_state_dict(saved if dist.get_rank() == 0 else None, src=0)
+        dst.load_full_state_dict(saved)
         out[f"roundtrip{stage}"] = (before, max_diff(dst.full_state_dict(), saved))
     out["checkpoint"] = {f"{s}{'_keep' * (not rs)}": _checkpoint(s, reshard_after_forward=rs)
                          for s, rs in ((1, True), (2, True), (3, True), (3, False))}
@@ -315,7 +316,8 @@ def test_every_stage_equals_single_process(p2, p4):
     for rank_out in p2:
         for key in ("stage0", "stage1", "stage2", "stage3", "stage3_keep", "stage3_noprefetch", "stage3_by_class"):
             assert _err(rank_out[key]["state"], ref) < 1e-4, key
-    assert _err(p2[0]["zero1_alone"], ref) < 1e-4
+    sgd = single_process(reference_model(), global_batches(STEPS, B, S), lr=LR, optimizer=torch.optim.SGD, momentum=0.9)
+    assert _err(p2[0]["sgd1"], sgd["model"].state_dict()) < 1e-6
     assert _err(p2[1]["explicit_units"], ref) < 1e-4
     for rank_out in p4:  # float64: only the order of additions differs
         for s in range(4):
@@ -512,3 +514,31 @@ def test_plain_python_demo():
 def test_bad_arguments_are_refused_before_any_work():
     out = run_script("fsdp.py", "--batch", "7", nproc=2, expect_fail=True)
     assert "error: --batch 7 must be a multiple of the 2 ranks" in out and "ZeRO stage" not in out
+
+
+def _lines(out, word):
+    return [line for line in out.splitlines() if line.strip().startswith(word)]
+
+
+def _check_stage1(out):
+    assert out.count("(10.00 bytes per parameter)") == 4  # (4 + 4)Ψ + 8Ψ/4 on every rank
+    assert all(" 139,904 |    139,904" in line for line in _lines(out, "all_gather")), _lines(out, "all_gather")
+
+
+def _check_no_reshard(out):
+    gathers = _lines(out, "all_gather")
+    assert len(gathers) == 2 and all("139,904 |    139,904" in g and "(3 calls)" in g for g in gathers), gathers
+
+
+def _check_bf16_compare(out):
+    assert all(" 107,072 |" in line for line in _lines(out, "all_gather"))  # bf16: half of fp32's 214,144
+    assert all(" 139,904 |" in line for line in _lines(out, "reduce_scatter"))  # fp32 gradients
+    assert len([m for m in _lines(out, "master") if not m.split()[1].startswith("0.0000")]) == 4
+    assert "PyTorch FSDP2 fully_shard: max |diff| to ours = 0.00e+00" in out and "-> ok" in out
+
+
+EXERCISES = [
+    Exercise("torchrun --nproc_per_node 4 fsdp.py --stage 1", _check_stage1),
+    Exercise("torchrun --nproc_per_node 2 fsdp.py --stage 3 --no-reshard", _check_no_reshard),
+    Exercise("torchrun --nproc_per_node 4 fsdp.py --stage 3 --param-dtype bf16 --compare", _check_bf16_compare),
+]

@@ -79,3 +79,37 @@ def test_hsdp_plain_python_demo():
 def test_bad_arguments_are_refused_before_any_work():
     out = run_script("hsdp.py", "--replicate", "3", nproc=2, expect_fail=True)
     assert "error: --replicate 3 must divide the 2 ranks" in out and "HSDP 3" not in out
+
+
+def _bytes(out, dim, op):
+    return [int(line.split("API bytes")[1].split("|")[0].replace(",", "")) for line in out.splitlines()
+            if line.split()[:2] == [dim, op]]
+
+
+def _check_2x2(out):
+    rs, ar = _bytes(out, "dp_shard", "reduce_scatter"), _bytes(out, "dp_replicate", "all_reduce")
+    flags = _bytes(out, "dp_shard", "all_reduce")
+    assert len(rs) == len(ar) == 4 and all(a == r // 2 + f for a, r, f in zip(ar, rs, flags)), (rs, ar, flags)
+    assert "shard group [0, 1], replicate group [0, 2]" in out
+
+
+def _check_replicate_4(out):
+    assert _bytes(out, "dp_replicate", "all_reduce") == [4 * 34_976 + 84] * 4  # the whole gradient, like DDP
+    assert out.count("total 559,") == 4  # 16 bytes per parameter: nothing sharded
+
+
+def _check_replicate_1(out):
+    assert _bytes(out, "dp_replicate", "all_reduce") == [] and out.count("total 139,") == 4  # 4 bytes/param
+
+
+def _check_bf16(out):
+    assert _bytes(out, "dp_shard", "all_gather") == [107_072] * 4  # bf16 parameters: half of 214,144
+    assert _bytes(out, "dp_replicate", "all_reduce") == [70_036] * 4  # fp32 gradient shards, as without --bf16
+
+
+EXERCISES = [
+    Exercise("torchrun --nproc_per_node 4 hsdp.py", _check_2x2),
+    Exercise("torchrun --nproc_per_node 4 hsdp.py --replicate 4", _check_replicate_4),
+    Exercise("torchrun --nproc_per_node 4 hsdp.py --replicate 1", _check_replicate_1),
+    Exercise("torchrun --nproc_per_node 4 hsdp.py --bf16", _check_bf16),
+]
