@@ -534,10 +534,10 @@ def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root
 # ---- a measured run (the demo, the tests and the notebook call it) --------------------------------
 
 def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-2, group=None, replicate_group=None,
-                      meta=False, seed=0, dtype=torch.float32, track_peak=False, **shard_kwargs) -> dict:
-    """Shard the shared model, train `steps` global batches with AdamW; return the full parameters, the
-    losses and what the last step measured (bytes by collective; model state at rest; MemTracker's peak
-    if track_peak) beside the formulas."""
+                      meta=False, seed=0, dtype=torch.float32, track_peak=False, microbatches=1, **shard_kwargs) -> dict:
+    """Shard the shared model, train `steps` global batches with AdamW (microbatches > 1: that many backwards
+    inside opt.accumulating() per step); return the full parameters, the losses and what the last step
+    measured (bytes by collective; model state at rest; MemTracker's peak if track_peak) beside the formulas."""
     import time
     import warnings
 
@@ -558,14 +558,17 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
                 warnings.catch_warnings(), CommCounter() as comm:  # MemTracker: "no .grad" (ours are sharded)
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
             t = time.perf_counter()
-            loss = model(x, y)
-            loss.backward()
+            loss, m = 0.0, microbatches
+            for xm, ym in zip(x.chunk(m), y.chunk(m)):
+                with opt.accumulating() if m > 1 else contextlib.nullcontext():
+                    (part := model(xm, ym) / m).backward()
+                loss = loss + part.detach()
             opt.step()
             times.append(time.perf_counter() - t)  # (on CPU: no queued work to wait for)
         peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"] if tracked else peak
         memory = opt.state_bytes()  # at rest, after the step (before zero_grad)
         opt.zero_grad()
-        loss = loss.detach().double()
+        loss = loss.double()
         dist.all_reduce(loss)  # the global batch's loss, for printing (outside the counter)
         losses.append(loss.item() / (P * R))
     numel, k, root = sum(u.N for u in opt.units), sum(len(u.params) for u in opt.units), opt.units[-1]
@@ -577,14 +580,15 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
                 comm=comm.summary(), events=[(e.op, e.group_ranks, e.api_bytes) for e in comm.events], memory=memory,
                 numel=numel, root_numel=root_numel, n_params=k, P=P, param_bytes=pb,
                 memory_formula=zero_state_formula(stage, numel, P, pb, mb, pb if stage <= 1 else gb, 2 * gb),
-                comm_formula=zero_comm_formula(stage, numel, P, pb, root_numel, rs, R, k, gb),
+                comm_formula=zero_comm_formula(stage, numel, P, pb, root_numel, rs, R, k, gb, microbatches),
                 grad_norm=None if opt.grad_norm is None else opt.grad_norm.item())
 
 
-def measure_stages(stages=(0, 1, 2, 3), param_dtypes=(None,), **kwargs) -> list[dict]:
-    """A rank function for the notebook: train_and_measure per (dtype, stage), parameters left out."""
-    runs = [(s, pd, train_and_measure(s, param_dtype=pd, **kwargs)) for pd in param_dtypes for s in stages]
-    return [{k: v for k, v in r.items() if k not in ("state", "events")} | dict(param_dtype=str(pd)) for s, pd, r in runs]
+def measure_runs(configs, **kwargs) -> list[dict]:
+    """A rank function for the notebook: train_and_measure(**config, **kwargs) for each config, without the
+    parameters; each result carries its config."""
+    return [{k: v for k, v in train_and_measure(**c, **kwargs).items() if k not in ("state", "events")} | c
+            for c in configs]
 
 
 # ---- the demo: torchrun --nproc_per_node 4 fsdp.py --stage 3 --compare ----------------------------
