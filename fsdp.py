@@ -39,6 +39,7 @@ import contextlib
 import copy
 import itertools
 import math
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -228,22 +229,20 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
 # ---- the optimizer that owns the shards ------------------------------------------------------------
 
 class ZeroOptimizer:
-    """Steps this rank's pieces with any torch.optim class, once their gradients are reduced:
-    stage 0 all-reduces each unit's gradient at step(); stage 1 reduce-scatters it at step(), steps my
-    slice and all-gathers the parameters; stage 2 as 1, but the reduce-scatters ran in backward; stage 3
-    as 2, with nothing to all-gather (forward gathers what it needs)."""
+    """Steps this rank's pieces with any torch.optim class once their gradients are reduced: at step()
+    for stages 0-1 (all-reduce; reduce-scatter), during backward for 2-3. Stages 1-2 then all-gather the
+    new parameters; stage 3 leaves that to the next forward."""
 
     def __init__(self, units, optimizer_cls, stage, max_grad_norm=None, before_reduce=None, **optimizer_kwargs):
         self.units, self.stage, self.max_grad_norm, self.before_reduce = units, stage, max_grad_norm, before_reduce
         self.inner = optimizer_cls([q for u in units for *_, q in u.pieces], **optimizer_kwargs)
-        # Reductions run behind the rest of backward only on NCCL (its own CUDA stream); on gloo their
-        # CPU threads would compete with compute (measured slower when ranks share cores): wait at once.
+        # Reductions run behind the rest of backward only on NCCL (its own CUDA stream); on gloo their CPU
+        # threads would compete with compute (measured slower when ranks share cores): wait at once.
         self.async_reduce = all(dist.get_backend(u.group) == "nccl" for u in units)
         self.pending, self.deferring, self.in_backward, self.reduced, self.grad_norm = [], False, False, False, None
-        self.module = None  # the sharded model: full_state_dict also returns its frozen parameters and buffers
+        self.module = None  # the sharded model (its frozen parameters and buffers, for the state dicts)
 
-    state = property(lambda self: self.inner.state)  # what LR schedulers and checkpoints look at
-    param_groups = property(lambda self: self.inner.param_groups)
+    param_groups = property(lambda self: self.inner.param_groups)  # what LR schedulers set
 
     def zero_grad(self, set_to_none=True):
         for u in self.units:
@@ -272,29 +271,27 @@ class ZeroOptimizer:
         u.unreduced = False
 
     def finish_reduction(self):
-        """Wait for the reductions; add the shards across replicas (HSDP); average; accumulate."""
         for u, work, out, _ in self.pending:
             work.wait()
             if u.across is not None:
-                u.across(out)
+                u.across(out)  # HSDP: the shard, summed over my shard group, now across replicas
             out.div_(u.divide_by)  # gloo has no ReduceOp.AVG: sum, then divide
             u.master.grad = out if u.master.grad is None else u.master.grad.add_(out)
         self.pending.clear()
 
     @torch.no_grad()
     def reduce_gradients(self):
-        """Reduce what is not reduced yet (stages 0-1: everything), then agree with one all-reduce of an
-        int32 per parameter which parameters got a gradient on any rank: the others get none."""
+        """Reduce what is not reduced yet (stages 0-1: everything), then agree, with one all-reduce of an
+        int32 per parameter and group, which parameters got a gradient on any rank: the others get none."""
         if self.reduced:
             return
-        for u in self.units:
-            if self.stage <= 1 or u.unreduced:
-                self.reduce_unit(u)
+        for u in [u for u in self.units if self.stage <= 1 or u.unreduced]:
+            self.reduce_unit(u)
         self.finish_reduction()
-        by_group = {}
-        for u in self.units:  # one call per group, in one order on every rank
-            by_group.setdefault((u.group, u.across), []).append(u)
-        for (group, across), us in by_group.items():
+        groups = {}
+        for u in self.units:  # one order on every rank
+            groups.setdefault((u.group, u.across), []).append(u)
+        for (group, across), us in groups.items():
             used = torch.cat([u.used for u in us])
             dist.all_reduce(used, group=group)
             if across is not None:
@@ -302,9 +299,9 @@ class ZeroOptimizer:
             for u, part in zip(us, used.split([len(u.params) for u in us])):
                 u.used.copy_(part)
         for u in self.units:
-            used = u.used.tolist()
+            used, g = u.used.tolist(), u.master.grad
             for i, a, b, q in u.pieces:
-                q.grad = u.master.grad[a:b] if used[i] and u.master.grad is not None else None
+                q.grad = g[a:b] if used[i] and g is not None else None
         self.reduced = True
 
     @torch.no_grad()
@@ -324,25 +321,22 @@ class ZeroOptimizer:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, group=None, weight_of=None) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most max_norm (torch's formula). Each rank sums
-        the squares of its pieces, each weighted by weight_of(name) (e.g. 1/the ranks holding a copy), and
-        all-reduces the sum over `group`; by default over each unit's own group, whose ranks together
-        hold its gradient once (stage 0: every rank holds all of it)."""
+        its pieces' squares, weighted by weight_of(name) (e.g. 1/ranks holding a copy), and all-reduces the
+        sum over `group` — by default each unit's own group, whose ranks hold its gradient once (stage 0: no
+        all-reduce, every rank holds it all)."""
         self.reduce_gradients()
         sums = {}
         for u in self.units:
             s = sums.setdefault(group if group is not None else u.group if self.stage > 0 else None,
                                 torch.zeros((), dtype=torch.float64, device=u.master.device))
-            for i, _, _, q in u.pieces:
-                if q.grad is not None:
-                    s += q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))
+            for i, _, _, q in [p for p in u.pieces if p[3].grad is not None]:
+                s += q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))
         for g, s in sums.items():
             if g is not None:
                 dist.all_reduce(s, group=g)
         self.grad_norm = sum(sums.values()).sqrt()
-        coef = (max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0)
-        for u in self.units:
-            if u.master.grad is not None:
-                u.master.grad.mul_(coef.to(u.master.grad.dtype))
+        for u in [u for u in self.units if u.master.grad is not None]:
+            u.master.grad.mul_((max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0).to(u.master.grad.dtype))
         return self.grad_norm
 
     # ---- checkpoints and measurements ---------------------------------------------------------------
@@ -365,8 +359,8 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def load_full_state_dict(self, sd: dict):
-        """Load a full state dict (the same on every rank): each rank takes its slices, refreshes its
-        compute copies and drops any gathered copy; frozen parameters and buffers are copied whole."""
+        """Load a full state dict (the same on every rank): each rank takes its slices and refreshes its
+        compute copies (any gathered copy is dropped); frozen parameters and buffers are copied whole."""
         for u in self.units:
             full = torch.cat([sd[name].reshape(-1).to(u.master) for name in u.names] + [u.master.new_zeros(u.N)])
             u.master.copy_(full[u.r * u.n:(u.r + 1) * u.n])
@@ -389,9 +383,10 @@ class ZeroOptimizer:
     def state_bytes(self) -> dict:
         """Model-state bytes this rank holds, by category (storage-based)."""
         from instruments import model_state_bytes
+        masters = [u.master for u in self.units if u.master.data_ptr() != u.shard.data_ptr()]  # a cast apart
+        grads = [u.master.grad for u in self.units if u.master.grad is not None]  # reduced (stages 2-3: held)
         ms = model_state_bytes([p for u in self.units for p in u.params] + [u.shard for u in self.units], self.inner,
-                               extra={"master": [u.master for u in self.units if u.master.data_ptr() != u.shard.data_ptr()],
-                                      "g": [u.master.grad for u in self.units if u.master.grad is not None]})
+                               extra={"master": masters, "g": grads})
         ms["gradients"] += ms.pop("g")
         return ms
 
@@ -534,7 +529,7 @@ def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root
 # ---- a measured run (the demo, the tests and the notebook call it) --------------------------------
 
 def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-2, group=None, replicate_group=None,
-                      meta=False, seed=0, dtype=torch.float32, track_peak=False, microbatches=1, **shard_kwargs) -> dict:
+                      meta=False, seed=0, dtype=torch.float32, track_peak=False, microbatches=1, **shard_kwargs):
     """Shard the shared model, train `steps` global batches with AdamW (microbatches > 1: that many backwards
     inside opt.accumulating() per step); return the full parameters, the losses and what the last step
     measured (bytes by collective; model state at rest; MemTracker's peak if track_peak) beside the formulas."""
@@ -549,7 +544,8 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
     dp_rank = dist.get_rank(group) + P * (dist.get_rank(replicate_group) if R > 1 else 0)  # replica-major
     model = build_model(cfg, seed, dtype, device="meta" if meta else device)
     opt = shard_model(model, stage, group=group, replicate_group=replicate_group if R > 1 else None, lr=lr,
-                      init_fn=(lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None, **shard_kwargs)
+                      init_fn=(lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None,
+                      **shard_kwargs)
     tokens, losses, times, peak = load_corpus(), [], [], None
     for s in range(steps):
         x, y = get_batch(tokens, s, batch, seq, seed, dp_rank, P * R, device=device)
@@ -576,7 +572,7 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
     pb, gb, mb = root.buf.element_size(), root.master.element_size(), 0 if root.dtype == root.master.dtype else 4
     rs = shard_kwargs.get("reshard_after_forward", True)
     return dict(state={k: v.cpu() for k, v in opt.full_state_dict().items()}, losses=losses, peak=peak, stage=stage,
-                step_time=sorted(times[1:] or times)[len(times[1:] or times) // 2],  # the median; step 0 warms up
+                step_time=statistics.median(times[1:] or times),  # step 0 warms up
                 comm=comm.summary(), events=[(e.op, e.group_ranks, e.api_bytes) for e in comm.events], memory=memory,
                 numel=numel, root_numel=root_numel, n_params=k, P=P, param_bytes=pb,
                 memory_formula=zero_state_formula(stage, numel, P, pb, mb, pb if stage <= 1 else gb, 2 * gb),
@@ -623,7 +619,8 @@ def _demo(argv=None, reference=None) -> int:
     device = init_distributed()
     pd, mib = dtypes[args.param_dtype], 1 / 2**20
     kw = dict(param_dtype=pd, reshard_after_forward=not args.no_reshard, prefetch=not args.no_prefetch)
-    res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr, track_peak=args.peak, **kw)
+    res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr, track_peak=args.peak,
+                            **kw)
     print0(f"ZeRO stage {args.stage}, {world} ranks, model {args.model} (Ψ = {res['numel']:,} elements padded), "
            f"compute {args.param_dtype}; losses {[round(x, 4) for x in res['losses']]}")
     lines = [f"rank {dist.get_rank()}: model state at rest, MiB (measured | formula)"]
@@ -662,8 +659,8 @@ def _demo(argv=None, reference=None) -> int:
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
-        times = [[time_steps(lambda: step(*run), 1, warmup=0, device=device) for run in runs] for _ in range(args.steps)]
-        ours_t, theirs_t = (sorted(t)[len(t) // 2] for t in zip(*times[1:] or times))
+        times = [[time_steps(lambda: step(*r), 1, warmup=0, device=device) for r in runs] for _ in range(args.steps)]
+        ours_t, theirs_t = (statistics.median(t) for t in zip(*times[1:] or times))
         same = max_diff({n: p.full_tensor() for n, p in theirs.named_parameters()}, runs[0][1].full_state_dict())
         print0(f"PyTorch FSDP2 fully_shard: max |diff| to ours = {same:.2e}; step time ours {ours_t * 1e3:.1f} ms vs "
                f"FSDP2 {theirs_t * 1e3:.1f} ms -> our throughput = {theirs_t / ours_t:.2f}x FSDP2's")

@@ -14,7 +14,8 @@ def run():
     from hsdp import hsdp_train, shard_hybrid
     from mesh import Mesh
     kw = dict(steps=STEPS, batch=B, seq=S, lr=LR)
-    out = dict(fp64=hsdp_train(2, 2, dtype=torch.float64, **kw), bf16=hsdp_train(2, 2, param_dtype=torch.bfloat16, **kw),
+    out = dict(fp64=hsdp_train(2, 2, dtype=torch.float64, **kw),
+               bf16=hsdp_train(2, 2, param_dtype=torch.bfloat16, **kw),
                clip=hsdp_train(2, 2, max_grad_norm=CLIP, dtype=torch.float64, **kw),
                keep=hsdp_train(2, 2, reshard_after_forward=False, dtype=torch.float64, **kw),
                r4=hsdp_train(4, 1, dtype=torch.float64, **kw))
