@@ -174,7 +174,8 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
 
     def pre_forward(i, args):
         if stage3:
-            order.append(i) if i not in order else None
+            if i not in order:
+                order.append(i)
             gather(i, +1)
         want = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not (want and torch.is_grad_enabled()):
@@ -267,7 +268,7 @@ class ZeroOptimizer:
         out, work, g = u.reduce()
         if not self.async_reduce:
             work.wait()
-        self.pending.append((u, work, out, g))
+        self.pending.append((u, work, out, g if self.async_reduce else None))  # NCCL: g in use until done
         u.unreduced = False
 
     def finish_reduction(self):
@@ -434,6 +435,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
         units = [m for m in model.modules() if isinstance(m, units) and m is not model]
     elif not all(isinstance(m, nn.Module) and any(m is k for k in model.modules()) and m is not model for m in units):
         raise ValueError("units must be module classes or a list of submodules of the model")
+    units = list(dict.fromkeys(units))  # each module once
 
     held = {}  # every trainable parameter once: its names and every (module, attribute) holding it
     for mname, m in model.named_modules(remove_duplicate=False):
