@@ -1,141 +1,95 @@
 """Lesson 2 — ZeRO stages 1-3 and FSDP: shard what data parallel keeps P times.
 
-Plain data parallel (stage 0) keeps on every one of P ranks the whole model state: parameters
-(b_p bytes per element), gradients (b_g) and the optimizer state (K bytes: Adam's two fp32 moments,
-8, plus a 4-byte fp32 master copy when the parameters are computed in bf16). ZeRO removes the
-redundancy in three steps:
+Data parallel keeps on each of P ranks the whole model state of Ψ parameters: parameters (b_p bytes
+each), gradients (b_g) and optimizer state (K: Adam's two fp32 moments, 8, plus a 4-byte fp32 master
+copy when the compute copy is bf16). ZeRO shards it step by step; bytes per rank (Rajbhandari et al.
+2020, "ZeRO", arXiv:1910.02054 §5 and Figure 1):
 
-    stage 1  shard the optimizer state        (b_p + b_g)·Ψ + K·Ψ/P
-    stage 2  + shard the gradients             b_p·Ψ + (b_g + K)·Ψ/P
-    stage 3  + shard the parameters (FSDP)     (b_p + b_g + K)·Ψ/P
-    stage 0  (no sharding)                     (b_p + b_g + K)·Ψ
+    stage 0  nothing sharded            (b_p + b_g + K)·Ψ
+    stage 1  + the optimizer state      (b_p + b_g)·Ψ + K·Ψ/P
+    stage 2  + the gradients            b_p·Ψ + (b_g + K)·Ψ/P
+    stage 3  + the parameters (FSDP)    (b_p + b_g + K)·Ψ/P
 
-Every unit's parameters are flattened into one buffer of N elements (N padded to a multiple of P),
-so "my shard" is the contiguous slice [r·N/P, (r+1)·N/P).
+Communication per step in elements, as ZeRO §7 counts it: stage 0 all-reduces the gradients, 2Ψ (a
+reduce-scatter plus an all-gather); stages 1-2 reduce-scatter the gradients and all-gather the new
+parameters, 2Ψ; stage 3 all-gathers each unit before its forward and again before its backward and
+reduce-scatters its gradient, 3Ψ. The tests count API bytes, what is handed to a collective (a
+reduce-scatter of 4Ψ for fp32 gradients, an all-gather of b_p·Ψ); a ring sends (P-1)/P of that per rank
+(2(P-1)/P for an all-reduce). Exactly, stage 3 gathers b_p·(2Ψ − Ψ_root): the root unit (embedding,
+final norm, head) stays gathered into its backward, which starts right after its forward (PyTorch's
+fully_shard does the same for its root); with reshard_after_forward=False every unit does: b_p·Ψ. Every
+step also all-reduces one int32 per parameter tensor: which parameters got a gradient on any rank (the
+agreement PyTorch DDP's find_unused_parameters makes), so that one no rank used gets none.
 
-Communication per step (elements; gradients are reduced in fp32, parameters are gathered in their
-compute dtype; a ring sends (P-1)/P of the API bytes per all-gather or reduce-scatter and 2(P-1)/P
-per all-reduce):
-    stage 0     all-reduce(grads)                          = RS + AG  -> 2Ψ
-    stage 1, 2  reduce-scatter(grads) + all-gather(params)            -> 2Ψ
-    stage 3     all-gather before forward, again before backward, reduce-scatter -> 3Ψ
-                (the root unit is not freed between its forward and backward, and
-                 reshard_after_forward=False skips the second all-gather: 2Ψ)
-
-Overlap: stage 3 prefetches the next unit's all-gather while the current one computes (forward
-order, then reverse order in backward); stages 2-3 reduce-scatter a unit as soon as its gradients
-are complete. On NCCL that traffic runs beside the compute; on gloo, CPU threads carry the
-all-gathers, and reduce-scatters are waited for at once (their threads would compete with compute).
-
-The user's loop does not change:  loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
-— the one extra call is `opt = shard_model(model, stage=...)`. Stage 1 also works alone on any
-parameters: `ZeroOptimizer.from_params(...)`.
+How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4): a unit's parameters are views of one flat
+buffer [N], N padded to a multiple of P, so a rank's shard is one slice and a unit moves in one
+collective (FSDP's FlatParameter). The optimizer steps one 1-D piece per parameter (as FSDP2 shards
+per parameter), so AdamW skips a parameter without gradient and counts its steps as in one process.
+Stages 2-3 reduce a unit once the gradients of its inputs exist (its whole backward is done); at the end
+of backward every unit not reduced yet is reduced, in one order on every rank, so a branch that some
+ranks skip can neither hang nor skip a reduction. A tied weight stays one parameter, in the innermost
+unit that holds all its users; frozen parameters stay whole on every rank. `with opt.accumulating():`
+defers the reduction over several backwards (FSDP §3.4): m micro-batches then cost one reduce-scatter
+(and with reshard_after_forward=False one all-gather) per step. The loop stays as it was:
+loss.backward(); opt.step(); opt.zero_grad() — after one call, opt = shard_model(model, stage).
 """
+from __future__ import annotations
 
-import argparse
 import contextlib
+import copy
 import itertools
 import math
 import statistics
-import time
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from instruments import model_state_bytes
-from mesh import all_gather_single, reduce_scatter_single
-
-# ---- the formulas the measurements are compared with ---------------------------------------------
+from mesh import all_gather_single, reduce_scatter_single, resolve_group
 
 
-def zero_state_formula(stage: int, numel: int, P: int, param_bytes: int = 4, master_bytes: int = 0,
-                       grad_bytes: int | None = None, state_bytes: int = 8) -> dict:
-    """Model-state bytes per rank by category (Rajbhandari et al.; K = master_bytes + state_bytes).
-    grad_bytes: bytes a *held* gradient takes; stages 0-1 hold the local gradient in the compute
-    dtype (default param_bytes), stages 2-3 hold the reduced fp32 shard (4)."""
-    grad_bytes = (param_bytes if stage <= 1 else 4) if grad_bytes is None else grad_bytes
-    sharded = lambda on: numel / P if on else numel  # noqa: E731  (Ψ/P once the stage shards it)
-    out = dict(parameters=param_bytes * sharded(stage >= 3), master=master_bytes * sharded(stage >= 1),
-               gradients=grad_bytes * sharded(stage >= 2), optimizer=state_bytes * sharded(stage >= 1))
-    return dict(out, total=sum(out.values()))
-
-
-def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root_numel: int = 0,
-                      reshard_after_forward: bool = True, replicas: int = 1) -> dict:
-    """API bytes per step by collective ({op: bytes}); Ψ = numel padded, gradients reduced in fp32.
-    replicas > 1 (HSDP): the reduced gradient shards are all-reduced across replicas."""
-    if stage == 0:
-        return {"all_reduce": 4 * numel}
-    again = numel - root_numel if stage == 3 and reshard_after_forward else 0  # before backward, but the root
-    out = {"reduce_scatter": 4 * numel, "all_gather": param_bytes * (numel + again)}
-    return dict(out, all_reduce=4 * numel // P) if replicas > 1 else out
-
-
-# ---- one unit's parameters, flattened -------------------------------------------------------------
+# ---- a unit's parameters, flattened: gather, free, reduce ----------------------------------------
 
 class FlatUnit:
-    """The parameters of one unit in one flat buffer [N]; this rank keeps the slice [r·n, (r+1)·n).
-
-    buf     [N] compute dtype: what forward uses; the module's parameters are views of it
-            (stage 3 frees its storage between uses).
-    shard   [n] compute dtype: my slice (a view of buf in stages 0-2; its own tensor in stage 3).
-    master  nn.Parameter [n], fp32 (the parameters' own dtype): the tensor the optimizer steps.
-            It *is* the shard when no cast is needed. Stage 0 has P = 1, r = 0: my slice is all of buf.
+    """One unit's parameters on one group as a flat buffer [N]; this rank keeps the slice [r·n, (r+1)·n),
+    n = N/P (stage 0: P = 1, the whole buffer).
+    buf     [N] compute dtype: the module's parameters are views of it (stage 3 frees it between uses)
+    shard   [n] compute dtype: my slice (a view of buf in stages 0-2; its own tensor in stage 3)
+    master  [n] the parameters' dtype (fp32): what the optimizer updates; the shard itself if no cast
+    pieces  [(i, a, b, piece)]: piece = master[a:b], my part of parameter i, the optimizer's parameter
     """
 
-    def __init__(self, entries, stage, group, param_dtype=None, init_fn=None):
-        # entries: [(qualified name, owning module or None, attribute name, parameter)]
-        self.stage, self.group = stage, group
+    def __init__(self, entries, stage, group, divide_by, across=None, param_dtype=None, init_fn=None):
+        # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
+        self.stage, self.group, self.divide_by, self.across = stage, group, divide_by, across
         self.P, self.r = (dist.get_world_size(group), dist.get_rank(group)) if stage > 0 else (1, 0)
-        self.names, self.shapes = [e[0] for e in entries], [tuple(e[3].shape) for e in entries]
-        self.numels = [math.prod(s) for s in self.shapes]
+        self.aliases, self.shapes = [e[0] for e in entries], [tuple(e[2].shape) for e in entries]
+        self.names, self.numels = [a[0] for a in self.aliases], [math.prod(s) for s in self.shapes]
         self.N = -(-sum(self.numels) // self.P) * self.P  # padded: every rank gets n = N/P elements
         self.n = self.N // self.P
-        p0 = entries[0][3]
-        if p0.is_meta:  # materialise where our collectives run; a bf16 model gets an fp32 master
-            nccl = dist.get_backend(group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-            master_dtype = torch.promote_types(p0.dtype, torch.float32)
-        else:
-            master_dtype, device = p0.dtype, p0.device
-        self.dtype = param_dtype or master_dtype
-
-        # The fp32 master slice [lo, lo + n), materialised from my part of each parameter only.
-        lo = self.r * self.n
-        master = torch.zeros(self.n, dtype=master_dtype, device=device)
-        for (name, _, _, p), off, k in zip(entries, self.offsets(), self.numels):
-            a, b = max(off, lo), min(off + k, lo + self.n)
-            if a < b:  # this parameter overlaps my slice
-                full = init_fn(name, p.shape) if p.is_meta else p.detach()
-                master[a - lo:b - lo] = full.reshape(-1)[a - off:b - off].to(device)
-
-        self.buf = torch.empty(self.N, dtype=self.dtype, device=device)
-        same = self.dtype == master_dtype
+        master = _my_slice(self, entries, init_fn)  # [n], made from my part of each parameter only
+        self.dtype, same = param_dtype or master.dtype, param_dtype in (None, master.dtype)
+        self.buf = torch.empty(self.N, dtype=self.dtype, device=master.device)
         if stage == 3:  # my slice lives apart from buf, which holds bytes only while gathered
             self.shard = master if same else torch.empty_like(master, dtype=self.dtype)
         else:           # my slice is a view of buf; with no cast the optimizer steps it in place
-            self.shard = self.buf[lo:lo + self.n]
+            self.shard = self.buf[self.r * self.n:(self.r + 1) * self.n]
             master = self.shard.copy_(master) if same else master
         self.master = nn.Parameter(master)
-        self.publish()  # fill my compute slice (stages 1-2: and gather everyone else's)
-
-        # Replace every parameter by a view of buf. `.data` gives the views their own version
-        # counter, so refilling buf (stage 3) does not trip autograd's saved-tensor check.
-        self.params = []
-        for (name, owner, attr, p), view in zip(entries, self.views(self.buf.data)):
-            if owner is None:  # bare parameters (ZeroOptimizer.from_params): re-point in place
-                p.data = view
-            else:
-                p = owner._parameters[attr] = nn.Parameter(view, requires_grad=p.requires_grad)
-            self.params.append(p)
-        self.gather_work, self.ready = None, 0  # for the hooks: a gather in flight; gradients arrived
-        if stage == 3:
-            self.free()
+        self.pieces = [(i, a, b, nn.Parameter(self.master.detach()[a:b])) for i, a, b in self.spans()]
+        self.params = [_repoint(e, view) for e, view in zip(entries, self.views(self.buf.data))]
+        self.used = torch.zeros(len(self.params), dtype=torch.int32, device=master.device)  # got a gradient here
+        self.gather_work, self.unreduced = None, False
+        self.publish()
 
     def offsets(self):
         return [0, *itertools.accumulate(self.numels)][:-1]
+
+    def spans(self):
+        """[(i, a, b)]: parameter i covers [a, b) of my slice (parameters outside it are left out)."""
+        lo, hi = self.r * self.n, (self.r + 1) * self.n
+        return [(i, max(o, lo) - lo, min(o + k, hi) - lo) for i, (o, k) in enumerate(zip(self.offsets(), self.numels))
+                if max(o, lo) < min(o + k, hi)]
 
     def views(self, flat):
         """A flat [N] tensor as one view per parameter, in its shape."""
@@ -143,20 +97,19 @@ class FlatUnit:
 
     @torch.no_grad()
     def publish(self):
-        """After the master slice changed: refresh my compute slice; stages 1-2 all-gather buf."""
+        """After the master slice changed (a step, a load): refresh every compute copy of it."""
         if self.shard.data_ptr() != self.master.data_ptr():
             self.shard.copy_(self.master)  # e.g. fp32 -> bf16
         if self.stage in (1, 2):
             all_gather_single(self.buf, self.shard, group=self.group)
+        if self.stage == 3:
+            self.free()  # a gathered copy would be stale: the next use gathers the new values
 
-    # stage 3: buf holds bytes only between unshard() and free() -----------------------------------
-    def unshard(self, async_op=False):
-        """All-gather buf from the shards: [n] per rank -> [N] (async: a prefetch); no-op if gathered."""
+    def unshard(self):
+        """Stage 3: start the all-gather of buf, [n] per rank -> [N], unless it is gathered already."""
         if self.gather_work is None and self.buf.untyped_storage().size() == 0:
             self.buf.untyped_storage().resize_(self.N * self.buf.element_size())
             self.gather_work = all_gather_single(self.buf, self.shard, group=self.group, async_op=True)
-        if not async_op:  # the caller needs the parameters now (a prefetch may be in flight)
-            self.wait()
 
     def wait(self):
         if self.gather_work is not None:
@@ -167,398 +120,558 @@ class FlatUnit:
         self.wait()
         self.buf.untyped_storage().resize_(0)  # every parameter view now has no bytes
 
-
-# ---- the optimizer that owns the shards -----------------------------------------------------------
-
-class ZeroOptimizer:
-    """Steps this rank's fp32 master slices with any torch.optim class; reduces gradients first.
-
-    stage 0: all-reduce the full gradient at step() (the naive data-parallel baseline)
-    stage 1: reduce-scatter the gradient at step(); step my slice; all-gather the parameters
-    stage 2: gradients were reduce-scattered during backward (hooks); step; all-gather
-    stage 3: same as 2, but there is nothing to all-gather: forward gathers what it needs
-    """
-
-    def __init__(self, units, optimizer_cls, stage, group=None, replicate_group=None,
-                 max_grad_norm=None, **optimizer_kwargs):
-        self.units, self.stage, self.group, self.max_grad_norm = units, stage, group, max_grad_norm
-        R = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-        self.replicate_group = replicate_group if R > 1 else None  # a replica of one has nothing to average
-        self.dp_size = dist.get_world_size(group) * R  # gloo has no ReduceOp.AVG: sum, then divide
-        self.inner = optimizer_cls([u.master for u in units], **optimizer_kwargs)
-        # Leave reductions running behind the rest of backward only on NCCL (its own CUDA stream). On
-        # gloo they run on CPU threads that compete with compute: measured slower when ranks share cores.
-        self.async_reduce = dist.get_backend(group) == "nccl"
-        self.pending = []  # reductions in flight: (unit, work, reduced output, input kept alive)
-        self.grad_norm = None
-
-    @classmethod
-    def from_params(cls, params, optimizer_cls=torch.optim.AdamW, group=None, **optimizer_kwargs):
-        """Stage 1 on its own, like ZeroRedundancyOptimizer: any parameters, any optimizer."""
-        params = [p for p in params if p.requires_grad]
-        unit = FlatUnit([(f"param{i}", None, None, p) for i, p in enumerate(params)], 1, group)
-        return cls([unit], optimizer_cls, 1, group, **optimizer_kwargs)
-
-    state = property(lambda self: self.inner.state)  # what LR schedulers and checkpoints look at
-    param_groups = property(lambda self: self.inner.param_groups)
-
-    def zero_grad(self, set_to_none=True):
-        for p in [p for u in self.units for p in u.params + [u.master]]:
-            p.grad = None
-
-    def reduce_unit(self, u):
-        """Stage 0: all-reduce one unit's fp32 gradient [N]; else reduce-scatter it -> my slice [n]."""
-        g = torch.zeros(u.N, dtype=u.master.dtype, device=u.master.device)  # zeros where there is none
-        for p, view in zip(u.params, u.views(g)):
+    def reduce(self):
+        """Pack the gradients into one [N] (zeros where a parameter has none: every rank hands over the
+        same sizes) and sum it over the group: stage 0 all-reduces it, the others reduce-scatter it to
+        my slice [n]. Returns (result, work, input)."""
+        g = torch.zeros(self.N, dtype=self.master.dtype, device=self.master.device)
+        for i, (p, view) in enumerate(zip(self.params, self.views(g))):
             if p.grad is not None:
                 view.copy_(p.grad)
+                self.used[i] = 1
+                if self.stage >= 2:
+                    p.grad = None  # stages 2-3 keep only the reduced slice
         if self.stage == 0:
-            out, work = g, dist.all_reduce(g, group=self.group, async_op=True)
-        else:
-            out = torch.empty(u.n, dtype=g.dtype, device=g.device)
-            work = reduce_scatter_single(out, g, group=self.group, async_op=True)
+            return g, dist.all_reduce(g, group=self.group, async_op=True), g
+        out = g.new_empty(self.n)
+        return out, reduce_scatter_single(out, g, group=self.group, async_op=True), g
+
+
+# ---- stages 2-3: hooks that gather, free and reduce while forward and backward run ---------------
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradients exist: the unit's backward
+    is done (autograd accumulates parameter gradients first)."""
+
+    @staticmethod
+    def forward(ctx, hook, *xs):
+        ctx.hook = hook
+        return xs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, *grads)
+
+
+def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
+    """units [(module, [FlatUnit per group])]. Stage 3 gathers a unit (all its groups together) before
+    its forward and before its backward and frees it after each. Stages 2-3 reduce a unit when its
+    backward is done; at the end of backward every unit not reduced yet, in one order on every rank."""
+    stage3, order, done = opt.stage == 3, [], set()  # order: units by first forward, for the prefetch
+
+    def gather(i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
+        j = order.index(i) + step if i in order else -1
+        ahead = units[order[j]][1] if prefetch and 0 <= j < len(order) and units[order[j]][0] is not root else []
+        for u in units[i][1] + ahead:
+            u.unshard()
+        for u in units[i][1]:
+            u.wait()
+
+    def free(i):
+        for u in units[i][1]:
+            u.free()
+
+    def pre_forward(i, args):
+        if stage3:
+            if i not in order:
+                order.append(i)
+            gather(i, +1)
+        want = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not (want and torch.is_grad_enabled()):
+            return None  # no input gradient will mark the end of its backward: end_of_backward reduces it
+        args = list(args)
+        for k, a in zip(want, _PostBackward.apply(lambda: post_backward(i), *[args[k] for k in want])):
+            args[k] = a
+        return tuple(args)
+
+    def post_forward(i, output):
+        # The root's backward starts right after its forward: keep it gathered, unless none follows.
+        if stage3 and reshard_after_forward and (units[i][0] is not root or not torch.is_grad_enabled()):
+            free(i)
+        for t in output if isinstance(output, (tuple, list)) else [output]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g: pre_backward(i))  # runs before the unit's backward
+
+    def pre_backward(i):
+        if not opt.in_backward:  # the first unit of this backward: finish every unit at its end
+            opt.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
+        if stage3:
+            gather(i, -1)
+
+    def post_backward(i):
+        done.add(i)
+        for u in units[i][1]:
+            if opt.deferring:
+                u.unreduced = True  # inside opt.accumulating(): the full gradient stays
+            else:
+                opt.reduce_unit(u)
+        if stage3 and (reshard_after_forward or not opt.deferring):
+            free(i)
+
+    def end_of_backward():
+        for i in [i for i in range(len(units)) if i not in done]:  # one order on every rank
+            post_backward(i)
+        done.clear()
+        opt.in_backward = False
+        if not opt.deferring:
+            opt.finish_reduction()
+            late = [n for u in opt.units for n, p in zip(u.names, u.params) if p.grad is not None]
+            if late:
+                raise RuntimeError(f"{late[0]} got its gradient after its unit was reduced: it is used outside "
+                                   f"its unit's forward; pass units= so that one unit encloses all its uses")
+
+    for i, (module, _) in enumerate(units):
+        module.register_forward_pre_hook(lambda m, args, i=i: pre_forward(i, args))
+        module.register_forward_hook(lambda m, args, out, i=i: post_forward(i, out))
+
+
+# ---- the optimizer that owns the shards ------------------------------------------------------------
+
+class ZeroOptimizer:
+    """Steps this rank's pieces with any torch.optim class once their gradients are reduced: at step()
+    for stages 0-1 (all-reduce; reduce-scatter), during backward for 2-3. Stages 1-2 then all-gather the
+    new parameters; stage 3 leaves that to the next forward."""
+
+    def __init__(self, units, optimizer_cls, stage, max_grad_norm=None, before_reduce=None, **optimizer_kwargs):
+        self.units, self.stage, self.max_grad_norm, self.before_reduce = units, stage, max_grad_norm, before_reduce
+        self.inner = optimizer_cls([q for u in units for *_, q in u.pieces], **optimizer_kwargs)
+        # Reductions run behind the rest of backward only on NCCL (its own CUDA stream); on gloo their CPU
+        # threads would compete with compute (measured slower when ranks share cores): wait at once.
+        self.async_reduce = all(dist.get_backend(u.group) == "nccl" for u in units)
+        self.pending, self.deferring, self.in_backward, self.reduced, self.grad_norm = [], False, False, False, None
+        self.module = None  # the sharded model (its frozen parameters and buffers, for the state dicts)
+
+    param_groups = property(lambda self: self.inner.param_groups)  # what LR schedulers set
+
+    def zero_grad(self, set_to_none=True):
+        for u in self.units:
+            for p in u.params + [u.master] + [q for *_, q in u.pieces]:
+                p.grad = None
+            u.used.zero_()
+        self.reduced = self.in_backward = False
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backwards inside keep their full local gradients (stage 3 with reshard_after_forward=False also
+        keeps its units gathered); the next backward outside, or step(), reduces each unit once."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+
+    def reduce_unit(self, u):
+        if self.before_reduce is not None:
+            self.before_reduce(u.params)  # e.g. tensor parallel: sum partial gradients over tp first
+        out, work, g = u.reduce()
         if not self.async_reduce:
             work.wait()
-        self.pending.append((u, work, out, g))
+        self.pending.append((u, work, out, g if self.async_reduce else None))  # NCCL: g in use until done
+        u.unreduced = False
 
     def finish_reduction(self):
-        """Wait for the reductions; average; all-reduce shards across replicas (HSDP)."""
         for u, work, out, _ in self.pending:
             work.wait()
-            if self.replicate_group is not None:
-                dist.all_reduce(out, group=self.replicate_group)
-            out.div_(self.dp_size)
-            u.master.grad = out if u.master.grad is None else u.master.grad + out
+            if u.across is not None:
+                u.across(out)  # HSDP: the shard, summed over my shard group, now across replicas
+            out.div_(u.divide_by)  # gloo has no ReduceOp.AVG: sum, then divide
+            u.master.grad = out if u.master.grad is None else u.master.grad.add_(out)
         self.pending.clear()
 
     @torch.no_grad()
-    def step(self):
-        if self.stage <= 1:  # stages 2-3 reduced every unit during backward (hooks)
-            for u in self.units:
-                self.reduce_unit(u)
+    def reduce_gradients(self):
+        """Reduce what is not reduced yet (stages 0-1: everything), then agree, with one all-reduce of an
+        int32 per parameter and group, which parameters got a gradient on any rank: the others get none."""
+        if self.reduced:
+            return
+        for u in [u for u in self.units if self.stage <= 1 or u.unreduced]:
+            self.reduce_unit(u)
         self.finish_reduction()
-        if self.stage == 0:  # DDP semantics: every .grad holds the averaged gradient
-            for u in self.units:
-                for p, g in zip(u.params, u.views(u.master.grad)):
-                    p.grad = g.to(p.dtype)
+        groups = {}
+        for u in self.units:  # one order on every rank
+            groups.setdefault((u.group, u.across), []).append(u)
+        for (group, across), us in groups.items():
+            used = torch.cat([u.used for u in us])
+            dist.all_reduce(used, group=group)
+            if across is not None:
+                across(used)
+            for u, part in zip(us, used.split([len(u.params) for u in us])):
+                u.used.copy_(part)
+        for u in self.units:
+            used, g = u.used.tolist(), u.master.grad
+            for i, a, b, q in u.pieces:
+                q.grad = g[a:b] if used[i] and g is not None else None
+        self.reduced = True
+
+    @torch.no_grad()
+    def step(self):
+        self.reduce_gradients()
         if self.max_grad_norm is not None:
             self.clip_grad_norm_(self.max_grad_norm)
         self.inner.step()
         for u in self.units:
-            u.publish()  # the new compute copy of my slice; stages 1-2 gather the others' slices
-            if self.stage <= 1:
-                u.master.grad = None  # the reduced gradient lived only for this step
+            if self.stage <= 1:  # the reduced gradient lived for this step only
+                for *_, q in u.pieces:
+                    q.grad = None
+                u.master.grad = None
+            u.publish()  # my new compute slice; stages 1-2 gather the others', stage 3 drops a gathered copy
+        self.reduced = False
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so their global L2 norm is at most max_norm (torch's formula)."""
-        grads = [u.master.grad for u in self.units if u.master.grad is not None]
-        sq = torch.as_tensor(sum(g.float().pow(2).sum() for g in grads), dtype=torch.float32)
-        if self.stage > 0:
-            dist.all_reduce(sq, group=self.group)  # shards of one replica make the whole gradient
-        self.grad_norm = sq.sqrt()
-        coef = (max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, group=None, weight_of=None) -> torch.Tensor:
+        """Scale the gradients so their global L2 norm is at most max_norm (torch's formula). Each rank sums
+        its pieces' squares, weighted by weight_of(name) (e.g. 1/ranks holding a copy), and all-reduces the
+        sum over `group` — by default each unit's own group, whose ranks hold its gradient once (stage 0: no
+        all-reduce, every rank holds it all)."""
+        self.reduce_gradients()
+        sums = {}
+        for u in self.units:
+            s = sums.setdefault(group if group is not None else u.group if self.stage > 0 else None,
+                                torch.zeros((), dtype=torch.float64, device=u.master.device))
+            for i, _, _, q in [p for p in u.pieces if p[3].grad is not None]:
+                s += q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))
+        for g, s in sums.items():
+            if g is not None:
+                dist.all_reduce(s, group=g)
+        self.grad_norm = sum(sums.values()).sqrt()
+        for u in [u for u in self.units if u.master.grad is not None]:
+            u.master.grad.mul_((max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0).to(u.master.grad.dtype))
         return self.grad_norm
 
-    # measurements and checkpoints ----------------------------------------------------------------
-    def state_bytes(self) -> dict:
-        """Model-state bytes this rank holds, by category (storage-based)."""
-        compute = [p for u in self.units for p in u.params] + [u.shard for u in self.units]
-        masters = [u.master for u in self.units if u.master.data_ptr() != u.shard.data_ptr()]  # a cast apart
-        shards = [u.master.grad for u in self.units if u.master.grad is not None]
-        ms = model_state_bytes(compute, self.inner, extra={"master": masters, "grad_shards": shards})
-        ms["gradients"] += ms.pop("grad_shards")
-        return ms
+    # ---- checkpoints and measurements ---------------------------------------------------------------
+    def _unsharded(self) -> dict:  # the module's frozen parameters and buffers
+        sharded = {n for u in self.units for names in u.aliases for n in names}
+        return {k: v for k, v in (self.module.state_dict() if self.module else {}).items() if k not in sharded}
 
+    @torch.no_grad()
     def full_state_dict(self) -> dict:
-        """{name: full fp32 tensor} on every rank, gathered from the master shards."""
-        out = {}
+        """{name: whole tensor} on every rank: each parameter gathered from the master slices, under every
+        name the plain model's state_dict() has for it, and the frozen parameters and buffers."""
+        out = {k: v.detach().clone() for k, v in self._unsharded().items()}
         for u in self.units:
-            full = u.master.detach()
+            full = u.master.detach().clone()
             if self.stage > 0:
-                full = torch.empty(u.N, dtype=u.master.dtype, device=u.master.device)
-                all_gather_single(full, u.master.detach().clone(), group=self.group)
-            out.update((name, v.clone()) for name, v in zip(u.names, u.views(full)))
+                full = full.new_empty(u.N)
+                all_gather_single(full, u.master.detach().clone(), group=u.group)
+            out.update((n, v.clone()) for names, v in zip(u.aliases, u.views(full)) for n in names)
         return out
 
     @torch.no_grad()
-    def load_full_state_dict(self, sd: dict | None, src: int = 0):
-        """Load a full state dict held by global rank `src` into every rank's shards."""
+    def load_full_state_dict(self, sd: dict):
+        """Load a full state dict (the same on every rank): each rank takes its slices and refreshes its
+        compute copies (any gathered copy is dropped); frozen parameters and buffers are copied whole."""
         for u in self.units:
-            full = torch.zeros(u.N, dtype=u.master.dtype, device=u.master.device)
-            if dist.get_rank() == src:
-                for name, view in zip(u.names, u.views(full)):
-                    view.copy_(sd[name])
-            dist.broadcast(full, src=src)
+            full = torch.cat([sd[name].reshape(-1).to(u.master) for name in u.names] + [u.master.new_zeros(u.N)])
             u.master.copy_(full[u.r * u.n:(u.r + 1) * u.n])
             u.publish()
+        for k, v in self._unsharded().items():
+            v.copy_(sd[k])
+
+    def shard_state_dict(self) -> dict:
+        """This rank's training state, for a checkpoint the same layout reloads: its master slices and the
+        inner optimizer's state (frozen parameters and buffers never change: they are not in it)."""
+        return copy.deepcopy(dict(masters=[u.master.detach() for u in self.units], optimizer=self.inner.state_dict()))
+
+    @torch.no_grad()
+    def load_shard_state_dict(self, sd: dict):
+        for u, m in zip(self.units, sd["masters"], strict=True):
+            u.master.copy_(m)
+            u.publish()  # compute copies refreshed; stage 3 drops any gathered (now stale) buffer
+        self.inner.load_state_dict(sd["optimizer"])
+
+    def state_bytes(self) -> dict:
+        """Model-state bytes this rank holds, by category (storage-based)."""
+        from instruments import model_state_bytes
+        masters = [u.master for u in self.units if u.master.data_ptr() != u.shard.data_ptr()]  # a cast apart
+        grads = [u.master.grad for u in self.units if u.master.grad is not None]  # reduced (stages 2-3: held)
+        ms = model_state_bytes([p for u in self.units for p in u.params] + [u.shard for u in self.units], self.inner,
+                               extra={"master": masters, "g": grads})
+        ms["gradients"] += ms.pop("g")
+        return ms
 
 
-# ---- the entry point: hooks that drive the units ---------------------------------------------------
+# ---- the entry point ---------------------------------------------------------------------------------
 
-def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *, group=None,
-                replicate_group=None, units=None, param_dtype=None, reshard_after_forward=True,
-                prefetch=True, max_grad_norm=None, init_fn=None, **optimizer_kwargs) -> ZeroOptimizer:
+def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *, group=None, replicate_group=None,
+                units=None, param_dtype=None, reshard_after_forward=True, prefetch=True, max_grad_norm=None,
+                init_fn=None, groups_of=None, reduce_shard=None, divide_by=None, before_reduce=None,
+                **optimizer_kwargs) -> ZeroOptimizer:
     """Shard `model` in place by ZeRO stage 0-3 and return the optimizer that owns the shards.
 
-    units: module classes (default: the model's transformer Block) or a list of submodules; each
-    is one flat unit, the remaining parameters form the root unit. group: the ranks parameters are
-    sharded over; replicate_group: HSDP's replicas (stages 1-3). param_dtype: compute dtype (bf16
-    for mixed precision; master, optimizer state and gradient reduction stay fp32). init_fn(name,
-    shape): values for parameters on the meta device (only my slice is kept).
+    units          module classes (default: model.Block) or a list of submodules, one unit each; the rest
+                   is the root unit. A parameter goes to the innermost unit containing every module that
+                   holds it (a tied weight: the unit enclosing both uses); frozen ones stay whole.
+    group          the ranks parameters are sharded over (stage 0: averaged over); default the world
+    divide_by      what summed gradients are divided by (default: the number of ranks they came from)
+    reduce_shard   reduce_shard(t) runs on each reduced gradient shard (and the used-flags) before the
+                   division: HSDP all-reduces across replicas (hsdp.py). replicate_group=R is short for
+                   reduce_shard=hsdp.across_replicas(R), divide_by=|group|·|R|.
+    groups_of      groups_of(name, param) -> None | (group, divide_by): parameters replicated over other
+                   ranks (expert weights) get flat buffers of their own, sharded over that group
+    before_reduce  before_reduce(params) runs right before a unit's gradients are packed (stages 0-1 at
+                   step(), 2-3 in backward): tensor parallel sums partial gradients over tp there
+    param_dtype    compute dtype (bf16): master, optimizer state and gradient reduction stay fp32
+    init_fn        init_fn(name, shape): values for a meta-device model (only my slice is made)
     """
     from model import Block
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if stage == 0 and replicate_group is not None:
+    if stage == 0 and (replicate_group is not None or reduce_shard is not None):
         raise ValueError("stage 0 already replicates everything: pass replicate_group only with stage 1, 2 or 3")
     if param_dtype is not None and not param_dtype.is_floating_point:
         raise ValueError(f"param_dtype must be a floating dtype such as torch.bfloat16, got {param_dtype}")
     if init_fn is None and any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on the meta device: pass init_fn(name, shape) to materialise the shards")
+    group = resolve_group(group)
+    if replicate_group is not None:
+        from hsdp import across_replicas  # lesson 3: the one all-reduce that makes sharding hybrid
+        reduce_shard = across_replicas(replicate_group)
+        divide_by = divide_by or dist.get_world_size(group) * dist.get_world_size(replicate_group)
+    divide_by = divide_by or dist.get_world_size(group)
     units = (Block,) if units is None else units
     if isinstance(units, tuple) and all(isinstance(c, type) for c in units):
         units = [m for m in model.modules() if isinstance(m, units) and m is not model]
-    else:
-        units, known = list(units), {id(m) for m in model.modules()}
-        if not all(isinstance(m, nn.Module) and id(m) in known and m is not model for m in units):
-            raise ValueError("units must be module classes or a list of submodules of the model")
+    elif not all(isinstance(m, nn.Module) and any(m is k for k in model.modules()) and m is not model for m in units):
+        raise ValueError("units must be module classes or a list of submodules of the model")
+    units = list(dict.fromkeys(units))  # each module once
 
-    # Collect every unit's parameters before flattening any (flattening replaces them).
-    names, taken, per_unit = {id(m): n for n, m in model.named_modules()}, set(), []
-    for um in units + [model]:  # the root unit last: it gets what no unit took
-        entries = []
-        for mname, m in um.named_modules(prefix=names[id(um)]):
-            for attr, p in m.named_parameters(recurse=False):
-                if id(p) not in taken and p.requires_grad:
-                    taken.add(id(p))
-                    entries.append((f"{mname}.{attr}" if mname else attr, m, attr, p))
-        per_unit.append((um, entries))
-    flat = [(um, FlatUnit(e, stage, group, param_dtype, init_fn)) for um, e in per_unit if e]
-    opt = ZeroOptimizer([u for _, u in flat], optimizer_cls, stage, group, replicate_group,
-                        max_grad_norm, **optimizer_kwargs)
+    held = {}  # every trainable parameter once: its names and every (module, attribute) holding it
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is not None and p.requires_grad:
+                names, holders, _ = held.setdefault(id(p), ([], [], p))
+                names.append(f"{mname}.{attr}" if mname else attr)
+                holders.append((m, attr))
+    inside = [{id(m) for m in um.modules()} for um in units]
+    plan = {id(um): {} for um in [*units, model]}  # unit -> {(group, divide_by, across): entries}
+    for names, holders, p in held.values():
+        fits = [(len(s), k) for k, s in enumerate(inside) if {id(m) for m, _ in holders} <= s]
+        g = groups_of(names[0], p) if groups_of is not None else None
+        if g is not None and not (isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], dist.ProcessGroup)
+                                  and g[1] > 0 and dist.get_rank(g[0]) >= 0):
+            raise ValueError(f"groups_of({names[0]!r}) must return None or (a process group holding this rank, "
+                             f"divide_by > 0), got {g!r}")
+        key = (group, divide_by, reduce_shard) if g is None else (*g, None)
+        plan[id(units[min(fits)[1]] if fits else model)].setdefault(key, []).append((tuple(names), holders, p))
+    for mname, m in model.named_modules():  # frozen parameters stay whole on every rank
+        for attr, p in m._parameters.items():
+            if p is not None and not p.requires_grad and (p.is_meta or param_dtype is not None):
+                full = init_fn(f"{mname}.{attr}" if mname else attr, p.shape) if p.is_meta else p.detach()
+                m._parameters[attr] = nn.Parameter(full.to(_device(group), param_dtype or full.dtype), False)
+
+    made = [(um, [FlatUnit(e, stage, g, d, a, param_dtype, init_fn) for (g, d, a), e in plan[id(um)].items()])
+            for um in [*units, model] if plan[id(um)]]
+    opt = ZeroOptimizer([u for _, us in made for u in us], optimizer_cls, stage, max_grad_norm, before_reduce,
+                        **optimizer_kwargs)
+    opt.module = model
     if stage >= 2:
-        _add_gradient_hooks(opt, free_after=stage == 3)
-    if stage == 3:
-        _add_unshard_hooks(flat, flat[-1][1] if flat[-1][0] is model else None, reshard_after_forward, prefetch)
+        _add_hooks(opt, made, model, reshard_after_forward, prefetch)
     return opt
 
 
-def _add_gradient_hooks(opt: ZeroOptimizer, free_after: bool):
-    """Stages 2-3: when every parameter of a unit has its gradient, reduce-scatter the unit's
-    gradient at once and drop the full-size one; at the end of backward, wait for them all."""
-    def finish():
-        opt.finish_reduction()
-        for u in opt.units:
-            u.ready = 0
-
-    def on_grad(u):
-        u.ready += 1
-        if u.ready < len(u.params):
-            return
-        opt.reduce_unit(u)
-        for q in u.params:
-            q.grad = None  # the full gradient is gone: I keep only my reduced slice
-        if free_after:
-            u.free()
-        if len(opt.pending) == 1:  # the first unit this backward: wait for all at its end
-            torch.autograd.Variable._execution_engine.queue_callback(finish)
-
-    for u in opt.units:
-        for p in u.params:
-            p.register_post_accumulate_grad_hook(lambda p, u=u: on_grad(u))
+def _my_slice(u, entries, init_fn):
+    """A new unit's master slice [n], made from my part of each parameter only: a meta-device model's
+    from init_fn, on the device our collectives use, in at least fp32 (a bf16 model gets an fp32 master)."""
+    p0, lo = entries[0][2], u.r * u.n
+    master = torch.zeros(u.n, dtype=torch.promote_types(p0.dtype, torch.float32) if p0.is_meta else p0.dtype,
+                         device=_device(u.group) if p0.is_meta else p0.device)
+    for (i, a, b), off in [(s, u.offsets()[s[0]]) for s in u.spans()]:
+        names, _, p = entries[i]
+        full = init_fn(names[0], p.shape) if p.is_meta else p.detach()
+        master[a:b] = full.reshape(-1)[lo + a - off:lo + b - off].to(master.device)
+    return master
 
 
-def _add_unshard_hooks(flat, root, reshard_after_forward, prefetch):
-    """Stage 3: all-gather a unit before its forward and before its backward, free it after its
-    forward; prefetch the next unit's all-gather (forward order, then reverse in backward)."""
-    order = []  # units in the order their forwards ran (recorded on the first step)
-
-    def gather(u, step):  # u now, and the next unit in this pass's direction in the background
-        u.unshard()
-        i = order.index(u) + step
-        if prefetch and 0 <= i < len(order) and order[i] is not root:
-            order[i].unshard(async_op=True)  # overlaps with this unit's compute
-
-    def pre_forward(u):
-        if u not in order:
-            order.append(u)
-        gather(u, +1)
-
-    def pre_backward(u):
-        if u.ready < len(u.params):  # not yet reduced and freed in this backward
-            gather(u, -1)
-
-    def post_forward(u, output):
-        if u is root:
-            return  # backward starts right here: keep the root gathered until its gradients are reduced
-        if reshard_after_forward:
-            u.free()
-        for t in output if isinstance(output, (tuple, list)) else [output]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:  # (none under no_grad)
-                t.register_hook(lambda g, u=u: pre_backward(u))  # runs before the unit's backward
-
-    for um, u in flat:
-        um.register_forward_pre_hook(lambda m, a, u=u: pre_forward(u))
-        um.register_forward_hook(lambda m, a, o, u=u: post_forward(u, o))
+def _repoint(entry, view):
+    """Every holder of the parameter now holds `view` (of buf). `.data`-made views get their own version
+    counter, so refilling buf (stage 3) does not trip autograd's check on saved tensors."""
+    _, holders, _ = entry
+    p = nn.Parameter(view)
+    for module, attr in holders:
+        module._parameters[attr] = p
+    return p
 
 
-# ---- a measured training run (torchrun demo, tests and the notebook call it) ----------------------
+def _device(group):
+    nccl = dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-2, param_dtype=None,
-                      group=None, replicate_group=None, meta=False, seed=0, dtype=torch.float32,
-                      track_peak=False, **shard_kwargs) -> dict:
-    """Shard the shared model at `stage`, train `steps` global batches with AdamW and return the
-    full parameters, the losses, and what the last step measured next to the formulas.
-    meta: build on the meta device (only my slices are ever materialised).
-    track_peak: run the last step under PyTorch's MemTracker (slow) for the peak bytes."""
+
+# ---- the formulas the measurements are compared with ---------------------------------------------
+
+def zero_state_formula(stage: int, numel: int, P: int, param_bytes: int = 4, master_bytes: int = 0,
+                       grad_bytes: int | None = None, state_bytes: int = 8) -> dict:
+    """Model-state bytes per rank by category (ZeRO §5; K = master_bytes + state_bytes) for numel elements
+    sharded P ways. grad_bytes: what a *held* gradient element takes; stages 0-1 hold the local gradient in
+    the compute dtype (default param_bytes), stages 2-3 the reduced fp32 shard (4)."""
+    grad_bytes = (param_bytes if stage <= 1 else 4) if grad_bytes is None else grad_bytes
+    sharded = lambda on: numel / P if on else numel  # noqa: E731  (Ψ/P once the stage shards it)
+    out = dict(parameters=param_bytes * sharded(stage >= 3), master=master_bytes * sharded(stage >= 1),
+               gradients=grad_bytes * sharded(stage >= 2), optimizer=state_bytes * sharded(stage >= 1))
+    return dict(out, total=sum(out.values()))
+
+
+def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root_numel: int = 0,
+                      reshard_after_forward: bool = True, replicas: int = 1, n_params: int = 0,
+                      grad_bytes: int = 4, microbatches: int = 1) -> dict:
+    """API bytes per step by collective for one group: numel = Ψ padded, root_numel the root unit's part,
+    gradients reduced in grad_bytes, n_params parameter tensors (one int32 used-flag each); replicas > 1
+    (HSDP): shards and flags are all-reduced across replicas too; microbatches: backwards inside
+    opt.accumulating() before one step (stage 3 gathers again for each one unless it keeps its units)."""
+    if stage == 0:
+        return {"all_reduce": grad_bytes * numel + 4 * n_params}
+    gathered = microbatches * (2 * numel - root_numel) if stage == 3 and reshard_after_forward else numel
+    out = {"reduce_scatter": grad_bytes * numel, "all_gather": param_bytes * gathered,
+           "all_reduce": 4 * n_params + (grad_bytes * numel // P + 4 * n_params if replicas > 1 else 0)}
+    return {k: v for k, v in out.items() if v}
+
+
+# ---- a measured run (the demo, the tests and the notebook call it) --------------------------------
+
+def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-2, group=None, replicate_group=None,
+                      meta=False, seed=0, dtype=torch.float32, track_peak=False, microbatches=1, **shard_kwargs):
+    """Shard the shared model, train `steps` global batches with AdamW (microbatches > 1: that many backwards
+    inside opt.accumulating() per step); return the full parameters, the losses and what the last step
+    measured (bytes by collective; model state at rest; MemTracker's peak if track_peak) beside the formulas."""
+    import time
+    import warnings
+
     from data import get_batch, load_corpus
-    from instruments import CommCounter, memory_tracker, sync
+    from instruments import CommCounter, memory_tracker
     from model import build_model, get_config, init_tensor
-    cfg, P = get_config(model_name), dist.get_world_size(group)
-    R = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    cfg, group, device = get_config(model_name), resolve_group(group), _device(group)
+    P, R = dist.get_world_size(group), dist.get_world_size(replicate_group) if replicate_group is not None else 1
     dp_rank = dist.get_rank(group) + P * (dist.get_rank(replicate_group) if R > 1 else 0)  # replica-major
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     model = build_model(cfg, seed, dtype, device="meta" if meta else device)
-    opt = shard_model(model, stage, group=group, replicate_group=replicate_group, param_dtype=param_dtype,
+    opt = shard_model(model, stage, group=group, replicate_group=replicate_group if R > 1 else None, lr=lr,
                       init_fn=(lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None,
-                      lr=lr, **shard_kwargs)
+                      **shard_kwargs)
     tokens, losses, times, peak = load_corpus(), [], [], None
     for s in range(steps):
         x, y = get_batch(tokens, s, batch, seq, seed, dp_rank, P * R, device=device)
         tracked = track_peak and s == steps - 1
         with memory_tracker(model, opt.inner) if tracked else contextlib.nullcontext() as mt, \
-                warnings.catch_warnings(), CommCounter() as comm:
-            # MemTracker warns about parameters whose .grad is None (ours, after reduce-scatter)
+                warnings.catch_warnings(), CommCounter() as comm:  # MemTracker: "no .grad" (ours are sharded)
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
             t = time.perf_counter()
-            loss = model(x, y)
-            loss.backward()
+            loss, m = 0.0, microbatches
+            for xm, ym in zip(x.chunk(m), y.chunk(m)):
+                with opt.accumulating() if m > 1 else contextlib.nullcontext():
+                    (part := model(xm, ym) / m).backward()
+                loss = loss + part.detach()
             opt.step()
-            sync(device)
-            times.append(time.perf_counter() - t)
-        if tracked:  # {device: {category: bytes}}
-            peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
+            times.append(time.perf_counter() - t)  # (on CPU: no queued work to wait for)
+        peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"] if tracked else peak
         memory = opt.state_bytes()  # at rest, after the step (before zero_grad)
         opt.zero_grad()
-        loss = loss.detach().float()
+        loss = loss.double()
         dist.all_reduce(loss)  # the global batch's loss, for printing (outside the counter)
         losses.append(loss.item() / (P * R))
-    u0, numel = opt.units[0], sum(u.N for u in opt.units)
-    root_numel = opt.units[-1].N if opt.units[-1].names[0] == "tok_embeddings.weight" else 0
-    pb, mb = u0.buf.element_size(), 0 if u0.dtype == u0.master.dtype else 4
-    return dict(
-        state={k: v.cpu().numpy() for k, v in opt.full_state_dict().items()}, losses=losses, peak=peak,
-        step_time=statistics.median((times[1:-1] if track_peak else times[1:]) or times),  # 0 warms up
-        comm=comm.summary(), events=[(e.op, e.group_ranks, e.api_bytes) for e in comm.events],
-        memory=memory, numel=numel, root_numel=root_numel, P=P, param_bytes=pb,
-        memory_formula=zero_state_formula(stage, numel, P, pb, mb),
-        comm_formula=zero_comm_formula(stage, numel, P, pb, root_numel,
-                                       shard_kwargs.get("reshard_after_forward", True), R),
-        grad_norm=None if opt.grad_norm is None else opt.grad_norm.item())
+    numel, k, root = sum(u.N for u in opt.units), sum(len(u.params) for u in opt.units), opt.units[-1]
+    root_numel = root.N if "tok_embeddings.weight" in root.names else 0
+    pb, gb, mb = root.buf.element_size(), root.master.element_size(), 0 if root.dtype == root.master.dtype else 4
+    rs = shard_kwargs.get("reshard_after_forward", True)
+    return dict(state={k: v.cpu() for k, v in opt.full_state_dict().items()}, losses=losses, peak=peak, stage=stage,
+                step_time=statistics.median(times[1:] or times),  # step 0 warms up
+                comm=comm.summary(), events=[(e.op, e.group_ranks, e.api_bytes) for e in comm.events], memory=memory,
+                numel=numel, root_numel=root_numel, n_params=k, P=P, param_bytes=pb,
+                memory_formula=zero_state_formula(stage, numel, P, pb, mb, pb if stage <= 1 else gb, 2 * gb),
+                comm_formula=zero_comm_formula(stage, numel, P, pb, root_numel, rs, R, k, gb, microbatches),
+                grad_norm=None if opt.grad_norm is None else opt.grad_norm.item())
 
 
-def measure_stages(stages=(0, 1, 2, 3), param_dtypes=(None,), **kwargs) -> list[dict]:
-    """A rank function for the notebook: train_and_measure per (dtype, stage), parameters left out."""
-    runs = [(s, pd, train_and_measure(s, param_dtype=pd, **kwargs)) for pd in param_dtypes for s in stages]
-    return [{k: v for k, v in r.items() if k not in ("state", "events")} | dict(stage=s, param_dtype=str(pd))
-            for s, pd, r in runs]
+def measure_runs(configs, **kwargs) -> list[dict]:
+    """A rank function for the notebook: train_and_measure(**config, **kwargs) for each config, without the
+    parameters; each result carries its config."""
+    return [{k: v for k, v in train_and_measure(**c, **kwargs).items() if k not in ("state", "events")} | c
+            for c in configs]
 
 
-if __name__ == "__main__":
-    # PyTorch's FSDP2 appears only here, as the reference the demo compares with (--compare).
-    import gc
+# ---- the demo: torchrun --nproc_per_node 4 fsdp.py --stage 3 --compare ----------------------------
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _demo(argv=None, reference=None) -> int:
+    import argparse
+    import os
 
     from data import get_batch, load_corpus
-    from instruments import sync, wire_bytes
+    from demo import all_agree, finish, max_diff, print_by_rank, single_process
+    from instruments import time_steps, wire_bytes
     from mesh import init_distributed, print0
     from model import build_model
-
-    DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: compute in the parameters' own fp32
+    dtypes = {"fp32": None, "bf16": torch.bfloat16}  # None: compute in the parameters' own fp32
     ap = argparse.ArgumentParser(description="ZeRO stage 0-3 on the shared model, measured against the formulas")
     ap.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8, help="global batch (divisible by the number of ranks)")
+    ap.add_argument("--batch", type=int, default=8, help="global batch (a multiple of the number of ranks)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--param-dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--param-dtype", default="fp32", choices=sorted(dtypes))
     ap.add_argument("--no-reshard", action="store_true", help="keep units gathered from forward to backward")
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--peak", action="store_true", help="measure the last step's peak with MemTracker (slow)")
-    ap.add_argument("--compare", action="store_true", help="also run PyTorch's FSDP2 fully_shard, side by side")
-    args = ap.parse_args()
-
+    ap.add_argument("--compare", action="store_true", help="also time PyTorch's FSDP2 fully_shard, side by side")
+    args = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.batch % world or args.steps < 1:  # arithmetic only: every rank says it, before any collective
+        raise ValueError(f"--batch {args.batch} must be a multiple of the {world} ranks and --steps at least 1: "
+                         f"try --batch {world * max(1, args.batch // world)} --steps {max(1, args.steps)}")
     device = init_distributed()
-    rank, world, pd = dist.get_rank(), dist.get_world_size(), DTYPES[args.param_dtype]
+    pd, mib = dtypes[args.param_dtype], 1 / 2**20
     kw = dict(param_dtype=pd, reshard_after_forward=not args.no_reshard, prefetch=not args.no_prefetch)
-    res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr,
-                            track_peak=args.peak, **kw)
-    cf, mib = res["comm_formula"], 1 / 2**20
+    res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr, track_peak=args.peak,
+                            **kw)
     print0(f"ZeRO stage {args.stage}, {world} ranks, model {args.model} (Ψ = {res['numel']:,} elements padded), "
            f"compute {args.param_dtype}; losses {[round(x, 4) for x in res['losses']]}")
-    lines = [f"rank {rank}: model state at rest, MiB (measured | formula)"]
+    lines = [f"rank {dist.get_rank()}: model state at rest, MiB (measured | formula)"]
     lines += [f"    {k:10s} {res['memory'][k] * mib:9.4f} | {v * mib:9.4f}" for k, v in res["memory_formula"].items()]
+    lines[-1] += f"   ({res['memory']['total'] / res['numel']:.2f} bytes per parameter)"
     lines.append("  bytes per step (API measured | formula; ring wire bytes sent by this rank)")
-    for op in sorted(set(res["comm"]) | set(cf)):
+    for op, want in sorted((res["comm_formula"] | {k: 0 for k in res["comm"] if k not in res["comm_formula"]}).items()):
         got = res["comm"].get(op, dict(bytes=0, wire_bytes=0.0, calls=0))
-        lines.append(f"    {op:14s} {got['bytes']:>10,} | {cf.get(op, 0):>10,}   wire {got['wire_bytes']:>12,.0f} | "
-                     f"{wire_bytes(op, cf.get(op, 0), res['P']):>12,.0f}   ({got['calls']} calls)")
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    lines.append(f"  step time {res['step_time'] * 1e3:.1f} ms" + (f", CUDA peak {peak * mib:.1f} MiB" if peak else "")
-                 + (f", MemTracker peak {res['peak'] * mib:.3f} MiB (model state + activations + "
-                    f"temporaries)" if res["peak"] else ""))
-    for r in range(world):  # rank by rank, so lines do not interleave
-        if r == rank:
-            print("\n".join(lines), flush=True)
-        dist.barrier()
+        lines.append(f"    {op:14s} {got['bytes']:>10,} | {want:>10,}   wire {got['wire_bytes']:>12,.0f} | "
+                     f"{wire_bytes(op, want, world):>12,.0f}   ({got['calls']} calls)")
+    lines.append(f"  step time {res['step_time'] * 1e3:.1f} ms" + (f", MemTracker peak {res['peak'] * mib:.3f} MiB "
+                 "(model state + activations + temporaries)" if res["peak"] else ""))
+    print_by_rank("\n".join(lines))
 
+    # The single-process run on the same global batches. Adam turns rounding-level gradient differences into
+    # up to a whole step (lr) on elements whose gradient is ~0: fp32 within 5% of a step per step, bf16 2 steps.
     tokens = load_corpus()
-
-    def train(runs, r=0, w=1):  # one step of each (model, optimizer) in turn, so machine load hits them alike
-        times = [[] for _ in runs]
-        for s in range(args.steps):
-            x, y = get_batch(tokens, s, args.batch, args.seq, 0, r, w, device=device)
-            for (model, opt), ts in zip(runs, times):
-                if w > 1:
-                    dist.barrier()
-                t = time.perf_counter()
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                sync(device)
-                ts.append(time.perf_counter() - t)
-        return [statistics.median(ts[1:] or ts) for ts in times]
-
-    def max_diff(model, full=lambda p: p):
-        return max((torch.as_tensor(res["state"][n]) - full(p).detach().cpu()).abs().max().item()
-                   for n, p in model.named_parameters())
-
-    ref = build_model(args.model, seed=0, device=device)  # the single-process run: the whole global batch
-    train([(ref, torch.optim.AdamW(ref.parameters(), lr=args.lr))])
-    # Adam turns rounding-level gradient differences into up to a whole step (lr) on elements
-    # whose gradient is ~0: fp32 must stay within 5% of one step per step; bf16 within 2 steps.
-    err, tol = max_diff(ref), (0.05 if pd is None else 2.0) * args.lr * args.steps
-    ok = err < tol
+    batches = [get_batch(tokens, s, args.batch, args.seq, 0, device=device) for s in range(args.steps)]
+    ref = single_process(build_model(args.model, seed=0, device=device), batches, lr=args.lr, compute_dtype=pd)
+    err, tol = max_diff(res["state"], ref["model"].state_dict()), (0.05 if pd is None else 2.0) * args.lr * args.steps
+    ok = all_agree(err < tol)
     print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
            f"{'ok' if ok else 'MISMATCH'}")
-    if args.compare:  # FSDP2 on each Block, then the root, beside a fresh copy of ours
-        theirs, ours = build_model(args.model, seed=0, device=device), build_model(args.model, seed=0, device=device)
-        mp = MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=torch.float32)
+    if args.compare and reference is not None:  # PyTorch's FSDP2 beside a fresh copy of ours, steps in turn
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        ours, theirs = (build_model(args.model, seed=0, device=device) for _ in range(2))
+        mp = MixedPrecisionPolicy(pd, torch.float32)
         for block in theirs.layers:
-            fully_shard(block, reshard_after_forward=not args.no_reshard, mp_policy=mp)
-        fully_shard(theirs, mp_policy=mp)
-        otime, ftime = train([(ours, shard_model(ours, args.stage, lr=args.lr, **kw)),
-                              (theirs, torch.optim.AdamW(theirs.parameters(), lr=args.lr))], rank, world)
-        err = max_diff(theirs, lambda p: p.full_tensor())  # a collective: on every rank
-        print0(f"PyTorch FSDP2 fully_shard: max |diff| to ours = {err:.2e}; step time (alternating steps) ours "
-               f"{otime * 1e3:.1f} ms vs FSDP2 {ftime * 1e3:.1f} ms -> our throughput = {ftime / otime:.2f}x FSDP2's")
-        del theirs, ours  # FSDP2's state first, while the process group still exists
-        gc.collect()
-    dist.barrier()  # no rank tears the group down while another still has work in flight on it
-    dist.destroy_process_group()
-    if not ok:
-        raise SystemExit(1)
+            reference(block, reshard_after_forward=not args.no_reshard, mp_policy=mp)
+        reference(theirs, mp_policy=mp)
+        runs = [(ours, shard_model(ours, args.stage, lr=args.lr, **kw)),
+                (theirs, torch.optim.AdamW(theirs.parameters(), lr=args.lr))]
+        x, y = get_batch(tokens, 0, args.batch, args.seq, 0, dist.get_rank(), world, device=device)
+
+        def step(model, opt):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        times = [[time_steps(lambda: step(*r), 1, warmup=0, device=device) for r in runs] for _ in range(args.steps)]
+        ours_t, theirs_t = (statistics.median(t) for t in zip(*times[1:] or times))
+        same = max_diff({n: p.full_tensor() for n, p in theirs.named_parameters()}, runs[0][1].full_state_dict())
+        print0(f"PyTorch FSDP2 fully_shard: max |diff| to ours = {same:.2e}; step time ours {ours_t * 1e3:.1f} ms vs "
+               f"FSDP2 {theirs_t * 1e3:.1f} ms -> our throughput = {theirs_t / ours_t:.2f}x FSDP2's")
+        del runs, ours, theirs  # FSDP2's state goes while the process group still exists
+    return finish(ok)
+
+
+if __name__ == "__main__":
+    from torch.distributed.fsdp import fully_shard  # PyTorch's own FSDP2: only here, as the reference
+
+    from demo import main
+    main(lambda argv: _demo(argv, reference=fully_shard))

@@ -1,39 +1,56 @@
-"""Lesson 3 — hybrid sharding (HSDP): ZeRO-3 inside a group, plain replication across groups.
+"""Lesson 3 — hybrid sharding (HSDP): ZeRO-3 inside a group of ranks, plain replication across groups.
 
-The idea
---------
-FSDP over all P ranks makes every all-gather and reduce-scatter span the whole job,
-across the slow links between nodes. HSDP lays the data-parallel ranks out as a 2-D mesh
+FSDP over all P ranks makes every all-gather and reduce-scatter span the whole job, across the slow
+links between nodes. HSDP lays the data-parallel ranks out as a 2-D mesh (Zhao et al. 2023, "PyTorch
+FSDP", arXiv:2304.11277 §3.2, hybrid sharding)
 
-    dp = dp_replicate (R) x dp_shard (S)          (ranks of one shard group: one node)
+    dp = dp_replicate (R) x dp_shard (S)          (the S ranks of a shard group: one node)
 
-and runs fsdp.py's stage 3 *inside* each shard group of S ranks. The R shard groups hold
-the same shards (replicas); after a unit's gradient is reduce-scattered inside its shard
-group, only that reduced slice (1/S of the gradient) is all-reduced across the replicate
-group. Nothing is all-gathered across replicas.
+and runs fsdp.py's stage 3 *inside* each shard group. The R shard groups hold the same shards
+(replicas): once a unit's gradient is reduce-scattered inside its shard group, only that reduced
+slice, 1/S of the gradient, is all-reduced across the replicas, and the sum is divided by all S·R
+data-parallel ranks. Nothing is ever all-gathered across replicas. The lines that make sharding
+hybrid are `across_replicas` below: fsdp.shard_model applies it to every reduced shard.
 
-Communication per step (API bytes, Ψ elements, b_p parameter bytes, fp32 gradients):
-    shard dim      all-gather b_p·(2Ψ − Ψ_root)   reduce-scatter 4Ψ      (ring: × (S−1)/S)
-    replicate dim  all-reduce 4Ψ/S                                       (ring: × 2(R−1)/R)
-Model state per rank: (b_p + b_g + K)·Ψ/S — sharded S ways, not R·S: HSDP trades memory
-for keeping the big collectives on the fast links.
+Per step, API bytes (what is handed to the collective; Ψ elements, b_p parameter bytes, fp32
+gradients) and in brackets what one rank sends on a ring:
+    shard dim      all-gather b_p·(2Ψ − Ψ_root)   reduce-scatter 4Ψ      [× (S−1)/S]
+    replicate dim  all-reduce 4Ψ/S                                       [× 2(R−1)/R]
+    both dims      all-reduce 4k: one int32 per parameter tensor (k of them), the used-flags
+Model state per rank: (b_p + b_g + K)·Ψ/S — sharded S ways, not R·S: HSDP trades memory for keeping
+the big collectives on the fast links (ZeRO's formulas, Rajbhandari et al. 2020 §5, with P = S).
 
-    torchrun --nproc_per_node 4 hsdp.py          # 2 x 2: prints bytes per dimension and memory
+    torchrun --nproc_per_node 4 hsdp.py          # 2 x 2: bytes on each mesh dimension, memory, parity
 """
 from __future__ import annotations
-
-import argparse
 
 import torch
 import torch.distributed as dist
 
-from fsdp import train_and_measure, zero_comm_formula
+from fsdp import shard_model, train_and_measure, zero_comm_formula
 from mesh import Mesh
 
 
+def across_replicas(replicate_group):
+    """HSDP's one addition to ZeRO: a gradient shard [n], already summed over my shard group, is summed
+    across the replicas that hold the same shard (they differ only in the data they saw)."""
+    def all_reduce_shard(shard):
+        dist.all_reduce(shard, group=replicate_group)
+    return all_reduce_shard
+
+
+def shard_hybrid(model, mesh: Mesh, **kwargs):
+    """Stage 3 over mesh's dp_shard group, replicas over dp_replicate: returns fsdp's ZeroOptimizer."""
+    S, R = mesh.size("dp_shard"), mesh.size("dp_replicate")
+    return shard_model(model, 3, group=mesh.group("dp_shard"), divide_by=S * R,
+                       reduce_shard=across_replicas(mesh.group("dp_replicate")) if R > 1 else None, **kwargs)
+
+
+# ---- a measured run (the demo and the tests call it) ---------------------------------------------
+
 def hsdp_train(replicate: int, shard: int, **kwargs) -> dict:
-    """A rank function: HSDP on a replicate x shard mesh; fsdp.train_and_measure's result plus
-    the bytes measured on each mesh dimension and the formulas for them."""
+    """A rank function: HSDP on a replicate x shard mesh; fsdp.train_and_measure's result plus the
+    bytes measured on each mesh dimension and the formulas for them."""
     mesh = Mesh(dp_replicate=replicate, dp_shard=shard)
     res = train_and_measure(3, group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"), **kwargs)
     shard_ranks, rep_ranks = tuple(mesh.ranks("dp_shard")), tuple(mesh.ranks("dp_replicate"))
@@ -41,18 +58,26 @@ def hsdp_train(replicate: int, shard: int, **kwargs) -> dict:
     for op, ranks, n in res["events"]:
         dim = "dp_shard" if ranks == shard_ranks else "dp_replicate" if ranks == rep_ranks else "other"
         by_dim[dim][op] = by_dim[dim].get(op, 0) + n
+    gb = 8 if kwargs.get("dtype") == torch.float64 else 4
     f = zero_comm_formula(3, res["numel"], shard, res["param_bytes"], res["root_numel"],
-                          kwargs.get("reshard_after_forward", True), replicate)
+                          kwargs.get("reshard_after_forward", True), n_params=res["n_params"], grad_bytes=gb)
+    rep = {"all_reduce": gb * res["numel"] // shard + 4 * res["n_params"]} if replicate > 1 else {}
     res.update(bytes_by_dim=by_dim, shard_ranks=shard_ranks, replicate_ranks=rep_ranks,
-               bytes_formula={"dp_shard": {k: v for k, v in f.items() if k != "all_reduce"},
-                              "dp_replicate": {"all_reduce": f["all_reduce"]} if replicate > 1 else {}})
+               bytes_formula={"dp_shard": f, "dp_replicate": rep})
     return res
 
 
-if __name__ == "__main__":
+# ---- the demo: torchrun --nproc_per_node 4 hsdp.py [--replicate R] [--compare] -----------------------
+
+def _demo(argv=None, reference=None) -> int:
+    import argparse
+    import os
+
+    from data import get_batch, load_corpus
+    from demo import all_agree, finish, max_diff, print_by_rank, single_process
     from instruments import wire_bytes
     from mesh import init_distributed, print0
-
+    from model import build_model
     ap = argparse.ArgumentParser(description="HSDP: ZeRO-3 within dp_shard, all-reduce across dp_replicate")
     ap.add_argument("--replicate", type=int, default=None, help="replica groups (default 2, or 1 on an odd world)")
     ap.add_argument("--model", default="tiny")
@@ -61,19 +86,21 @@ if __name__ == "__main__":
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--bf16", action="store_true", help="bf16 compute copies, fp32 master and reduction")
-    args = ap.parse_args()
-    init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.replicate is None:
-        args.replicate = 2 if world % 2 == 0 else 1
-    if args.replicate < 1 or world % args.replicate:
-        raise SystemExit(f"--replicate {args.replicate} must divide the number of ranks ({world})")
-    R, S = args.replicate, world // args.replicate
-    res = hsdp_train(R, S, model_name=args.model, steps=args.steps, batch=args.batch, seq=args.seq,
-                     lr=args.lr, param_dtype=torch.bfloat16 if args.bf16 else None)
+    ap.add_argument("--compare", action="store_true", help="also train PyTorch's FSDP2 HSDP (a 2-D mesh)")
+    args = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    R = args.replicate or (2 if world % 2 == 0 else 1)
+    if R < 1 or world % R or args.batch % world:  # arithmetic only: every rank says it, before any collective
+        raise ValueError(f"--replicate {R} must divide the {world} ranks, and --batch {args.batch} be a multiple "
+                         f"of them: try --replicate {2 if world % 2 == 0 else 1} --batch {world * 2}")
+    S, pd = world // R, torch.bfloat16 if args.bf16 else None
+    device = init_distributed()
+    res = hsdp_train(R, S, model_name=args.model, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
+                     param_dtype=pd)
     print0(f"HSDP {R} replicas x {S} shards, model {args.model} (Ψ = {res['numel']:,} padded); "
            f"losses {[round(x, 4) for x in res['losses']]}")
-    lines = [f"rank {rank}: shard group {list(res['shard_ranks'])}, replicate group {list(res['replicate_ranks'])}"]
+    lines = [f"rank {dist.get_rank()}: shard group {list(res['shard_ranks'])}, "
+             f"replicate group {list(res['replicate_ranks'])}"]
     for dim, size in (("dp_shard", S), ("dp_replicate", R)):
         for op in sorted(set(res["bytes_by_dim"][dim]) | set(res["bytes_formula"][dim])):
             got, want = res["bytes_by_dim"][dim].get(op, 0), res["bytes_formula"][dim].get(op, 0)
@@ -82,30 +109,38 @@ if __name__ == "__main__":
     if res["bytes_by_dim"]["other"]:
         lines.append(f"    UNEXPECTED collectives on other groups: {res['bytes_by_dim']['other']}")
     mem, form = res["memory"], res["memory_formula"]
-    lines.append("    model state bytes (measured | formula (b_p+b_g+K)Ψ/S): "
-                 + ", ".join(f"{k} {mem[k]:,} | {form[k]:,.0f}" for k in ("parameters", "master", "gradients",
-                                                                          "optimizer", "total")))
-    for r in range(world):
-        if r == rank:
-            print("\n".join(lines), flush=True)
-        dist.barrier()
-    ok = not res["bytes_by_dim"]["other"]
-    if rank == 0:  # the single-process run on the same global batches
-        from data import get_batch, load_corpus
-        from model import build_model
-        model = build_model(args.model, seed=0)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        tokens = load_corpus()
+    lines.append("    model state bytes (measured | formula (b_p+b_g+K)Ψ/S): " + ", ".join(
+        f"{k} {mem[k]:,} | {form[k]:,.0f}" for k in ("parameters", "master", "gradients", "optimizer", "total")))
+    print_by_rank("\n".join(lines))
+
+    tokens = load_corpus()  # the single-process run on the same global batches (tolerance as in fsdp.py)
+    batches = [get_batch(tokens, s, args.batch, args.seq, 0, device=device) for s in range(args.steps)]
+    ref = single_process(build_model(args.model, seed=0, device=device), batches, lr=args.lr, compute_dtype=pd)
+    err, tol = max_diff(res["state"], ref["model"].state_dict()), (2.0 if args.bf16 else 0.05) * args.lr * args.steps
+    ok = all_agree(err < tol and not res["bytes_by_dim"]["other"])
+    print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
+           f"{'ok' if ok else 'MISMATCH'}")
+    if args.compare and reference is not None and S * R > 1:  # FSDP2's HSDP: fully_shard on a 2-D device mesh
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        mesh2d = init_device_mesh(device.type, (R, S), mesh_dim_names=("replicate", "shard"))
+        theirs, mp = build_model(args.model, seed=0, device=device), MixedPrecisionPolicy(pd, torch.float32)
+        for block in theirs.layers:
+            reference(block, mesh=mesh2d, mp_policy=mp)
+        reference(theirs, mesh=mesh2d, mp_policy=mp)
+        opt = torch.optim.AdamW(theirs.parameters(), lr=args.lr)
         for s in range(args.steps):
-            model(*get_batch(tokens, s, args.batch, args.seq, 0)).backward()
+            theirs(*get_batch(tokens, s, args.batch, args.seq, 0, dist.get_rank(), world, device=device)).backward()
             opt.step()
             opt.zero_grad()
-        err = max((torch.as_tensor(res["state"][n]) - p.detach()).abs().max().item()
-                  for n, p in model.named_parameters())
-        tol = (2.0 if args.bf16 else 0.05) * args.lr * args.steps  # as in fsdp.py
-        ok = ok and err < tol
-        print(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
-              f"{'ok' if err < tol else 'MISMATCH'}", flush=True)
-    dist.destroy_process_group()
-    if not ok:
-        raise SystemExit(1)
+        same = max_diff({n: p.full_tensor() for n, p in theirs.named_parameters()}, res["state"])
+        print0(f"PyTorch FSDP2 HSDP (fully_shard on a {R} x {S} mesh): max |diff| to ours = {same:.2e}")
+        del theirs, opt  # FSDP2's state goes while the process group still exists
+    return finish(ok)
+
+
+if __name__ == "__main__":
+    from torch.distributed.fsdp import fully_shard  # PyTorch's own FSDP2: only here, as the reference
+
+    from demo import main
+    main(lambda argv: _demo(argv, reference=fully_shard))

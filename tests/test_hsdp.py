@@ -1,66 +1,116 @@
-"""HSDP (hsdp.py) on a 2 x 2 mesh: parity with one process, bytes on each mesh dimension
-against the formulas, no all-gather across replicas, memory sharded over the shard group only."""
-
-import numpy as np
+"""HSDP (hsdp.py) on a 2 x 2 mesh: equal to one process, bytes on each mesh dimension equal to the
+formulas, no all-gather across replicas, memory sharded over the shard group only. (The awkward
+models run as HSDP too: tests/test_awkward_fsdp.py.)"""
 import torch
+import torch.distributed as dist
 
-from harness import run_ranks, run_script
-from test_fsdp import B, CLIP, LR, S, STEPS, max_err, reference
+from demo import max_diff
+from harness import Exercise, run_script
+from test_fsdp import B, CLIP, LR, S, STEPS, ranks, reference
 
 
-def _run_hsdp():
-    from hsdp import hsdp_train
+def run():
+    """On 4 ranks, inside test_fsdp.ranks(4)."""
+    from hsdp import hsdp_train, shard_hybrid
+    from mesh import Mesh
     kw = dict(steps=STEPS, batch=B, seq=S, lr=LR)
-    return dict(fp32=hsdp_train(2, 2, **kw), bf16=hsdp_train(2, 2, param_dtype=torch.bfloat16, **kw),
-                clip=hsdp_train(2, 2, max_grad_norm=CLIP, **kw),
-                keep=hsdp_train(2, 2, reshard_after_forward=False, **kw))
+    out = dict(fp64=hsdp_train(2, 2, dtype=torch.float64, **kw),
+               bf16=hsdp_train(2, 2, param_dtype=torch.bfloat16, **kw),
+               clip=hsdp_train(2, 2, max_grad_norm=CLIP, dtype=torch.float64, **kw),
+               keep=hsdp_train(2, 2, reshard_after_forward=False, dtype=torch.float64, **kw),
+               r4=hsdp_train(4, 1, dtype=torch.float64, **kw))
+    # shard_hybrid, the lesson's own entry point, on the same mesh and data
+    from data import get_batch, load_corpus
+    from model import build_model
+    model, tokens = build_model("tiny", seed=0, dtype=torch.float64), load_corpus()
+    opt = shard_hybrid(model, Mesh(dp_replicate=2, dp_shard=2), lr=LR)
+    for s in range(STEPS):
+        model(*get_batch(tokens, s, B, S, 0, dist.get_rank(), 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    out["shard_hybrid"] = opt.full_state_dict()
+    return out
 
 
 def test_hsdp_2x2():
-    results = run_ranks(_run_hsdp, 4, timeout=300)
-    ref, ref_mp = reference()[0], reference(compute_dtype=torch.bfloat16)[0]
-    ref_clip, norms = reference(clip=CLIP)
-    init = reference(steps=0)[0]
+    results = [r["hsdp"] for r in ranks(4)]
+    ref64, (ref_clip, norms) = reference(torch.float64)[0], reference(torch.float64, clip=CLIP)
+    ref_mp, init = reference(compute_dtype=torch.bfloat16)[0], reference(steps=0)[0]
     for rank, res in enumerate(results):
-        # parity: fp32 tight; bf16 relative to how far the parameters moved (see test_fsdp)
-        assert max_err(res["fp32"]["state"], ref) < 1e-4
-        assert max_err(res["keep"]["state"], ref) < 1e-4
-        assert max_err(res["clip"]["state"], ref_clip) < 1e-4
-        assert abs(res["clip"]["grad_norm"] - norms[-1]) < 1e-4 * norms[-1]
-        err = sum(((torch.as_tensor(np.asarray(res["bf16"]["state"][k])) - ref_mp[k]) ** 2).sum() for k in ref)
-        moved = sum(((ref_mp[k] - init[k]) ** 2).sum() for k in ref)
-        assert (err / moved).sqrt() < 0.05
+        for key in ("fp64", "keep", "r4"):
+            assert max_diff(res[key]["state"], ref64) < 1e-10, key
+        assert max_diff(res["shard_hybrid"], ref64) < 1e-10
+        assert max_diff(res["clip"]["state"], ref_clip) < 1e-10
+        assert abs(res["clip"]["grad_norm"] - norms[-1]) < 1e-10
+        err = sum(((res["bf16"]["state"][k] - ref_mp[k]) ** 2).sum() for k in ref_mp)
+        assert (err / sum(((ref_mp[k] - init[k]) ** 2).sum() for k in ref_mp)).sqrt() < 0.05
 
         # the mesh: shard groups {0,1}, {2,3}; replicate groups {0,2}, {1,3}
-        fp = res["fp32"]
-        assert fp["shard_ranks"] == ((0, 1) if rank < 2 else (2, 3))
-        assert fp["replicate_ranks"] == ((0, 2) if rank % 2 == 0 else (1, 3))
-
-        for key in ("fp32", "bf16", "keep"):
+        assert res["fp64"]["shard_ranks"] == ((0, 1) if rank < 2 else (2, 3))
+        assert res["fp64"]["replicate_ranks"] == ((0, 2) if rank % 2 == 0 else (1, 3))
+        for key in ("fp64", "bf16", "keep", "r4"):
             r = res[key]
             # bytes on each dimension equal the formula, and nothing runs on any other group
             assert r["bytes_by_dim"]["dp_shard"] == r["bytes_formula"]["dp_shard"], key
             assert r["bytes_by_dim"]["dp_replicate"] == r["bytes_formula"]["dp_replicate"], key
             assert r["bytes_by_dim"]["other"] == {}, key
-            # no all-gather (or reduce-scatter) crosses the replicate dimension
-            for op, ranks, _ in r["events"]:
+            for op, ranks_, _ in r["events"]:  # no all-gather or reduce-scatter crosses replicas
                 if op in ("all_gather", "reduce_scatter"):
-                    assert len(set(ranks) & set(r["replicate_ranks"])) == 1, (key, op, ranks)
-            # only the reduced shard (1/S of the fp32 gradient) crosses replicas
-            assert r["bytes_by_dim"]["dp_replicate"]["all_reduce"] == 4 * r["numel"] // 2
-            # model state: (b_p + b_g + K) Ψ / S per rank, by category
+                    assert len(set(ranks_) & set(r["replicate_ranks"])) == 1, (key, op, ranks_)
+            # model state: (b_p + b_g + K) Ψ / S per rank, by category (+ AdamW's step counters)
             for cat, want in r["memory_formula"].items():
                 got = r["memory"][cat]
                 assert (got == 0) if want == 0 else abs(got - want) <= 0.05 * want, (key, cat, got, want)
-        assert res["keep"]["bytes_by_dim"]["dp_shard"]["all_gather"] == 4 * res["keep"]["numel"]
+        # only the reduced shard (1/S of the float64 gradient) and the used-flags cross replicas
+        fp = res["fp64"]
+        assert fp["bytes_by_dim"]["dp_replicate"]["all_reduce"] == 8 * fp["numel"] // 2 + 4 * fp["n_params"]
+        assert res["keep"]["bytes_by_dim"]["dp_shard"]["all_gather"] == 8 * res["keep"]["numel"]
 
 
-def test_hsdp_torchrun_demo():
-    out = run_script("hsdp.py", "--steps", "2", nproc=4)
-    assert "-> ok" in out and "UNEXPECTED" not in out
+def test_hsdp_torchrun_demo_compares_with_fsdp2():
+    out = run_script("hsdp.py", "--steps", "2", "--compare", nproc=4)
+    assert "-> ok" in out and "UNEXPECTED" not in out and "PyTorch FSDP2 HSDP" in out
     assert out.count("dp_replicate all_reduce") == 4
 
 
 def test_hsdp_plain_python_demo():
-    out = run_script("hsdp.py", "--steps", "2")  # a world of one: 1 x 1 mesh
-    assert "-> ok" in out
+    assert "-> ok" in run_script("hsdp.py", "--steps", "2")  # a world of one: 1 x 1 mesh
+
+
+def test_bad_arguments_are_refused_before_any_work():
+    out = run_script("hsdp.py", "--replicate", "3", nproc=2, expect_fail=True)
+    assert "error: --replicate 3 must divide the 2 ranks" in out and "HSDP 3" not in out
+
+
+def _bytes(out, dim, op):
+    return [int(line.split("API bytes")[1].split("|")[0].replace(",", "")) for line in out.splitlines()
+            if line.split()[:2] == [dim, op]]
+
+
+def _check_2x2(out):
+    rs, ar = _bytes(out, "dp_shard", "reduce_scatter"), _bytes(out, "dp_replicate", "all_reduce")
+    flags = _bytes(out, "dp_shard", "all_reduce")
+    assert len(rs) == len(ar) == 4 and all(a == r // 2 + f for a, r, f in zip(ar, rs, flags)), (rs, ar, flags)
+    assert "shard group [0, 1], replicate group [0, 2]" in out
+
+
+def _check_replicate_4(out):
+    assert _bytes(out, "dp_replicate", "all_reduce") == [4 * 34_976 + 84] * 4  # the whole gradient, like DDP
+    assert out.count("total 559,") == 4  # 16 bytes per parameter: nothing sharded
+
+
+def _check_replicate_1(out):
+    assert _bytes(out, "dp_replicate", "all_reduce") == [] and out.count("total 139,") == 4  # 4 bytes/param
+
+
+def _check_bf16(out):
+    assert _bytes(out, "dp_shard", "all_gather") == [107_072] * 4  # bf16 parameters: half of 214,144
+    assert _bytes(out, "dp_replicate", "all_reduce") == [70_036] * 4  # fp32 gradient shards, as without --bf16
+
+
+EXERCISES = [
+    Exercise("torchrun --nproc_per_node 4 hsdp.py", _check_2x2),
+    Exercise("torchrun --nproc_per_node 4 hsdp.py --replicate 4", _check_replicate_4),
+    Exercise("torchrun --nproc_per_node 4 hsdp.py --replicate 1", _check_replicate_1),
+    Exercise("torchrun --nproc_per_node 4 hsdp.py --bf16", _check_bf16),
+]
