@@ -63,6 +63,7 @@ class FlatUnit:
         # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
         self.stage, self.group, self.divide_by, self.across = stage, group, divide_by, across
         self.P, self.r = (dist.get_world_size(group), dist.get_rank(group)) if stage > 0 else (1, 0)
+        self.alone = dist.get_world_size(group) == 1
         self.aliases, self.shapes = [e[0] for e in entries], [tuple(e[2].shape) for e in entries]
         self.names, self.numels = [a[0] for a in self.aliases], [math.prod(s) for s in self.shapes]
         self.N = -(-sum(self.numels) // self.P) * self.P  # padded: every rank gets n = N/P elements
@@ -131,8 +132,8 @@ class FlatUnit:
                 self.used[i] = 1
                 if self.stage >= 2:
                     p.grad = None  # stages 2-3 keep only the reduced slice
-        if self.stage == 0:
-            return g, dist.all_reduce(g, group=self.group, async_op=True), g
+        if self.stage == 0:  # (a group of one has nothing to add: no collective at all)
+            return g, None if self.alone else dist.all_reduce(g, group=self.group, async_op=True), g
         out = g.new_empty(self.n)
         return out, reduce_scatter_single(out, g, group=self.group, async_op=True), g
 
@@ -266,14 +267,15 @@ class ZeroOptimizer:
         if self.before_reduce is not None:
             self.before_reduce(u.params)  # e.g. tensor parallel: sum partial gradients over tp first
         out, work, g = u.reduce()
-        if not self.async_reduce:
+        if work is not None and not self.async_reduce:
             work.wait()
         self.pending.append((u, work, out, g if self.async_reduce else None))  # NCCL: g in use until done
         u.unreduced = False
 
     def finish_reduction(self):
         for u, work, out, _ in self.pending:
-            work.wait()
+            if work is not None:
+                work.wait()
             if u.across is not None:
                 u.across(out)  # HSDP: the shard, summed over my shard group, now across replicas
             out.div_(u.divide_by)  # gloo has no ReduceOp.AVG: sum, then divide
@@ -294,7 +296,8 @@ class ZeroOptimizer:
             groups.setdefault((u.group, u.across), []).append(u)
         for (group, across), us in groups.items():
             used = torch.cat([u.used for u in us])
-            dist.all_reduce(used, group=group)
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(used, group=group)
             if across is not None:
                 across(used)
             for u, part in zip(us, used.split([len(u.params) for u in us])):

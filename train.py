@@ -1,43 +1,64 @@
-"""Capstone — every strategy composed by mesh sizes, with the same loss curve on every layout.
+"""Capstone — every strategy composed by mesh sizes, with the same losses as one process on every layout.
 
-    torchrun --nproc_per_node N train.py --dp-replicate A --dp-shard B --cp C --tp D --pp E --ep F
+    torchrun --nproc_per_node N train.py --pp P --dp-replicate R --dp-shard D --cp C --tp T [--ep E]
 
-The mesh is [pp, dp_replicate, dp_shard, cp, tp] (mesh.py); A*B*C*D*E must equal N. Expert
-parallel borrows ep of the A*B data-parallel ranks. For a fixed seed and global batch every
-layout computes the same loss as one process: the global batch of step s is drawn from
-(seed, s) and each data-parallel rank takes its slice; context-parallel ranks take their
-slice of each sequence; the loss is the mean over all tokens of the global batch, so
+The mesh is [pp, dp_replicate, dp_shard, cp, tp] (mesh.py), P·R·D·C·T = N; expert parallel borrows E
+of the R·D data-parallel ranks. For a fixed seed and global batch every layout computes the losses
+of one process. The global batch of step s is drawn from (seed, s) alone; data-parallel rank d takes
+its rows, context-parallel rank c its zigzag chunks of every sequence, and the pipeline (or gradient
+accumulation) cuts a rank's rows into m micro-batches. The loss is the mean over every COUNTED token
+of the global batch (padded targets count nowhere, --pad-share):
 
-    gradient = 1/(dp·cp) · Σ over dp×cp ranks of ∇(local mean loss)      (what ZeRO divides by)
+    L = Σ_t CE_t / N_count          N_count: counted targets of the global batch, which every rank
+                                    computes from (seed, s) alone — no communication
 
-Order in which the lessons are applied (each one sees the model the previous one left):
-  1. pipeline split   — cuts whole layers, so it must see the unmodified model;
-  2. tensor parallel  — slices the weights of the layers this stage kept;
-  3. context parallel — swaps each attention's core op for ring attention (any head count);
-  4. expert parallel  — swaps each MoE for its all-to-all version;
-  5. activation checkpointing — wraps the (now parallel) blocks, inside the ZeRO hooks;
-  6. data parallel / ZeRO / HSDP — last, because it flattens, shards and reduces exactly the
-     parameters the steps above left on this rank (shard group dp_shard×cp, replicas dp_replicate).
-Gradient clipping uses the norm of the WHOLE model's gradient: every rank adds the squares
-of the gradient elements it holds, each weighted by 1/(number of ranks holding a copy), and
-one all-reduce over the world sums them — so each parameter counts once.
+Each rank's micro-batch loss is its own SUM of CE over its counted tokens divided by N_count/(dp·cp·m);
+after the 1/m of accumulation, the data-parallel average over the dp·cp ranks (sum, then ÷ dp·cp) is
+exactly ∇L — also when ranks hold different numbers of counted tokens, where the mean of the ranks'
+mean losses would weigh a token on a sparsely filled rank more than one on a full rank. (With experts
+the auxiliary load-balancing loss is per forward: over one micro-batch's tokens on every rank.)
 
-Communication per step, per rank, is the sum of the lessons' (API bytes; b bytes per element,
-Ψ' = Ψ/(tp·pp) the parameters of my tp slice of my stage, B' = B/dp the local batch, m micro-batches):
-    ZeRO-3 (shard group dp_shard·cp)  all-gather b·(2Ψ' − Ψ'_root), reduce-scatter 4Ψ' (fp32 grads);
-        in a pipeline every module is a unit: all-gather 2m·b·Ψ', reduce-scatter m·4Ψ'
-    ZeRO-1/2  reduce-scatter 4Ψ' (ZeRO-2 in a pipeline: m times) + all-gather b·Ψ';  ZeRO-0  all-reduce 4Ψ'
-    HSDP      + all-reduce 4Ψ'/(dp_shard·cp) over dp_replicate
-    tp        4L all-reduces of [B', S/cp, H] (L: my stage's layers), +1 for the embedding, +1 for
-              the head's input and +3 of [B'·S/cp] for the vocab-parallel loss (on their stages)
-    pp        B'·S/cp·H·b sent and received per stage boundary, each way
-    cp (ring) per layer (cp−1)·2·c·d_kv·b forward, again + dk, dv home in backward (c = S/cp)
-    clipping  one all-reduce of one float64 over the world
-Model state per rank (ZeRO-3, mixed precision K = 12): (b_p + b_g + K)·Ψ'/(dp_shard·cp), plus the
-norm weights every tp rank keeps whole; experts: E/ep of them per rank.
+The order the lessons are applied in (each sees the model the one before left):
+  1. pipeline split   pipeline.Stage: cuts whole layers (v chunks per rank when interleaved), so it
+                      must see the unmodified model; everything after works on this rank's layers
+  2. tensor parallel  tensor_parallel.apply_tensor_parallel: slices the weights of the layers kept
+  3. context parallel ring_attention.ContextParallelAttention in each block's attn.sdpa (ring, Ulysses,
+                      or Ulysses inside a ring): only the attention core changes, whatever tp did to heads
+  4. expert parallel  expert_parallel.parallelize_experts: each MoE dispatches its tokens over the ep
+                      group; under tp each tp rank takes 1/tp of the (replicated) tokens, so a token
+                      goes to the experts once, not tp times
+  5. checkpointing    each block's forward recomputed in backward, inside ZeRO-3's gather hooks
+  6. ZeRO / HSDP      fsdp.shard_model, last: it flattens, shards and reduces exactly the parameters
+                      the steps above left on this rank — dense ones over dp_shard×cp (replicas
+                      across dp_replicate), expert ones over edp_cp (every copy of my experts)
 
-    --check    rank 0 retrains the model in one process and compares the losses
-    --compare  the same layout under PyTorch's FSDP2 + DTensor TP, side by side
+Gradients. Dense: Σ over dp·cp ranks, ÷ dp·cp. Experts: the backward all-to-all already summed the
+ep group's contributions on the expert's owner, so Σ over edp_cp, ÷ dp·cp too (÷ |edp_cp| = dp·cp/ep
+would count each rank's tokens ep times). Partial over tp (replicated kv heads when tp > n_kv_heads,
+sequence-parallel norms, a MoE's router and experts whose tp ranks saw different tokens): summed over
+tp first, unit by unit, right before ZeRO reduces them (fsdp's before_reduce). Clipping uses the
+norm of the WHOLE model: each rank adds the squares of the gradient elements it holds, weighted by
+1/(ranks holding a copy), one all-reduce over the world — each element counted once.
+
+Communication per step, per rank (API bytes; b bytes per element; Ψ' = parameters of my stage's tp
+slice, Ψ'_E of them expert weights; B' = B/dp rows; m micro-batches; S' = S/cp tokens):
+  ZeRO-3 (dense, group dp_shard·cp)   all-gather b·(2Ψ' − Ψ'_root), reduce-scatter 4Ψ'; a pipeline
+                                      keeps units gathered over its m micro-batches: b·Ψ' and 4Ψ' once
+  ZeRO-1/2                            reduce-scatter 4Ψ', all-gather b·Ψ';   ZeRO-0: all-reduce 4Ψ'
+  HSDP                                + all-reduce 4Ψ'/(dp_shard·cp) over dp_replicate
+  experts (group edp_cp)              the same per stage on Ψ'_E, and per MoE layer four all-to-alls
+                                      of the routed rows (expert_parallel.py)
+  tp                                  per layer 4 all-reduces of [B', S', H] (SP: as many all-gathers
+                                      and reduce-scatters, the same wire bytes), + the embedding's,
+                                      the head's and the loss's 3 of [B'·S']
+  pp                                  per stage boundary B'·S'·H·b each way (SP: B'·S'·H·b/tp)
+  cp (ring)                           per layer (cp−1)·2·B'·S'·d_kv·b forward, again + dk, dv home
+  clipping                            one all-reduce of one float64 over the world
+Model state per rank (ZeRO-3, K bytes of optimizer state per element): (b_p + b_g + K)·(Ψ' − Ψ'_E)/
+(dp_shard·cp) + (b_p + b_g + K)·Ψ'_E/(dp·cp/ep), plus the norm weights every tp rank keeps whole.
+
+    --check    afterwards rank 0 trains the model in ONE process (demo.single_process) and compares
+    --compare  afterwards the same layout under PyTorch's FSDP2 + DTensor TP, losses and step times
 """
 from __future__ import annotations
 
@@ -47,41 +68,58 @@ import json
 import math
 import os
 import resource
-import sys
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from data import get_batch, load_corpus
+import expert_parallel
+import fsdp
+import pipeline
+import ring_attention
+import tensor_parallel
+from data import IGNORE, get_batch, load_corpus
+from demo import finish, main, single_process
+from mesh import DIMS, Mesh, init_distributed
 from model import CONFIGS, build_model, flops_per_token, get_config, init_tensor, num_params
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 (THEORY.md)
-CP_METHOD, CP_LAYOUT = "ring", "zigzag"
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")          # mesh.py's order
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, from the vendors' data sheets
+CP_LAYOUT = "zigzag"
 
+
+# ---- the command line ------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     arg = p.add_argument
-    for dim in ("dp-replicate", "dp-shard", "cp", "tp", "pp", "ep"):
+    for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
         arg(f"--{dim}", type=int, default=1)
     arg("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-        help="how the data-parallel dims shard (default: 3 when dp-shard > 1 and the model is dense, else 0)")
+        help="how the data-parallel ranks shard (default: 3 when dp-shard > 1, else 0)")
     arg("--sequence-parallel", action="store_true",
         help="with --tp: norms and residuals on S/tp tokens (all-gather/reduce-scatter for all-reduce)")
-    arg("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    arg("--cp-method", choices=["ring", "ulysses"], default="ring",
+        help="context parallel by passing k/v blocks around a ring, or by all-to-all to head shards")
+    arg("--cp-ulysses", type=int, default=None,
+        help="with --cp-method ulysses: Ulysses over this many of the cp ranks, a ring over the rest "
+             "(default: all cp ranks, no ring)")
+    arg("--schedule", choices=sorted(pipeline.SCHEDULES), default="1f1b")
+    arg("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
     arg("--microbatches", type=int, default=None,
         help="micro-batches per step (default: pp; without pp they accumulate gradients)")
     arg("--model", choices=sorted(CONFIGS), default="tiny")
+    arg("--layers", type=int, default=None, help="override the model's number of layers")
     arg("--experts", type=int, default=0, help="0: dense MLP")
     arg("--top-k", type=int, default=2)
     arg("--global-batch-size", type=int, default=8, help="sequences per optimizer step")
     for name, default in [("seq-len", 32), ("steps", 10), ("warmup", 2), ("seed", 0)]:
         arg(f"--{name}", type=int, default=default)
+    arg("--pad-share", type=float, default=0.0,
+        help="pad up to this share of each sequence (its targets count nowhere): uneven tokens per rank")
     arg("--lr", type=float, default=1e-3)
     arg("--dtype", choices=sorted(DTYPES), default="float32",
         help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
@@ -100,80 +138,96 @@ def parse_args(argv=None):
     arg("--quiet", action="store_true", help="no per-step lines")
     args = p.parse_args(argv)
     if args.zero_stage is None:
-        args.zero_stage = 3 if args.dp_shard > 1 and not args.experts else 0
+        args.zero_stage = 3 if args.dp_shard > 1 else 0
     if args.microbatches is None:
         args.microbatches = args.pp
+    if args.cp_ulysses is None:
+        args.cp_ulysses = args.cp if args.cp_method == "ulysses" else 1
     return args
 
 
 def config_of(args):
-    return get_config(args.model, n_experts=args.experts, top_k=args.top_k)
+    layers = {} if args.layers is None else dict(n_layers=args.layers)
+    return get_config(args.model, n_experts=args.experts, top_k=args.top_k, **layers)
 
 
 def layout_of(args) -> dict:
     """What a checkpoint must agree on to be resumed."""
-    return {k: getattr(args, k) for k in DIMS + ("ep", "zero_stage", "model", "experts", "top_k", "dtype",
-                                                  "sequence_parallel")}
+    return {k: getattr(args, k) for k in DIMS + ("ep", "zero_stage", "model", "layers", "experts", "top_k", "dtype",
+                                                  "sequence_parallel", "virtual_stages")}
 
 
-def _divisors(n: int, limit: int = 10**9) -> list[int]:
+def _divisors(n: int, limit: int = 64) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 def check_args(args, world_size: int) -> None:
-    """Every invalid combination, found from the arguments alone (so every rank finds the same
-    problems before any collective). Raises ValueError listing what is wrong and what is valid."""
-    dims, problems, unsupported = {d: getattr(args, d) for d in DIMS}, [], []
+    """Every invalid combination, found from the arguments alone — so every rank finds the same
+    problems before any collective. Raises one ValueError listing what is wrong and what is valid."""
+    dims = {d: getattr(args, d) for d in DIMS}
     counts = dict(dims, ep=args.ep, microbatches=args.microbatches, global_batch_size=args.global_batch_size,
-                  seq_len=args.seq_len, steps=args.steps)
-    small = {k: v for k, v in counts.items() if v < 1}
+                  seq_len=args.seq_len, steps=args.steps, virtual_stages=args.virtual_stages,
+                  cp_ulysses=args.cp_ulysses, layers=args.layers or 1)
+    small = [f"--{k.replace('_', '-')} {v}" for k, v in counts.items() if v < 1]
     if small:
-        raise ValueError("invalid training layout:\n  - " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                                   small.items()) + " must be >= 1")
-    product = math.prod(dims.values())
-    if product != world_size:
-        problems.append(f"pp*dp_replicate*dp_shard*cp*tp = {product} but the world size is {world_size}: "
-                        f"choose sizes whose product is {world_size} "
-                        f"(or launch with torchrun --nproc_per_node {product})")
+        raise ValueError("invalid training layout:\n  - " + ", ".join(small) + " must be >= 1")
+    problems = []
+    if math.prod(dims.values()) != world_size:
+        problems.append(f"pp*dp_replicate*dp_shard*cp*tp = {math.prod(dims.values())} but the world size is "
+                        f"{world_size}: choose sizes whose product is {world_size} (or launch with "
+                        f"torchrun --nproc_per_node {math.prod(dims.values())})")
     try:
         cfg = config_of(args)
     except ValueError as e:
         raise ValueError(f"invalid training layout:\n  - {e}") from None
-    tp, cp, pp, dp, m = args.tp, args.cp, args.pp, args.dp_replicate * args.dp_shard, args.microbatches
-    for name, size in [("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)]:
+    tp, cp, pp, m = args.tp, args.cp, args.pp, args.microbatches
+    dp = args.dp_replicate * args.dp_shard
+    sizes = [("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size)] + ([] if cfg.n_experts else [("ffn_dim", cfg.ffn_dim)])
+    for name, size in sizes:
         if size % tp:
-            problems.append(f"--tp {tp} does not divide the model's {name} ({size}): "
-                            f"choose tp from {_divisors(size, 16)}")
+            problems.append(f"--tp {tp} does not divide the model's {name} ({size}): choose tp from {_divisors(size, 16)}")
     if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
         problems.append(f"--tp {tp} and n_kv_heads {cfg.n_kv_heads}: one must divide the other")
-    if cfg.n_layers < pp:
-        problems.append(f"--pp {pp} is more stages than the model's {cfg.n_layers} layers: "
-                        f"use --pp <= {cfg.n_layers}")
-    if pp > 1 and args.schedule == "1f1b" and m < pp:
-        problems.append(f"1F1B needs at least as many micro-batches as stages: "
-                        f"--microbatches {m} < --pp {pp} (use >= {pp}, or --schedule gpipe)")
     if args.global_batch_size % (dp * m):
-        problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel "
-                        f"size {dp} times --microbatches {m}: use a multiple of {dp * m}")
+        problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel size "
+                        f"{dp} times --microbatches {m}: use a multiple of {dp * m}")
+    if pp > 1 or args.virtual_stages > 1:
+        try:  # the pipeline's own check (pure arithmetic): schedule, micro-batches, layers per stage
+            pipeline.validate(pp, m, cfg.n_layers, m, args.schedule, args.virtual_stages)  # (batch: checked above)
+        except ValueError as e:
+            problems.append(f"pipeline: {e}")
     if cp > 1 and args.seq_len % (2 * cp):
         problems.append(f"--seq-len {args.seq_len} is not divisible by 2*cp = {2 * cp} "
                         f"({CP_LAYOUT} layout): use a multiple of {2 * cp}")
+    u = args.cp_ulysses
+    if u > 1 and (args.cp_method != "ulysses" or cp % u):
+        problems.append(f"--cp-ulysses {u} needs --cp-method ulysses and must divide --cp {cp}: "
+                        f"choose from {_divisors(cp)}")
+    elif u > 1 and (cfg.n_heads // tp) % u:
+        problems.append(f"Ulysses splits each tp rank's {cfg.n_heads // tp} query heads over {u} ranks: choose "
+                        f"--cp-ulysses from {[d for d in _divisors(cp) if (cfg.n_heads // tp) % d == 0]} "
+                        f"(or --cp-method ring)")
     if args.seq_len > cfg.max_seq_len:
         problems.append(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    if args.ep > 1:
-        if not args.experts:
-            problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
-        elif args.experts % args.ep:
-            problems.append(f"--experts {args.experts} is not divisible by --ep {args.ep}: "
-                            f"choose ep from {_divisors(args.experts)}")
+    if args.sequence_parallel and tp > 1 and (args.seq_len // cp) % tp:
+        problems.append(f"--sequence-parallel splits each rank's {args.seq_len // cp} tokens over tp={tp}: "
+                        f"use a --seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
+    if args.ep > 1 and not args.experts:
+        problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
+    if args.experts:
+        try:
+            expert_parallel.validate_ep(args.experts, args.top_k, args.ep)
+        except ValueError as e:
+            problems.append(str(e))
         if dp % args.ep:
-            problems.append(f"--ep {args.ep} borrows data-parallel ranks and must divide "
-                            f"dp_replicate*dp_shard = {dp}")
+            problems.append(f"--ep {args.ep} borrows data-parallel ranks and must divide dp_replicate*dp_shard = {dp}")
     if args.zero_stage > 0 and dp * cp == 1:
         problems.append(f"--zero-stage {args.zero_stage} shards over data-parallel (and cp) ranks, but there "
                         f"is only one: use --zero-stage 0 or --dp-shard > 1")
-    if args.steps < 1 or (args.stop_at is not None and not 1 <= args.stop_at <= args.steps):
-        problems.append(f"--steps {args.steps} must be >= 1 and --stop-at between 1 and --steps")
+    if not 0.0 <= args.pad_share < 1.0:
+        problems.append(f"--pad-share {args.pad_share} must be in [0, 1)")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        problems.append(f"--stop-at {args.stop_at} must be between 1 and --steps {args.steps}")
     if args.data is not None and not os.path.isfile(args.data):
         problems.append(f"--data {args.data!r} does not exist: give an existing text file or leave it out")
     elif args.data is not None and os.path.getsize(args.data) < args.seq_len + 1:
@@ -181,51 +235,31 @@ def check_args(args, world_size: int) -> None:
                         f"--seq-len + 1 = {args.seq_len + 1}: give a text of at least {args.seq_len + 1} bytes "
                         f"or a shorter --seq-len")
     if args.resume is not None:
-        meta = os.path.join(args.resume, "meta.json")
-        if not os.path.isfile(meta):
-            problems.append(f"--resume {args.resume!r} holds no checkpoint (meta.json missing)")
-        else:
-            with open(meta) as f:
-                saved = json.load(f)
-            last = args.stop_at or args.steps
-            if saved["step"] >= last:
-                problems.append(f"--resume {args.resume!r} already holds step {saved['step']}, and this run "
-                                f"stops at step {last} (--steps{' / --stop-at' if args.stop_at else ''}): "
-                                f"nothing is left to train; raise --steps or resume an earlier checkpoint")
-            if saved["layout"] != layout_of(args):
-                problems.append(f"--resume {args.resume!r} was written with {saved['layout']}; resume with the "
-                                f"same sizes, stage, model and dtype (got {layout_of(args)})")
-            missing = [r for r in range(world_size) if not os.path.isfile(os.path.join(args.resume, f"rank{r}.pt"))]
-            if missing:  # found here, by every rank alike: not by one rank while the others wait
-                problems.append(f"--resume {args.resume!r} lacks the shards of ranks {missing}")
-    sp = args.sequence_parallel and tp > 1
-    if sp and (args.seq_len // cp) % tp:
-        problems.append(f"--sequence-parallel splits each rank's {args.seq_len // cp} tokens over tp={tp}: "
-                        f"use a --seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
-    # Combinations the lessons do not compose (yet): said plainly rather than computed wrongly.
-    if args.experts and (tp > 1 or cp > 1 or pp > 1):
-        unsupported.append("a mixture-of-experts model with tp, cp or pp (experts compose with "
-                           "dp_replicate/dp_shard and ep only)")
-    if args.experts and args.zero_stage > 0:
-        unsupported.append("ZeRO stages 1-3 with experts (expert weights would need their own edp "
-                           "shard group): use --zero-stage 0")
-    if args.experts and m > 1:
-        unsupported.append("micro-batches with experts (the auxiliary loss is defined over a whole batch)")
-    if args.zero_stage >= 2 and tp > cfg.n_kv_heads:
-        unsupported.append(f"--zero-stage {args.zero_stage} with tp {tp} > n_kv_heads {cfg.n_kv_heads}: "
-                           f"replicated kv heads need their gradients summed over tp before the "
-                           f"reduce-scatter (use --zero-stage 0 or 1)")
-    if sp and pp > 1:
-        unsupported.append("--sequence-parallel with pp (stages exchange whole-sequence activations)")
-    if sp and args.zero_stage >= 2:
-        unsupported.append(f"--sequence-parallel with --zero-stage {args.zero_stage}: the norm weights' "
-                           f"gradients must be summed over tp before the reduce-scatter (use 0 or 1)")
-    problems += [f"not supported yet: {u}" for u in unsupported]
-    if args.compare and (pp > 1 or cp > 1 or args.experts or dp > 1 and args.zero_stage != 3):
+        problems += _resume_problems(args, world_size)
+    if args.compare and (pp > 1 or cp > 1 or args.experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
         problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
-                        "--dp-replicate, --dp-shard (zero stage 3) and --tp")
+                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
     if problems:
         raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
+
+
+def _resume_problems(args, world_size) -> list[str]:
+    meta = os.path.join(args.resume, "meta.json")
+    if not os.path.isfile(meta):
+        return [f"--resume {args.resume!r} holds no checkpoint (meta.json missing)"]
+    with open(meta) as f:
+        saved = json.load(f)
+    problems, last = [], args.stop_at or args.steps
+    if saved["step"] >= last:
+        problems.append(f"--resume {args.resume!r} already holds step {saved['step']}, and this run stops at step "
+                        f"{last}: nothing is left to train; raise --steps or resume an earlier checkpoint")
+    if saved["layout"] != layout_of(args):
+        problems.append(f"--resume {args.resume!r} was written with {saved['layout']}; resume with the same "
+                        f"sizes, stage, model and dtype (got {layout_of(args)})")
+    missing = [r for r in range(world_size) if not os.path.isfile(os.path.join(args.resume, f"rank{r}.pt"))]
+    if missing:  # found here, by every rank alike: not by one rank while the others wait
+        problems.append(f"--resume {args.resume!r} lacks the shards of ranks {missing}")
+    return problems
 
 
 def lr_at(step: int, args) -> float:
@@ -236,202 +270,165 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-# ---- building the model for this rank, lesson by lesson ------------------------------------------
-
-def _checkpointed(block):
-    """Full activation checkpointing of one block: only its input is saved; the block's forward
-    runs again in backward. The wrapper sits INSIDE the module call, so ZeRO-3's hooks (which
-    gather the block's parameters around the call) also cover the recomputation."""
-    inner = block.forward
-    block.forward = lambda h, cos, sin: checkpoint(inner, h, cos, sin, use_reentrant=False)
-
+# ---- this rank's part of the model, lesson by lesson -------------------------------------------------
 
 class Trainer:
     """Everything one rank needs to take a training step of its part of the model."""
 
-    def __init__(self, args, mesh, device):
-        self.args, self.mesh, self.device, self.world = args, mesh, device, dist.group.WORLD
+    def __init__(self, args, mesh: Mesh, device):
+        self.args, self.mesh, self.device = args, mesh, device
         self.cfg = cfg = config_of(args)
-        store_dtype = torch.float64 if args.dtype == "float64" else torch.float32
-        self.bf16 = args.dtype == "bfloat16"
-        self.dp, self.dp_rank = mesh.size("dp"), mesh.rank("dp")
-        self.cp, self.cp_rank, self.tp = mesh.size("cp"), mesh.rank("cp"), mesh.size("tp")
-        self.use_zero = mesh.size("dp_cp") > 1 and not cfg.n_experts
-        # The meta device: shapes only, each rank materialises just its ZeRO-3 shard. The flat
-        # units keep an fp32 master for meta parameters, so float64 runs are built for real.
-        self.meta = meta = self.use_zero and args.zero_stage == 3 and args.pp == 1 and store_dtype == torch.float32
+        store = torch.float64 if args.dtype == "float64" else torch.float32
+        self.dp, self.cp, self.tp, self.pp, self.m = (mesh.size("dp"), mesh.size("cp"), mesh.size("tp"),
+                                                      args.pp, args.microbatches)
+        sp = args.sequence_parallel and self.tp > 1
+        # Meta device: shapes only, each rank materialises just its ZeRO-3 shards (fp32 models; the
+        # flat units' masters are fp32, so float64 runs are built for real).
+        self.meta = args.zero_stage == 3 and self.dp * self.cp > 1 and store == torch.float32 and args.pp == 1
 
-        # 1. pipeline split
-        self.pg = None
+        # 1. pipeline split: this rank's layers (v chunks), named as in the whole model
         if args.pp > 1:
-            from pipeline import SCHEDULES, PipeGroup, Stage
-            self.pg = PipeGroup.from_ranks(mesh.ranks("pp"))
-            self.actions = SCHEDULES[args.schedule](args.pp, args.microbatches)[self.pg.r]
-            model = Stage(cfg, self.pg.r, args.pp, args.seed, device, store_dtype)
+            self.pg = pipeline.PipeGroup.from_ranks(mesh.ranks("pp"))
+            self.actions = pipeline.SCHEDULES[args.schedule](args.pp, self.m, args.virtual_stages)[self.pg.r]
+            model = pipeline.Stage(cfg, self.pg.r, args.pp, args.seed, device, store, v=args.virtual_stages)
         else:
-            model = build_model(cfg, seed=args.seed, dtype=store_dtype, device="meta" if meta else device)
+            self.pg = None
+            model = build_model(cfg, seed=args.seed, dtype=store, device="meta" if self.meta else device)
         self.is_last = self.pg is None or self.pg.r == args.pp - 1
-        blocks = list(model.layers.values() if self.pg is not None else model.layers)
         full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        # 2. tensor parallel
+        blocks = list(model.layers.values() if self.pg is not None else model.layers)
+        # 2. tensor parallel: my slice of every weight (the MoE MLPs are left to expert parallel)
         if self.tp > 1:
-            from tensor_parallel import apply_tensor_parallel
-            apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=args.sequence_parallel)
-        # 3. context parallel
+            tensor_parallel.apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sp)
+        # 3. context parallel: only the attention core changes
         self.positions = None
         if self.cp > 1:
-            import ring_attention as ra
+            u = args.cp_ulysses
+            ring = None
+            if 1 < u < self.cp:  # Ulysses inside groups of u cp ranks, a ring across those groups
+                ring, uly = ring_attention.ring_ulysses_groups(mesh.groups_along(("cp",)), u)
+            group = uly if 1 < u < self.cp else mesh.group("cp")
+            method = "ulysses" if u > 1 else "ring"
             for block in blocks:
-                block.attn.sdpa = ra.ContextParallelAttention(mesh.group("cp"), CP_METHOD, CP_LAYOUT)
-            self.positions = ra.shard_positions(args.seq_len, self.cp, self.cp_rank, CP_LAYOUT).to(device)
-        if self.pg is not None:
-            model.positions = self.positions  # pipeline_step calls the stage without positions
-        # 4. expert parallel (also at ep=1 with dp>1: the aux loss then averages over all dp tokens)
-        expert = set()
-        if cfg.n_experts and self.dp > 1:
-            from expert_parallel import ExpertParallelMoE, parallelize_experts
-            parallelize_experts(model, mesh)
-            expert = {id(p) for mod in model.modules() if isinstance(mod, ExpertParallelMoE)
-                      for p in mod.expert_parameters()}
-        # 5. activation checkpointing
+                block.attn.sdpa = ring_attention.ContextParallelAttention(group, method, CP_LAYOUT, ring_group=ring)
+            self.positions = ring_attention.shard_positions(args.seq_len, self.cp, mesh.rank("cp"), CP_LAYOUT).to(device)
+        if self.pg is not None:  # the runner calls the stage without positions (and under sequence
+            # parallel a stage's input holds S/tp tokens: it needs those of all S)
+            model.positions = self.positions if self.cp > 1 else torch.arange(args.seq_len, device=device)
+        # 4. expert parallel: a MoE dispatches each token once (under tp: each tp rank 1/tp of them)
+        expert_names = set()
+        if cfg.n_experts:
+            expert_parallel.parallelize_experts(model, mesh, sequence_parallel=sp)
+            ids = {id(p) for p in expert_parallel.expert_parameters(model)}
+            expert_names = {n for n, p in model.named_parameters() if id(p) in ids}
+            if self.tp > 1:  # each tp rank routed its own tokens: router and expert gradients are partial
+                partial = {id(p) for p in expert_parallel.tp_partial_parameters(model)}
+                for n, p in model.named_parameters():
+                    if id(p) in partial:
+                        tensor_parallel.mark_partial(model, n)
+        # 5. activation checkpointing (inside the module call: ZeRO-3's gather hooks cover the recompute)
         if args.activation_checkpointing == "full":
             for block in blocks:
                 _checkpointed(block)
-
-        # How many ranks hold a copy of each parameter, so that the global gradient norm counts it
-        # once. tp: a slice 1, a kv head shared by t/n_kv ranks t/n_kv, a norm t (an SP norm is
-        # "partial" with n = 1). Data parallel: ZeRO stage 0 every dp×cp rank, stages 1-3 the
-        # replicas of a master element; without ZeRO every dp rank, an expert its edp ranks.
+        # (how many ranks hold each gradient element, read before ZeRO replaces the parameters)
+        self.copies = {n: self._copies(model, n, p, expert_names) for n, p in model.named_parameters()}
+        # 6. ZeRO / HSDP, last: dense parameters over dp_shard x cp (replicas across dp_replicate),
+        #    expert weights over edp_cp (every copy of my experts), all gradients divided by dp·cp
+        z, dpcp = args.zero_stage, self.dp * self.cp
         named = dict(model.named_parameters())
-        ids = {id(p): n for n, p in named.items()}
-        partial = {ids[id(p)]: (slot, n) for p, slot, n in getattr(model, "tp_partial_grads", [])}
-        zero_dp = mesh.size("dp_cp" if args.zero_stage == 0 else "dp_replicate")
 
-        def copies(n, p):
-            tp = self.tp // partial[n][1] if n in partial else 1 if hasattr(p, "tp_slice") else self.tp
-            dp = zero_dp if self.use_zero else mesh.size("edp") if id(p) in expert else self.dp
-            return tp * dp
-        self.copies = {n: copies(n, p) for n, p in named.items()}
+        def init_fn(name, shape):  # my tp slice (or my experts) of the parameter's initial value
+            full, p = init_tensor(cfg, name, full_shapes[name], args.seed), named[name]
+            sl = getattr(p, "tp_slice", None) or getattr(p, "ep_slice", None)
+            return full.narrow(sl[0], sl[1], sl[2] - sl[1]) if sl else full
 
-        # 6. data parallel / ZeRO / HSDP
-        if self.use_zero:
-            from fsdp import shard_model
-            stage = args.zero_stage
-            group = mesh.group("dp_shard_cp" if stage > 0 else "dp_cp")
-            rep = mesh.group("dp_replicate") if stage > 0 and mesh.size("dp_replicate") > 1 else None
-            # Pipeline: every module with parameters is a unit, so the root unit is empty. fsdp keeps
-            # its root gathered from forward until the end of THE backward; a stage runs m backwards.
-            units = None if self.pg is None else blocks + [m for m in (
-                model.tok_embeddings, getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+        def groups_of(name, p):
+            return (mesh.group("edp_cp"), dpcp) if name in expert_names else None
 
-            def init_fn(name, shape):  # my tensor-parallel slice of the parameter's initial value
-                full, sl = init_tensor(cfg, name, full_shapes[name], args.seed), getattr(named[name], "tp_slice", None)
-                return full.narrow(sl[0], sl[1], sl[2] - sl[1]) if sl else full
-            self.opt = shard_model(model, stage, torch.optim.AdamW, group=group, replicate_group=rep,
-                                   units=units, param_dtype=torch.bfloat16 if self.bf16 else None,
-                                   init_fn=init_fn if meta else None,
-                                   max_grad_norm=args.grad_clip or None, lr=args.lr)
-            self.opt.clip_grad_norm_ = self._clip_zero  # the global norm over every dimension
-            self.inner = self.opt.inner
+        partial_grads = self.tp > 1 and bool(getattr(model, "tp_partial_grads", None))
+        self.opt = fsdp.shard_model(
+            model, z, torch.optim.AdamW, group=mesh.group("dp_shard_cp" if z > 0 else "dp_cp"),
+            replicate_group=mesh.group("dp_replicate") if z > 0 and mesh.size("dp_replicate") > 1 else None,
+            divide_by=dpcp, groups_of=groups_of if expert_names else None,
+            units=None if self.pg is None else _pipeline_units(model),
+            reshard_after_forward=self.pg is None,  # a pipeline keeps units gathered over its micro-batches
+            before_reduce=(lambda params: tensor_parallel.finish_grads(model, params)) if partial_grads else None,
+            param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
+            init_fn=init_fn if self.meta else None, lr=args.lr)
+        self.model, self.loss_fn = model, model.loss_fn if self.is_last else None
+        self.grad_norm = None
+
+    def _copies(self, model, name, p, expert_names) -> int:
+        """How many ranks hold the same reduced gradient element of `name` (it counts once in the norm):
+        tp — a slice 1, a kv head shared by t/n_kv ranks t/n_kv, a whole tensor (norm, router) t;
+        data — stage 0 every rank that reduced it, stages 1-3 the replicas of a master slice."""
+        partial = getattr(model, "tp_partial_grads", None) or {}
+        if name in partial:  # summed over tp into n_slots slots: tp/n_slots ranks hold each
+            tp = self.tp // partial[name][1]
+        elif hasattr(p, "tp_slice"):
+            tp = 1
         else:
-            self.opt = self.inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        if partial:  # shard_model made new Parameters: re-point finish_grads at them
-            now = dict(model.named_parameters())
-            model.tp_partial_grads = [(now[n], s, k) for n, (s, k) in partial.items()]
-        self.model = model
+            tp = self.tp
+        if name in expert_names:
+            data = self.mesh.size("edp_cp") if self.args.zero_stage == 0 else 1
+        else:
+            data = self.mesh.size("dp_cp") if self.args.zero_stage == 0 else self.mesh.size("dp_replicate")
+        return tp * data
 
-    # ---- gradient norm over the whole model -----------------------------------------------------
-    def _clip(self, items, max_norm):
-        """items: (gradient, 1/copies). The global norm = sqrt(Σ w·|g|²), one all-reduce over the
-        world; then every gradient is scaled by min(1, max_norm / norm), as torch's clip_grad_norm_."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g, w in items:
-            sq += g.double().pow(2).sum() * w
-        dist.all_reduce(sq, group=self.world)
-        self.grad_norm = norm = sq.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g, _ in items:
-            g.mul_(coef.to(g.dtype))
-        return norm
-
-    def _clip_zero(self, max_norm):
-        """ZeroOptimizer's clip hook: its master gradients are my slice of each unit's flat buffer."""
-        items = []
-        for u in self.opt.units:
-            g = u.master.grad
-            if g is None:
-                continue
-            lo = 0 if self.opt.stage == 0 else u.r * u.n
-            for name, off, k in zip(u.names, u.offsets(), u.numels):
-                a, b = max(off, lo), min(off + k, lo + g.numel())
-                if a < b:
-                    items.append((g[a - lo:b - lo], 1.0 / self.copies[name]))
-        # padding elements are left out: their gradient is zero, and stays zero
-        self.opt.grad_norm = self._clip(items, max_norm)
-        return self.grad_norm
-
-    # ---- one optimizer step -------------------------------------------------------------------------
+    # ---- one optimizer step ---------------------------------------------------------------------------
     def batch(self, step: int, tokens):
-        """This rank's slice of the global batch of `step` (0-based): dp rows, cp tokens."""
+        """This rank's rows (dp) and tokens (cp) of the global batch of `step`, and the global batch's
+        number of counted targets (every rank draws the same global batch: no communication)."""
         a = self.args
-        x, y = get_batch(tokens, step, a.global_batch_size, a.seq_len, a.seed, self.dp_rank, self.dp,
-                         device=self.device)
+        x, y = get_batch(tokens, step, a.global_batch_size, a.seq_len, a.seed, pad_share=a.pad_share)
+        counted = int((y != IGNORE).sum())
+        rows = slice(self.mesh.rank("dp") * (len(x) // self.dp), (self.mesh.rank("dp") + 1) * (len(x) // self.dp))
+        x, y = x[rows].to(self.device), y[rows].to(self.device)
         if self.cp > 1:
-            from ring_attention import shard_sequence
-            x, y = (shard_sequence(t, self.cp, self.cp_rank, CP_LAYOUT) for t in (x, y))
-        return x, y
+            x, y = (ring_attention.shard_sequence(t, self.cp, self.mesh.rank("cp"), CP_LAYOUT) for t in (x, y))
+        return x, y, counted
 
     def step(self, step: int, tokens) -> torch.Tensor:
-        """Forward, backward, gradient reduction, clipping, AdamW. Returns this rank's local loss
-        (the mean over its tokens; zero on ranks that do not compute it)."""
-        a, model, m = self.args, self.model, self.args.microbatches
-        for g in self.inner.param_groups:
+        """Forward, backward, reduction, clipping, AdamW. Returns this rank's share of the global loss
+        (summed over the ranks of one tp group's rank 0, it is the global loss)."""
+        a, model, m = self.args, self.model, self.m
+        for g in self.opt.param_groups:
             g["lr"] = lr_at(step + 1, a)
-        x, y = self.batch(step, tokens)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16 and not self.use_zero):
+        x, y, counted = self.batch(step, tokens)
+        if self.loss_fn is not None:  # Σ CE / divide_by per micro-batch; ÷m, then ÷dp·cp: Σ CE / counted
+            self.loss_fn.divide_by = max(counted, 1) / (self.dp * self.cp * m)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        with self.opt.accumulating():  # one reduction per step, after the last micro-batch
             if self.pg is not None:
-                from pipeline import pipeline_step
-                loss = pipeline_step(model, self.actions, self.pg, x, y, m, None, measure=False)["loss"]
+                shape = (x.shape[0] // m, x.shape[1] // (self.tp if a.sequence_parallel else 1), self.cfg.dim)
+                out = pipeline.pipeline_step(model, self.actions, self.pg, x, y, m, act_shape=shape)
+                loss += sum(v.double() for v in (out["loss"], out["aux"]) if v is not None)
             else:
-                loss = 0.0
                 for xm, ym in zip(x.chunk(m), y.chunk(m)):  # gradient accumulation
                     lm = model(xm, ym, positions=self.positions)
                     (lm / m).backward()
-                    loss = loss + lm.detach() / m
-        if self.tp > 1:
-            from tensor_parallel import finish_grads
-            finish_grads(model)  # sums partial gradients: replicated kv heads, SP norms (else no-op)
-        if not self.use_zero:    # (ZeroOptimizer.step reduces, clips and steps: stage 0/1 here, 2/3 in backward)
-            if self.cfg.n_experts and self.dp > 1:
-                from expert_parallel import sync_gradients
-                sync_gradients(model, self.mesh.group("dp"), self.mesh.group("edp"), self.dp)
-            if a.grad_clip:
-                self._clip([(p.grad, 1.0 / self.copies[n]) for n, p in model.named_parameters()
-                            if p.grad is not None], a.grad_clip)
+                    loss += lm.detach().double() / m
+        self.opt.reduce_gradients()   # (tp partial sums first, unit by unit: before_reduce)
+        if a.grad_clip:
+            self.grad_norm = self.opt.clip_grad_norm_(a.grad_clip, group=dist.group.WORLD,
+                                                      weight_of=lambda n: 1.0 / self.copies[n])
         self.opt.step()
+        self.state = self.opt.state_bytes()  # model state held between steps (gradients included)
         self.opt.zero_grad(set_to_none=True)
-        return torch.zeros((), device=self.device) if loss is None else loss.detach()
+        return loss / (self.dp * self.cp)
 
-    def global_loss(self, local: torch.Tensor) -> float:
-        """Mean over the dp×cp ranks of the last stage (tp ranks agree: count tp rank 0 only)."""
-        counts = self.is_last and self.mesh.rank("tp") == 0
-        v = torch.tensor(float(local) / (self.dp * self.cp) if counts else 0.0, dtype=torch.float64,
-                         device=self.device)
-        dist.all_reduce(v, group=self.world)
+    def global_loss(self, share: torch.Tensor) -> float:
+        """Σ of the ranks' shares (tp ranks hold the same numbers: tp rank 0 counts for its group)."""
+        v = share.clone() if self.mesh.rank("tp") == 0 else torch.zeros_like(share)
+        dist.all_reduce(v)
         return v.item()
 
-    def state_bytes(self) -> dict:
-        from instruments import model_state_bytes
-        return self.opt.state_bytes() if self.use_zero else model_state_bytes(self.model.parameters(), self.opt)
-
-    # ---- checkpoints ----------------------------------------------------------------------------
+    # ---- checkpoints: each rank its own shards ----------------------------------------------------------
     def save(self, path: str, step: int) -> None:
-        """Each rank writes its own shards; rank 0 writes meta.json LAST (a complete checkpoint)."""
+        """Each rank writes its shards and optimizer state; rank 0 writes meta.json LAST (complete)."""
         os.makedirs(path, exist_ok=True)
-        params = [u.master.detach().cpu() for u in self.opt.units] if self.use_zero else \
-            {k: v.cpu() for k, v in self.model.state_dict().items()}
         cuda = self.device.type == "cuda"
-        torch.save(dict(step=step, params=params, optimizer=self.inner.state_dict(), rng=torch.get_rng_state(),
+        torch.save(dict(step=step, shards=self.opt.shard_state_dict(), rng=torch.get_rng_state(),
                         cuda_rng=torch.cuda.get_rng_state(self.device) if cuda else None),
                    os.path.join(path, f"rank{dist.get_rank()}.pt"))
         dist.barrier()
@@ -440,24 +437,30 @@ class Trainer:
                 json.dump(dict(step=step, world_size=dist.get_world_size(), layout=layout_of(self.args)), f)
         dist.barrier()
 
-    @torch.no_grad()
     def load(self, path: str) -> int:
         state = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), map_location=self.device,
                            weights_only=False)
-        if self.use_zero:
-            for u, saved in zip(self.opt.units, state["params"]):
-                u.master.copy_(saved)
-                u.publish()  # my compute copy from the master; stages 1-2 gather everyone's slices
-        else:
-            self.model.load_state_dict(state["params"])
-        self.inner.load_state_dict(state["optimizer"])
+        self.opt.load_shard_state_dict(state["shards"])
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         return state["step"]
 
 
-# ---- the loop ---------------------------------------------------------------------------------------
+def _checkpointed(block):
+    """Full activation checkpointing of one block: only its input is saved; its forward runs again in
+    backward. The wrapper sits INSIDE the module call, so ZeRO-3's gather hooks cover the recompute."""
+    inner = block.forward
+    block.forward = lambda h, cos, sin: checkpoint(inner, h, cos, sin, use_reentrant=False)
+
+
+def _pipeline_units(stage):
+    """In a pipeline every module with parameters is a ZeRO unit (blocks, embedding, norm, head)."""
+    return list(stage.layers.values()) + [m for m in (stage.tok_embeddings, getattr(stage, "norm", None),
+                                                      getattr(stage, "output", None)) if m is not None]
+
+
+# ---- the loop ------------------------------------------------------------------------------------------
 
 def _peak_memory(device) -> int:
     """CUDA allocator peak on a GPU; the process's peak resident set size on CPU."""
@@ -472,10 +475,9 @@ def _peak_flops(device) -> float | None:
 
 
 def train(args, device=None, verbose: bool = True) -> dict:
-    """Train on every rank of an initialised process group. Returns (on every rank) the global
-    losses per step and this rank's measurements."""
+    """Train on every rank of an initialised process group; returns (on every rank) the global losses
+    per step and this rank's measurements."""
     from instruments import CommCounter
-    from mesh import Mesh
     device = device or torch.device("cpu")
     check_args(args, dist.get_world_size())                    # every rank, before any collective
     mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
@@ -483,122 +485,117 @@ def train(args, device=None, verbose: bool = True) -> dict:
     trainer = Trainer(args, mesh, device)
     start = trainer.load(args.resume) if args.resume else 0
     rank0, world, cuda = dist.get_rank() == 0, dist.get_world_size(), device.type == "cuda"
-    fpt = flops_per_token(trainer.cfg, args.seq_len)
-    peak = _peak_flops(device) if args.dtype == "bfloat16" else None
+    fpt, peak = flops_per_token(trainer.cfg, args.seq_len), _peak_flops(device) if args.dtype == "bfloat16" else None
     if verbose and rank0:
-        print(f"train.py: {mesh}, zero stage {args.zero_stage}, model {args.model} "
-              f"({num_params(trainer.cfg):,} parameters), {args.dtype}, global batch "
-              f"{args.global_batch_size}x{args.seq_len}, {device}"
+        print(f"train.py: {mesh}, zero stage {args.zero_stage}, model {args.model} ({num_params(trainer.cfg):,} "
+              f"parameters), {args.dtype}, global batch {args.global_batch_size}x{args.seq_len}, {device}"
               + (f", resuming after step {start}" if start else ""), flush=True)
     out = dict(losses=[], tokens_per_s=[], comm_bytes=[], peak_memory_bytes=[], grad_norms=[], start=start)
     last = args.stop_at or args.steps
+    comm = CommCounter()
     for s in range(start, last):
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        # One process has nothing to count, and a dispatch mode sees every op: leave it off there.
-        comm = CommCounter()
-        with comm if world > 1 else contextlib.nullcontext():
-            local = trainer.step(s, tokens)
+        comm.reset()
+        with comm if world > 1 else contextlib.nullcontext():  # one process has nothing to count
+            share = trainer.step(s, tokens)
         if cuda:
             torch.cuda.synchronize(device)
         tps = args.global_batch_size * args.seq_len / (time.perf_counter() - t0)
-        loss, lr, mem, nbytes = trainer.global_loss(local), lr_at(s + 1, args), _peak_memory(device), comm.bytes()
+        loss, lr, mem, nbytes = trainer.global_loss(share), lr_at(s + 1, args), _peak_memory(device), comm.bytes()
+        wire = comm.wire_bytes()
         mfu = fpt * tps / (peak * world) if peak else None
-        norm = getattr(trainer, "grad_norm", None)
+        norm = None if trainer.grad_norm is None else float(trainer.grad_norm)
         for k, v in [("losses", loss), ("tokens_per_s", tps), ("comm_bytes", nbytes), ("peak_memory_bytes", mem),
-                     ("grad_norms", None if norm is None else float(norm))]:
+                     ("grad_norms", norm)]:
             out[k].append(v)
         if rank0 and verbose and not args.quiet:
             print(f"step {s + 1:4d}  loss {loss:.6f}  lr {lr:.2e}  {tps:10.0f} tokens/s"
                   + (f"  MFU {mfu:5.1%}" if mfu is not None else "")
-                  + f"  peak mem {mem / 2**20:8.1f} MiB  comm {nbytes / 2**20:8.3f} MiB (rank 0)", flush=True)
+                  + f"  peak mem {mem / 2**20:7.1f} MiB  comm {nbytes / 2**20:.3f} MiB (ring {wire / 2**20:.3f}, rank 0)",
+                  flush=True)
         if rank0 and args.log_file:
             with open(args.log_file, "a") as f:
                 f.write(json.dumps(dict(step=s + 1, loss=loss, lr=lr, tokens_per_s=tps, peak_memory_bytes=mem,
                                         comm_bytes=nbytes, mfu=mfu)) + "\n")
-    out.update(comm_summary=comm.summary() if last > start else {}, state_bytes=trainer.state_bytes(),
-               coords=dict(mesh.coords), meta_init=trainer.meta)
-    if trainer.use_zero:  # the flat units' padded sizes, for the ZeRO formulas (fsdp.py)
-        out["zero_units"] = [(u.N, u.names[0]) for u in trainer.opt.units]
+    state = getattr(trainer, "state", None) or trainer.opt.state_bytes()
+    if rank0 and verbose:
+        print("model state on rank 0 after a step: " + ", ".join(f"{k} {v / 2**10:.1f} KiB" for k, v in state.items()),
+              flush=True)
+    out.update(comm_summary=comm.summary(), comm_events=[(e.op, e.group_ranks, e.api_bytes) for e in comm.events],
+               state_bytes=state, coords=dict(mesh.coords), meta_init=trainer.meta,
+               zero_units=[(u.N, u.names[0], dist.get_world_size(u.group), len(u.params)) for u in trainer.opt.units])
     if args.save:
         trainer.save(args.save, last)
     if args.check:
-        ok = torch.ones((), device=device)
+        ok = True
         if rank0:
-            want = single_process_losses(args, range(start, last), device)
+            want = reference_losses(args, range(start, last), device)
             err = max(abs(a - b) for a, b in zip(out["losses"], want))
             tol = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}[args.dtype]
-            ok.fill_(float(err < tol))
+            ok = err < tol
             print(f"losses vs the single-process run: max |diff| {err:.2e} (tolerance {tol}) -> "
-                  f"{'ok' if err < tol else 'MISMATCH'}", flush=True)
-        dist.all_reduce(ok)
-        out["check_ok"] = ok.item() > 0
+                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
+        from demo import all_agree
+        out["check_ok"] = all_agree(ok)
     return out
 
 
-def single_process_losses(args, steps: range, device=None) -> list[float]:
-    """The reference: model.py's model in one process on the whole global batch, AdamW with
-    torch's own clip_grad_norm_ and the same learning rate (bf16 runs are compared with fp32)."""
+# ---- the single-process reference ------------------------------------------------------------------------
+
+def reference_losses(args, steps: range = None, device=None) -> list[float]:
+    """model.py's model in ONE process on the whole global batch (demo.single_process): AdamW, torch's
+    own clip_grad_norm_, the same learning rate (bf16 runs are compared with fp32). With experts and
+    m > 1 micro-batches it accumulates over the same micro-batches a parallel run makes — micro-batch
+    i gathers the i-th rows of every data-parallel rank — since the aux loss is per forward."""
+    steps = steps or range(args.steps)
     model = build_model(config_of(args), seed=args.seed, device=device,
                         dtype=torch.float64 if args.dtype == "float64" else torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    tokens, losses = load_corpus(args.data), []
-    for s in range(steps.stop):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(s + 1, args)
-        loss = model(*get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, device=device or "cpu"))
-        loss.backward()
-        if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses[steps.start:]
+    tokens = load_corpus(args.data)
+    batches = [get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, pad_share=args.pad_share,
+                         device=device or "cpu") for s in range(steps.stop)]
+    dp, m = args.dp_replicate * args.dp_shard, args.microbatches
+
+    def loss_fn(model, batch):
+        x, y = batch
+        if not args.experts or m == 1:
+            return model(x, y)
+        model.loss_fn.divide_by = max(int((y != IGNORE).sum()), 1) / m   # Σ CE over micro-batch / (counted/m)
+        rows = torch.arange(len(x)).view(dp, m, -1).transpose(0, 1).reshape(m, -1)  # [m, rows of mb i]
+        loss = sum(model(x[r], y[r]) for r in rows) / m
+        model.loss_fn.divide_by = None
+        return loss
+    out = single_process(model, batches, lr=args.lr, lr_at=lambda s: lr_at(s, args),
+                         clip=args.grad_clip or None, loss_fn=loss_fn)
+    return out["losses"][steps.start:]
 
 
 def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
-    """A rank function (launch.run_ranks): train each layout in turn on the same ranks; every
-    layout's flags are `common + layout`. Returns each layout's result on this rank."""
+    """A rank function (launch.run_ranks): train each layout in turn on the same ranks; every layout's
+    flags are `common + layout`. Returns each layout's result on this rank."""
     return [dict(train(parse_args([*common, *flags, "--quiet"]), verbose=False), flags=" ".join(flags))
             for flags in layouts]
 
 
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
-def main(argv=None, compare=None) -> int:
-    """torchrun entry point. compare(args, device) -> (losses, seconds per step): PyTorch's own
-    FSDP2 + DTensor run of the same layout, defined below the __main__ line (--compare)."""
+def run(argv=None, compare=None) -> int:
+    """torchrun entry point. compare(args, device) -> (losses, seconds per step): PyTorch's own FSDP2 +
+    DTensor run of the same layout, defined below the __main__ line (--compare)."""
     args = parse_args(argv)
-    try:
-        check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
-    except ValueError as e:
-        print(f"[rank {os.environ.get('RANK', '0')}] {e}", file=sys.stderr, flush=True)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # torchrun stops every rank once one exits: linger a moment, so that the slower
-            # ranks reach this same check and say it too (no collective needed, none hangs).
-            time.sleep(3)
-        return 2
-    from mesh import init_distributed
+    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
     device = init_distributed()
-    try:
-        out = train(args, device)
-        if args.compare and compare is not None:
-            t_ours = _median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]
-                             or out["tokens_per_s"])
-            theirs, step_time = compare(args, device)
-            err = max(abs(a - b) for a, b in zip(out["losses"], theirs))
-            if dist.get_rank() == 0:
-                print(f"PyTorch FSDP2 + DTensor TP, same layout: max |loss diff| {err:.2e}; median step "
-                      f"{t_ours * 1e3:.1f} ms (ours) vs {step_time * 1e3:.1f} ms (PyTorch) -> our throughput "
-                      f"{step_time / t_ours:.2f}x PyTorch's", flush=True)
-    finally:
-        dist.destroy_process_group()
-    return 0 if out.get("check_ok", True) else 1
+    out = train(args, device)
+    if args.compare and compare is not None:
+        t_ours = statistics.median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]
+                                   or out["tokens_per_s"])
+        theirs, step_time = compare(args, device)
+        err = max(abs(a - b) for a, b in zip(out["losses"], theirs))
+        if dist.get_rank() == 0:
+            print(f"PyTorch FSDP2 + DTensor TP, same layout: max |loss diff| {err:.2e}; median step "
+                  f"{t_ours * 1e3:.1f} ms (ours) vs {step_time * 1e3:.1f} ms (PyTorch) -> our throughput "
+                  f"{step_time / t_ours:.2f}x PyTorch's", flush=True)
+    return finish(out.get("check_ok", True))
 
 
 if __name__ == "__main__":
@@ -659,6 +656,6 @@ if __name__ == "__main__":
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
             dist.all_reduce(v)
             losses.append(v.item())
-        return losses, _median(times[1:] or times)
+        return losses, statistics.median(times[1:] or times)
 
-    sys.exit(main(compare=pytorch_fsdp2_tp))
+    main(lambda argv: run(argv, compare=pytorch_fsdp2_tp))

@@ -72,12 +72,15 @@ class Exercise:
     edits     the code changes the exercise asks for: (file, old text, new text), applied to a copy
               of the repository (the lesson itself is never touched)
     fails     the exercise is about an error: the command must exit non-zero
+    setup     README commands the exercise runs first, in the same directory (e.g. the run that saves
+              the checkpoint a resume reads); they must succeed, their output is not checked
     """
     command: str
     check: Callable[[str], None]
     edits: tuple = ()
     fails: bool = False
     timeout: float = 240
+    setup: tuple = ()
 
 
 def exercise_argv(command: str) -> list[str]:
@@ -92,7 +95,7 @@ def exercise_argv(command: str) -> list[str]:
 def run_exercise(ex: Exercise) -> str:
     """Run ex.command (in a copy of the repository when it asks for edits); return what it printed."""
     argv = exercise_argv(ex.command)
-    if not ex.edits:
+    if not ex.edits and not ex.setup:
         return run_command(argv, timeout=ex.timeout, expect_fail=ex.fails)
     with tempfile.TemporaryDirectory() as tmp:
         for name in os.listdir(ROOT):
@@ -104,4 +107,6 @@ def run_exercise(ex: Exercise) -> str:
             text = open(path).read()
             assert text.count(old) == 1, f"the exercise's edit of {file} must match exactly once: {old!r}"
             open(path, "w").write(text.replace(old, new))
+        for command in ex.setup:
+            run_command(exercise_argv(command), cwd=tmp, timeout=ex.timeout)
         return run_command(argv, cwd=tmp, timeout=ex.timeout, expect_fail=ex.fails)

@@ -1,8 +1,11 @@
-"""train.py: every layout trains to the single-process loss curve; checkpoints; invalid layouts.
+"""train.py: every layout trains to the single-process losses; checkpoints; invalid input.
 
-The reference is an independent single-process loop (model.py + torch.optim.AdamW +
-torch.nn.utils.clip_grad_norm_ + the same warm-up/cosine learning rate) on the same global
-batches. Each run_ranks call trains MANY layouts of one world size in turn (train.run_layouts).
+The reference is train.reference_losses: model.py's model in ONE process (demo.single_process:
+torch.optim.AdamW, torch's clip_grad_norm_, the same warm-up/cosine learning rate) on the same global
+batches. Each run_ranks call trains MANY layouts of one world size in turn (train.run_layouts). The
+parity matrix covers every pair of dimensions — ZeRO 0-3, HSDP, tp, sequence parallel, cp (ring,
+Ulysses, both), pp (every schedule), ep, micro-batches and padded (token-weighted) losses — in
+float64 over 10 steps, with clipping active.
 """
 import json
 import os
@@ -12,57 +15,23 @@ import sys
 import pytest
 import torch
 
-from harness import run_ranks
-from train import check_args, lr_at, parse_args, run_layouts
+from harness import Exercise, run_ranks
+from train import check_args, lr_at, parse_args, reference_losses, run_layouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, B, S = 10, 8, 16
 # float64, short sequences, a small clip so clipping is active (the reference norms exceed it)
 COMMON = ["--dtype", "float64", "--steps", str(STEPS), "--global-batch-size", str(B), "--seq-len", str(S),
-          "--lr", "3e-3", "--grad-clip", "1.5"]
-TOL64, TOL32 = 1e-9, 2e-5
+          "--lr", "3e-3", "--grad-clip", "1.7"]
+TOL64, TOL32 = 1e-9, 1e-5
+MOE = ["--experts", "4"]
 
 
-def reference(flags=(), dtype=torch.float64):
-    """The single-process run: (losses, gradient norms before clipping)."""
-    from data import get_batch, load_corpus
-    from model import build_model, get_config
-    args = parse_args(list(COMMON) + list(flags))
-    cfg = get_config(args.model, n_experts=args.experts, top_k=args.top_k)
-    model = build_model(cfg, seed=args.seed, dtype=dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    tokens, losses, norms = load_corpus(), [], []
-    for s in range(args.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(s + 1, args)
-        x, y = get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed)
-        loss = model(x, y)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, norms
-
-
-@pytest.fixture(scope="module")
-def ref_dense():
-    return reference()
-
-
-@pytest.fixture(scope="module")
-def ref_f32():
-    return reference(["--dtype", "float32"], dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def ref_moe():
-    return reference(["--experts", "4"])
-
-
-def _check(results, want, tol, what=""):
-    """results: run_layouts' output on each rank; every rank reports the same global losses."""
+def _check(results, tol, what="", common=COMMON):
+    """results: run_layouts' output on each rank. Every rank reports the same global losses, and they
+    equal the single-process run of the same flags within tol."""
     for i, res in enumerate(results[0]):
+        want = reference_losses(parse_args(list(common) + res["flags"].split()))
         got = res["losses"]
         assert len(got) == len(want), res["flags"]
         err = max(abs(a - b) for a, b in zip(got, want))
@@ -71,38 +40,63 @@ def _check(results, want, tol, what=""):
             assert r[i]["losses"] == got, f"ranks disagree on the global loss of [{res['flags']}]"
 
 
+def _by_flags(results):
+    return {lay["flags"]: lay for lay in results}
+
+
 def test_lr_schedule_and_defaults():
     a = parse_args(["--lr", "1", "--warmup", "2", "--steps", "10"])
     assert [round(lr_at(s, a), 6) for s in (1, 2)] == [0.5, 1.0]
     assert lr_at(10, a) == pytest.approx(0.1) and lr_at(6, a) == pytest.approx(0.1 + 0.9 * 0.5)
     assert parse_args(["--dp-shard", "2"]).zero_stage == 3 and parse_args([]).zero_stage == 0
     assert parse_args(["--pp", "2"]).microbatches == 2
+    assert parse_args(["--cp", "4", "--cp-method", "ulysses"]).cp_ulysses == 4
+    assert parse_args(["--cp", "4"]).cp_ulysses == 1
 
 
-def test_clipping_is_active_in_the_reference(ref_dense):
-    _, norms = ref_dense
-    assert max(norms) > 1.5 > min(norms)  # so the parity runs test the global norm
+def test_clipping_is_active_and_the_reference_is_one_plain_loop():
+    """The reference clips (so the parity runs test the global norm), and equals a plain loop."""
+    from data import get_batch, load_corpus
+    from model import build_model
+    args = parse_args(COMMON)
+    model = build_model("tiny", dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    tokens, losses, norms = load_corpus(), [], []
+    for s in range(STEPS):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s + 1, args)
+        loss = model(*get_batch(tokens, s, B, S))
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert max(norms) > 1.7 > min(norms)
+    assert reference_losses(args) == losses
 
 
-def test_world_1_and_every_dimension_alone_on_2_ranks(ref_dense):
-    """dp_replicate 2, dp_shard 2 at each ZeRO stage, tp 2, cp 2, pp 2 with each schedule;
-    plus ZeRO-3 with activation checkpointing and gradient accumulation."""
-    want, norms = ref_dense
-    one = run_ranks(run_layouts, 1, [[]], COMMON, timeout=120)
-    _check(one, want, TOL64, "world 1")
-    assert max(abs(a - b) for a, b in zip(one[0][0]["grad_norms"], norms)) < 1e-9
-    layouts = [["--dp-replicate", "2"]] + [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + [
-        ["--tp", "2"], ["--tp", "2", "--sequence-parallel"], ["--cp", "2"],
-        ["--pp", "2", "--schedule", "gpipe", "--microbatches", "2"],
-        ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
-        ["--dp-shard", "2", "--activation-checkpointing", "full", "--microbatches", "2"]]
-    res = run_ranks(run_layouts, 2, layouts, COMMON, timeout=240)
-    _check(res, want, TOL64, "2 ranks")
-    for r in res:  # the global norm (each parameter once) equals the single-process norm
-        for lay in r:
-            assert max(abs(a - b) for a, b in zip(lay["grad_norms"], norms)) < 1e-9, lay["flags"]
-    assert all(b > 0 for lay in res[0] for b in lay["comm_bytes"])
-    _check_bytes_and_memory({lay["flags"]: lay for lay in res[0]})
+# ---- the parity matrix -------------------------------------------------------------------------------
+
+TWO = [["--dp-replicate", "2"]] + [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + [
+    ["--tp", "2"], ["--tp", "2", "--sequence-parallel"], ["--cp", "2"], ["--cp", "2", "--cp-method", "ulysses"],
+    ["--pp", "2", "--schedule", "gpipe", "--microbatches", "2"], ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
+    ["--pp", "2", "--schedule", "1f1b", "--microbatches", "1"],
+    ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2", "--layers", "4"],
+    ["--pp", "2", "--schedule", "zb", "--microbatches", "2"],
+    ["--dp-shard", "2", "--activation-checkpointing", "full", "--microbatches", "2"],
+    ["--dp-shard", "2", "--pad-share", "0.6"], ["--cp", "2", "--pad-share", "0.6", "--microbatches", "2"]]
+TWO_MOE = [["--dp-shard", "2", "--ep", "2", "--zero-stage", str(z)] for z in range(4)] + [
+    ["--dp-replicate", "2", "--ep", "2"], ["--tp", "2"], ["--cp", "2"], ["--pp", "2", "--microbatches", "2"],
+    ["--dp-shard", "2", "--ep", "2", "--microbatches", "2"]]
+
+
+def test_world_1_and_every_dimension_alone_on_2_ranks():
+    """Each dimension alone (every ZeRO stage, every schedule, ring and Ulysses), and experts with
+    each of ZeRO 0-3, tp, cp, pp and micro-batches."""
+    _check(run_ranks(run_layouts, 1, [[]], COMMON, timeout=120), TOL64, "world 1")
+    res = run_ranks(run_layouts, 2, TWO + [MOE + lay for lay in TWO_MOE], COMMON, timeout=400)
+    _check(res, TOL64, "2 ranks")
+    _check_bytes_and_memory(_by_flags(res[0]))
 
 
 def _check_bytes_and_memory(by):
@@ -110,70 +104,71 @@ def _check_bytes_and_memory(by):
     Every layout also all-reduces one float64 for the global gradient norm (+8 bytes)."""
     from fsdp import zero_comm_formula, zero_state_formula
     from model import get_config
+    from ring_attention import ring_bytes
     cfg, b = get_config("tiny"), 8
     L, H, P = cfg.n_layers, cfg.dim, 2
-    norm = {"all_reduce": 8}
     for z in range(4):
         lay = by[f"--dp-shard 2 --zero-stage {z}"]
-        numel = sum(n for n, _ in lay["zero_units"])
+        numel = sum(n for n, _, _, _ in lay["zero_units"])
         root = lay["zero_units"][-1][0]  # the model's root unit (embedding, norm, head) is last
-        want = zero_comm_formula(z, numel, P, b, root)  # its gradients are fp32: here float64
+        want = zero_comm_formula(z, numel, P, b, root)  # gradients are reduced in fp32 -- here float64
         want = {k: v * b // 4 if k != "all_gather" else v for k, v in want.items()}
-        want = {k: want.get(k, 0) + norm.get(k, 0) for k in set(want) | set(norm)}
         got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
-        assert got == want, (z, got, want)
+        # + the used-flags agreement (one int32 per parameter) and the clipping norm (one float64)
+        got["all_reduce"] = got.get("all_reduce", 0) - 8 - _flag_bytes(lay)
+        assert {k: v for k, v in got.items() if v} == want, (z, got, want)
         mem, form = lay["state_bytes"], zero_state_formula(z, numel, P, b, 0, b, 2 * b)
         assert mem["parameters"] == form["parameters"], (z, mem, form)
-        # AdamW's moments, plus one `step` scalar per flat unit
-        assert 0 <= mem["optimizer"] - form["optimizer"] <= 8 * len(lay["zero_units"]), (z, mem, form)
-    # tp 2: forward 1 (embedding) + 2 per layer + 3 (vocab-parallel loss, [B·S] each), backward
-    # 2 per layer + 1 (head input): all-reduces of [B, S, H]
-    tp = by["--tp 2"]["comm_summary"]
-    assert tp["all_reduce"]["bytes"] == (4 * L + 2) * B * S * H * b + 3 * B * S * b + 8
-    assert tp["all_reduce"]["calls"] == 4 * L + 2 + 3 + 1
+        assert 0 <= mem["optimizer"] - form["optimizer"] <= 8 * 40, (z, mem, form)  # + AdamW's step counters
+    # tp 2: forward 1 (embedding) + 2 per layer + 3 (vocab-parallel loss, [B·S] each); backward 2 per
+    # layer + 1 (head input): all-reduces of [B, S, H]
+    tp = by["--tp 2"]["comm_summary"]["all_reduce"]
+    assert tp["bytes"] - 8 - _flag_bytes(by["--tp 2"]) == (4 * L + 2) * B * S * H * b + 3 * B * S * b
     # pp 2: stage 0 sends m activations [B/m, S, H] and receives m gradients of them
     for flags in ("--pp 2 --schedule gpipe --microbatches 2", "--pp 2 --schedule 1f1b --microbatches 4"):
         pp = by[flags]["comm_summary"]
         assert pp["send"]["bytes"] == pp["recv"]["bytes"] == B * S * H * b, (flags, pp)
     # cp 2 (ring, zigzag): per layer k, v pass once forward, once backward plus dk, dv home
-    from ring_attention import ring_bytes
     fwd, bwd = ring_bytes(B, S // 2, cfg.n_kv_heads, cfg.head_dim, 2, b)
-    cp = by["--cp 2"]["comm_summary"]
-    assert cp["send"]["bytes"] == L * (fwd + bwd), cp
+    assert by["--cp 2"]["comm_summary"]["send"]["bytes"] == L * (fwd + bwd)
 
 
-def test_experts_ep_2(ref_moe):
-    want, _ = ref_moe
-    moe = ["--experts", "4"]
-    res = run_ranks(run_layouts, 2, [["--dp-shard", "2", "--ep", "2"], ["--dp-replicate", "2", "--ep", "2"],
-                                     ["--dp-shard", "2"]], COMMON + moe, timeout=180)
-    _check(res, want, TOL64, "MoE")
-    assert "all_to_all" in res[0][0]["comm_summary"]
+def _flag_bytes(lay):
+    """The all-reduce that agrees which parameters got a gradient on any rank (fsdp.py): one int32 per
+    parameter of the ZeRO units whose group has more than one rank."""
+    return 4 * sum(n for _, _, size, n in lay["zero_units"] if size > 1)
 
 
-def test_combinations_on_4_ranks(ref_dense, ref_f32, ref_moe):
-    want, _ = ref_dense
-    layouts = [["--dp-replicate", "2", "--dp-shard", "2"],
-               ["--dp-shard", "2", "--tp", "2"],
-               ["--cp", "2", "--tp", "2"],
-               ["--pp", "2", "--tp", "2", "--microbatches", "2"],
-               ["--pp", "2", "--dp-shard", "2", "--microbatches", "2", "--schedule", "gpipe"],
-               # beyond the issue's list: cp inside the ZeRO shard group, pp x cp, and tp 4 > n_kv_heads
-               # (each kv head replicated on 2 ranks: finish_grads, and the norm counts it once)
-               ["--dp-shard", "2", "--cp", "2"], ["--pp", "2", "--cp", "2", "--microbatches", "2"],
-               ["--tp", "4"], ["--pp", "2", "--dp-shard", "2", "--zero-stage", "1", "--microbatches", "2"],
-               ["--dp-shard", "2", "--tp", "2", "--zero-stage", "1", "--sequence-parallel"],
-               ["--cp", "2", "--tp", "2", "--sequence-parallel"]]
+FOUR = [["--dp-replicate", "2", "--dp-shard", "2"], ["--dp-shard", "2", "--tp", "2"], ["--cp", "2", "--tp", "2"],
+        ["--pp", "2", "--tp", "2", "--microbatches", "2"], ["--tp", "4"],
+        ["--pp", "2", "--dp-shard", "2", "--microbatches", "2", "--schedule", "gpipe"],
+        ["--pp", "2", "--dp-shard", "2", "--zero-stage", "1", "--microbatches", "2"],
+        ["--pp", "2", "--dp-shard", "2", "--zero-stage", "1", "--microbatches", "4", "--schedule", "zb"],
+        ["--pp", "2", "--dp-replicate", "2", "--microbatches", "2", "--schedule", "interleaved",
+         "--virtual-stages", "2", "--layers", "4"],
+        ["--pp", "2", "--tp", "2", "--schedule", "zb", "--microbatches", "2"],
+        ["--dp-shard", "2", "--cp", "2"], ["--pp", "2", "--cp", "2", "--microbatches", "2"],
+        ["--cp", "4", "--cp-method", "ulysses", "--cp-ulysses", "2"],
+        # sequence parallel with every ZeRO stage that reduces in backward, and with pp
+        ["--dp-shard", "2", "--tp", "2", "--sequence-parallel", "--zero-stage", "2"],
+        ["--dp-shard", "2", "--tp", "2", "--sequence-parallel", "--zero-stage", "3"],
+        ["--pp", "2", "--tp", "2", "--sequence-parallel", "--microbatches", "2"],
+        ["--dp-shard", "2", "--cp", "2", "--pad-share", "0.6", "--zero-stage", "2"]]
+FOUR_MOE = [["--dp-shard", "2", "--ep", "2", "--tp", "2"], ["--dp-shard", "2", "--ep", "2", "--tp", "2",
+            "--sequence-parallel", "--zero-stage", "3"], ["--dp-shard", "2", "--ep", "2", "--cp", "2"],
+            ["--dp-shard", "2", "--ep", "2", "--pp", "2"], ["--dp-shard", "4", "--ep", "2", "--zero-stage", "2"],
+            ["--dp-shard", "4", "--ep", "4", "--zero-stage", "3", "--microbatches", "2"],
+            ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2", "--zero-stage", "3"]]
+
+
+def test_combinations_on_4_ranks():
     # float32 ZeRO-3 is built on the meta device: each rank materialises only its shard of its tp slice
     meta = ["--dp-shard", "2", "--tp", "2", "--dtype", "float32"]
-    # experts: ep 2 borrowed from a 2 x 2 data-parallel mesh (each expert on 2 edp ranks)
-    moe = ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2", "--experts", "4"]
-    res = run_ranks(run_layouts, 4, layouts + [meta, moe], COMMON, timeout=300)
-    _check([r[:-2] for r in res], want, TOL64, "4 ranks")
-    _check([r[-2:-1] for r in res], ref_f32[0], TOL32, "float32 meta-initialised")
-    _check([r[-1:] for r in res], ref_moe[0], TOL64, "MoE ep 2 x edp 2")
-    assert all(r[-2]["meta_init"] for r in res) and not any(lay["meta_init"] for lay in res[0][:-2])
-    _check_composed_bytes({lay["flags"]: lay for lay in res[0]})
+    res = run_ranks(run_layouts, 4, FOUR + [MOE + lay for lay in FOUR_MOE] + [meta], COMMON, timeout=600)
+    _check([r[:-1] for r in res], TOL64, "4 ranks")
+    _check([r[-1:] for r in res], TOL32, "float32 meta-initialised")
+    assert all(r[-1]["meta_init"] for r in res) and not any(lay["meta_init"] for lay in res[0][:-1])
+    _check_composed_bytes(_by_flags(res[0]))
 
 
 def _check_composed_bytes(by):
@@ -181,91 +176,126 @@ def _check_composed_bytes(by):
     from fsdp import zero_comm_formula
     from model import get_config
     cfg, b = get_config("tiny"), 8
-    L, H = cfg.n_layers, cfg.dim
+    L, H, Bl = cfg.n_layers, cfg.dim, B // 2
     # dp_shard 2 x tp 2: ZeRO-3 on this rank's tp slice + tp's all-reduces on the local batch B/2
     lay = by["--dp-shard 2 --tp 2"]
-    numel, root = sum(n for n, _ in lay["zero_units"]), lay["zero_units"][-1][0]
+    numel, root = sum(n for n, _, _, _ in lay["zero_units"]), lay["zero_units"][-1][0]
     z = zero_comm_formula(3, numel, 2, b, root)
     got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
-    Bl = B // 2
     assert got["all_gather"] == z["all_gather"] and got["reduce_scatter"] == 2 * z["reduce_scatter"]
-    assert got["all_reduce"] == (4 * L + 2) * Bl * S * H * b + 3 * Bl * S * b + 8
-    # pp 2 x dp_shard 2 (gpipe, m = 2): every module is a ZeRO-3 unit, gathered before each
-    # micro-batch's forward AND backward, reduce-scattered after each backward: the gathers
-    # grow with m (why ZeRO-3 and pipelining combine badly); stage 0 also sends its activations.
-    lay, m = by["--pp 2 --dp-shard 2 --microbatches 2 --schedule gpipe"], 2
-    numel = sum(n for n, _ in lay["zero_units"])
-    got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
-    assert got["all_gather"] == 2 * m * numel * b and got["reduce_scatter"] == m * numel * b, got
-    assert got["send"] == got["recv"] == Bl * S * H * b and got["all_reduce"] == 8, got
-    # ... while ZeRO-1 reduces once per step, whatever m
-    lay = by["--pp 2 --dp-shard 2 --zero-stage 1 --microbatches 2"]
-    numel = sum(n for n, _ in lay["zero_units"])
-    got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
-    assert got["all_gather"] == got["reduce_scatter"] == numel * b, got
+    assert got["all_reduce"] - 8 - _flag_bytes(lay) == (4 * L + 2) * Bl * S * H * b + 3 * Bl * S * b
+    # pp 2 x dp_shard 2 with ZeRO-3: the units stay gathered over the m micro-batches and reduce once,
+    # so the bytes do not grow with m (b·Ψ gathered, 4Ψ -- here 8Ψ -- reduce-scattered), and stage 0
+    # sends its activations; ZeRO-1 moves the same bytes
+    for flags in ("--pp 2 --dp-shard 2 --microbatches 2 --schedule gpipe",
+                  "--pp 2 --dp-shard 2 --zero-stage 1 --microbatches 2"):
+        lay = by[flags]
+        numel = sum(n for n, _, _, _ in lay["zero_units"])
+        got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
+        assert got["all_gather"] == numel * b and got["reduce_scatter"] == numel * b, (flags, got, numel)
+        assert got["send"] == got["recv"] == Bl * S * H * b, got
+    # experts under ZeRO: dense units sharded over dp_shard (2 ranks), expert units over edp_cp
+    lay = by[" ".join(MOE + ["--dp-shard", "4", "--ep", "2", "--zero-stage", "2"])]
+    sizes = {group for _, _, group, _ in lay["zero_units"]}
+    assert sizes == {4, 2}, lay["zero_units"]  # dense over dp 4, experts over edp = dp/ep = 2
 
 
-def test_pp_dp_shard_tp_on_8_ranks(ref_dense):
-    want, _ = ref_dense
-    res = run_ranks(run_layouts, 8, [["--pp", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"],
-                                     # and two more 3-D layouts: HSDP x TP, and pp x cp x tp
-                                     ["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"],
-                                     ["--pp", "2", "--cp", "2", "--tp", "2", "--microbatches", "2"]],
-                    COMMON, timeout=400)
-    _check(res, want, TOL64, "8 ranks")
+def test_8_ranks():
+    """The issue's two commands (experts on every rank; Ulysses over cp 4 inside dp_shard 2) and 3-D layouts."""
+    layouts = [["--dp-shard", "8", "--ep", "8", "--experts", "8"],
+               ["--dp-shard", "2", "--cp", "4", "--cp-method", "ulysses"],
+               ["--pp", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"],
+               ["--dp-shard", "2", "--tp", "4", "--zero-stage", "3"],
+               ["--pp", "2", "--dp-shard", "2", "--tp", "2", "--sequence-parallel"] + MOE + ["--ep", "2"]]
+    _check(run_ranks(run_layouts, 8, layouts, COMMON, timeout=600), TOL64, "8 ranks")
 
 
-def test_float32_and_bfloat16_tolerance(ref_f32):
-    """float32 within 2e-5 of the float32 single-process run; bf16 compute (fp32 master weights,
+def test_token_weighted_loss_differs_from_a_mean_of_means():
+    """With padding, ranks hold different numbers of counted tokens: the global token-weighted mean
+    (what one process computes, and train.py) differs from the mean of the ranks' mean losses."""
+    from data import get_batch, load_corpus
+    from model import build_model
+    model = build_model("tiny", dtype=torch.float64)
+    x, y = get_batch(load_corpus(), 0, B, S, pad_share=0.6)
+    counted = (y != -100).sum(1)
+    assert len(set(counted.tolist())) > 1  # the rows really differ
+    with torch.no_grad():
+        one = model(x, y).item()
+        halves = [model(x[:B // 2], y[:B // 2]).item(), model(x[B // 2:], y[B // 2:]).item()]
+    assert abs(sum(halves) / 2 - one) > 1e-3       # the naive per-rank mean of means is wrong
+    got = run_ranks(run_layouts, 2, [["--dp-shard", "2", "--pad-share", "0.6", "--steps", "1"]], COMMON, timeout=120)
+    assert abs(got[0][0]["losses"][0] - one) < TOL64  # ours is the global token mean
+
+
+def test_float32_and_bfloat16_tolerance():
+    """float32 within 1e-5 of the float32 single-process run; bf16 compute (fp32 master weights,
     optimizer and reductions) within 2e-2 of it."""
-    want, _ = ref_f32
     common = COMMON + ["--dtype", "float32"]
-    bf16 = ["--dtype", "bfloat16"]
-    res = run_ranks(run_layouts, 2, [["--dp-shard", "2"], ["--tp", "2"], ["--dp-shard", "2"] + bf16,
-                                     ["--tp", "2"] + bf16], common, timeout=240)
-    _check([r[:2] for r in res], want, TOL32, "float32")
-    _check([r[2:] for r in res], want, 2e-2, "bfloat16")
+    f32 = [["--dp-shard", "2"], ["--tp", "2"], ["--pp", "2", "--schedule", "zb"], MOE + ["--dp-shard", "2", "--ep", "2"]]
+    bf16 = [["--dp-shard", "2", "--dtype", "bfloat16"], ["--tp", "2", "--dtype", "bfloat16"]]
+    res = run_ranks(run_layouts, 2, f32 + bf16, common, timeout=300)
+    _check([r[:len(f32)] for r in res], TOL32, "float32", common)
+    _check([r[len(f32):] for r in res], 2e-2, "bfloat16", common)
 
 
-def test_save_at_5_resume_to_10_equals_uninterrupted(ref_dense, tmp_path):
-    """ZeRO-3 and ZeRO-1 shards (flat masters) and a tensor-parallel model (a state dict per rank)."""
-    want, _ = ref_dense
+def test_save_at_5_resume_to_10_equals_uninterrupted(tmp_path):
+    """ZeRO-3 and ZeRO-1 shards, a tensor-parallel model and experts: each rank its own shards."""
     layouts = []
     for i, lay in enumerate((["--dp-shard", "2", "--zero-stage", "3"], ["--dp-shard", "2", "--zero-stage", "1"],
-                             ["--tp", "2"])):
+                             ["--tp", "2"], MOE + ["--dp-shard", "2", "--ep", "2", "--zero-stage", "2"])):
         d = str(tmp_path / f"ckpt{i}")
         layouts += [lay + ["--stop-at", "5", "--save", d], lay + ["--resume", d]]
-    res = run_ranks(run_layouts, 2, layouts, COMMON, timeout=240)
+    res = run_ranks(run_layouts, 2, layouts, COMMON, timeout=300)
     for i in range(0, len(layouts), 2):
         first, second = res[0][i], res[0][i + 1]
+        want = reference_losses(parse_args(COMMON + first["flags"].split()))
         assert len(first["losses"]) == 5 and second["start"] == 5 and len(second["losses"]) == 5
         err = max(abs(a - b) for a, b in zip(first["losses"] + second["losses"], want))
         assert err < TOL64, (first["flags"], err)
         assert sorted(os.listdir(tmp_path / f"ckpt{i // 2}")) == ["meta.json", "rank0.pt", "rank1.pt"]
 
 
-def test_resume_with_another_layout_is_refused(tmp_path):
-    d = tmp_path / "ckpt"
+def _checkpoint(tmp_path, step, layout):
+    d = tmp_path / f"ckpt{step}"
     d.mkdir()
-    (d / "meta.json").write_text(json.dumps(dict(step=5, world_size=2, layout=dict(tp=2))))
+    (d / "meta.json").write_text(json.dumps(dict(step=step, world_size=2, layout=layout)))
+    return str(d)
+
+
+def test_resume_with_another_layout_or_nothing_left_is_refused(tmp_path):
+    d = _checkpoint(tmp_path, 5, dict(tp=2))
     with pytest.raises(ValueError, match="was written with") as e:
-        check_args(parse_args(["--dp-shard", "2", "--resume", str(d)]), 2)
+        check_args(parse_args(["--dp-shard", "2", "--resume", d]), 2)
     assert "lacks the shards of ranks [0, 1]" in str(e.value)
+    from train import layout_of
+    for steps, stop in ((10, None), (12, 10), (8, None)):
+        d = _checkpoint(tmp_path, 10 + steps + (stop or 0), layout_of(parse_args(["--dp-shard", "2"])))
+        (tmp_path / d / "rank0.pt").write_text(""), (tmp_path / d / "rank1.pt").write_text("")
+        with pytest.raises(ValueError, match="nothing is left to train"):
+            flags = ["--dp-shard", "2", "--steps", str(steps), "--resume", d] + ([] if stop is None else ["--stop-at", str(stop)])
+            check_args(parse_args(flags), 2)
 
 
 INVALID = [
     (["--dp-shard", "3"], 2, "world size is 2"),
     (["--tp", "3"], 3, "does not divide the model's n_heads"),
-    (["--pp", "2", "--microbatches", "1"], 2, "1F1B needs at least as many micro-batches"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "3",
+      "--global-batch-size", "6", "--layers", "4"], 2, "multiple of p=2"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2"], 2,
+     "layers cannot fill 4 stages"),
     (["--dp-shard", "2", "--global-batch-size", "6", "--microbatches", "2"], 2, "not divisible by the data-parallel"),
-    (["--dp-shard", "2", "--experts", "3", "--ep", "2"], 2, "--experts 3 is not divisible by --ep 2"),
+    (["--dp-shard", "2", "--experts", "3", "--ep", "2"], 2, "not divisible by ep=2"),
     (["--data", "/no/such/file.txt"], 1, "does not exist"),
-    (["--pp", "3"], 3, "more stages than the model's 2 layers"),
+    (["--pp", "3"], 3, "layers cannot fill 3 stages"),
     (["--cp", "2", "--seq-len", "6"], 2, "not divisible by 2*cp"),
+    (["--cp", "4", "--cp-method", "ulysses", "--seq-len", "16", "--model", "small"], 4, "query heads over 4 ranks"),
     (["--ep", "2", "--dp-shard", "2"], 2, "needs a mixture-of-experts"),
-    (["--tp", "2", "--experts", "4"], 2, "not supported yet"),
     (["--tp", "2", "--sequence-parallel", "--seq-len", "9"], 2, "--sequence-parallel splits"),
-    (["--dp-shard", "2", "--tp", "2", "--sequence-parallel"], 4, "not supported yet: --sequence-parallel with --zero-stage 3"),
+    (["--global-batch-size", "0"], 1, "--global-batch-size 0 must be >= 1"),
+    (["--seq-len", "0"], 1, "--seq-len 0 must be >= 1"),
+    (["--seq-len", "-3"], 1, "--seq-len -3 must be >= 1"),
+    (["--steps", "0"], 1, "--steps 0 must be >= 1"),
+    (["--pad-share", "1.5"], 1, "--pad-share 1.5 must be in"),
 ]
 
 
@@ -275,29 +305,35 @@ def test_invalid_layouts_are_named(flags, world, msg):
         check_args(parse_args(flags), world)
 
 
-def _main_exit_codes(cases):
-    """Rank function: train.main on each invalid command line; (exit code, stderr) of each."""
-    import contextlib
-    import io
+def test_data_too_short_is_named(tmp_path):
+    for text, size in (("", 0), ("abcdefgh", 8)):
+        f = tmp_path / f"d{size}.txt"
+        f.write_text(text)
+        with pytest.raises(ValueError, match=f"holds {size} bytes .* at least 17 bytes"):
+            check_args(parse_args(["--data", str(f), "--seq-len", "16"]), 1)
 
+
+def _run_exit_codes(cases):
+    """Rank function: train.run on each invalid command line: the ValueError it raises on every rank
+    (demo.main turns it into one line and exit code 2) — raised before any collective."""
     import train
+    from instruments import CommCounter
     out = []
     for flags in cases:
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = train.main(flags)
-        out.append((code, err.getvalue()))
+        with CommCounter() as c:
+            try:
+                train.run(flags)
+                out.append((None, c.calls()))
+            except ValueError as e:
+                out.append((str(e), c.calls()))
     return out
 
 
-def test_every_invalid_layout_exits_nonzero_on_every_rank():
-    """train.main on 2 ranks (world size 2 makes the product check fire too where sizes differ):
-    each invalid command returns non-zero with its message on every rank, touching no collective
-    (a collective that only some ranks reached would hang and fail the call by timeout)."""
-    res = run_ranks(_main_exit_codes, 2, [f for f, _, _ in INVALID], timeout=60)
-    for rank, codes in enumerate(res):
-        for (flags, _, msg), (code, err) in zip(INVALID, codes):
-            assert code != 0 and msg in err and f"[rank {rank}]" in err, (flags, err)
+def test_every_invalid_layout_fails_on_every_rank_before_any_collective():
+    res = run_ranks(_run_exit_codes, 2, [f for f, _, _ in INVALID], timeout=60)
+    for codes in res:
+        for (flags, _, msg), (err, calls) in zip(INVALID, codes):
+            assert err is not None and msg in err and calls == 0, (flags, err)
 
 
 def _torchrun(n, flags, timeout=120):
@@ -312,8 +348,18 @@ def test_invalid_layout_under_torchrun_fails_on_every_rank_without_hanging():
     p = _torchrun(2, ["--dp-shard", "2", "--global-batch-size", "5"], timeout=90)
     assert p.returncode != 0
     for r in range(2):
-        assert f"[rank {r}] invalid training layout" in p.stderr, p.stderr[-2000:]
-    assert "use a multiple of 2" in p.stderr
+        assert f"[rank {r}] error: invalid training layout" in p.stderr, p.stderr[-2000:]
+    assert "use a multiple of 2" in p.stderr and 'train.py", line' not in p.stderr
+
+
+def test_resume_with_nothing_left_exits_the_same_on_every_rank(tmp_path):
+    d = str(tmp_path / "ckpt")
+    first = _torchrun(2, ["--dp-shard", "2", "--steps", "2", "--seq-len", "16", "--save", d, "--quiet"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = _torchrun(2, ["--dp-shard", "2", "--steps", "2", "--seq-len", "16", "--resume", d, "--check"])
+    assert again.returncode != 0 and 'train.py", line' not in again.stderr  # no traceback of ours
+    for r in range(2):
+        assert f"[rank {r}] error: invalid training layout" in again.stderr and "nothing is left" in again.stderr
 
 
 def test_torchrun_demo_log_file_check_and_compare(tmp_path):
@@ -340,3 +386,65 @@ def test_plain_python_runs():
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and p.stdout.count("tokens/s") == 2, p.stderr[-2000:]
     assert "Warning" not in p.stderr
+
+
+# ---- the README's exercises ------------------------------------------------------------------------------
+
+def _check_ok(out):
+    line = next(l for l in out.splitlines() if l.startswith("losses vs the single-process run"))
+    assert line.endswith("-> ok") and float(line.split("max |diff| ")[1].split()[0]) < 1e-9, line
+
+
+def _last_step(out):
+    line = [l for l in out.splitlines() if l.startswith("step ")][-1]
+    api = float(line.split("comm ")[1].split(" MiB")[0])
+    ring = float(line.split("(ring ")[1].split(",")[0])
+    total = float(out.split("model state on rank 0 after a step: ")[1].split("total ")[1].split(" KiB")[0])
+    return api, ring, total
+
+
+PSI, ROOT_PSI, MIB = 34_976, 16_416, 2**20  # the tiny model's parameters; its root unit (embedding, norm, head)
+
+
+def _check_zero0(out):
+    api, ring, total = _last_step(out)
+    assert abs(ring - 1.5 * 4 * PSI / MIB) < 2e-3 and abs(total - 16 * PSI / 1024) < 0.5, (api, ring, total)
+
+
+def _check_zero3(out):
+    api, ring, total = _last_step(out)
+    ring0 = 1.5 * 4 * PSI / MIB                                   # ZeRO-0's ring bytes, 2(P-1)/P of 4Ψ
+    assert abs(ring - 0.75 * 4 * (3 * PSI - ROOT_PSI) / MIB) < 2e-3 and abs(ring / ring0 - 1.27) < 0.02
+    assert abs(api / (4 * PSI / MIB) - 2.53) < 0.03 and abs(total - 4 * PSI / 1024) < 0.5, (api, ring, total)
+
+
+def _check_resumed(out):
+    steps = [int(l.split()[1]) for l in out.splitlines() if l.startswith("step ")]
+    assert steps == [6, 7, 8, 9, 10] and "resuming after step 5" in out
+    assert "-> ok" in out  # --check compares the 5 resumed losses with steps 6-10 of one process
+
+
+def _check_refused(out):
+    for r in range(4):
+        assert f"[rank {r}] error: invalid training layout" in out and "was written with" in out
+
+
+def _check_mismatch(out):
+    assert "MISMATCH" in out
+
+
+SAVE = "torchrun --nproc_per_node 4 train.py --pp 2 --dp-shard 2 --steps 10 --stop-at 5 --save ckpt"
+EXERCISES = [
+    Exercise("torchrun --nproc_per_node 8 train.py --pp 2 --dp-shard 2 --tp 2 --dtype float64 --check", _check_ok),
+    Exercise("torchrun --nproc_per_node 8 train.py --dp-shard 4 --tp 2 --experts 8 --ep 4 --pad-share 0.5 "
+             "--dtype float64 --check", _check_ok),
+    Exercise("torchrun --nproc_per_node 4 train.py --dp-shard 4 --zero-stage 0 --steps 3", _check_zero0),
+    Exercise("torchrun --nproc_per_node 4 train.py --dp-shard 4 --zero-stage 3 --steps 3", _check_zero3),
+    Exercise("torchrun --nproc_per_node 4 train.py --pp 2 --dp-shard 2 --steps 10 --resume ckpt --check",
+             _check_resumed, setup=(SAVE,)),
+    Exercise("torchrun --nproc_per_node 4 train.py --tp 2 --dp-shard 2 --steps 10 --resume ckpt", _check_refused,
+             setup=(SAVE,), fails=True),
+    Exercise("torchrun --nproc_per_node 2 train.py --dp-shard 2 --pad-share 0.6 --dtype float64 --check", _check_ok),
+]
+EXERCISES.append(Exercise(EXERCISES[-1].command, _check_mismatch, fails=True, edits=(
+    ("train.py", "max(counted, 1) / (self.dp * self.cp * m)", "max(int((y != IGNORE).sum()), 1) / m"),)))
