@@ -4,9 +4,12 @@
                                           every parallel strategy must equal (losses, parameters,
                                           gradients, gradient norms)
     snapshot(module), max_diff(a, b)      parameters (or gradients) by name, and their largest difference
+    bytes_table(measured, formula, P)     a CommCounter summary next to a formula: API and ring bytes
     print_by_rank(text)                   each rank's lines, printed by rank 0 in rank order
     all_agree(ok)                         True on every rank only if `ok` held on every rank
-    finish(ok)                            the one clean end of a run: wait, tear the groups down, exit code
+    finish(ok), main(fn)                  the one clean end of a run, and a demo's __main__ (bad input:
+                                          one line per rank and exit code 2, not a traceback)
+(instruments.time_side_by_side times several step functions in alternating rounds.)
 
 PyTorch's own parallel wrappers (DDP, FSDP2, DTensor, pipelining) are never used here; the
 demos import them below their `__main__` line, as the references they compare with.
@@ -90,6 +93,18 @@ def max_diff(a, b) -> float:
 
 
 # ---- printing and agreeing across ranks ----------------------------------------------------------
+
+def bytes_table(measured: dict, formula: dict, group_size: int, indent: str = "    ") -> list[str]:
+    """Lines comparing a CommCounter.summary() with a formula {op: API bytes}: per collective the API
+    bytes measured | formula, and the ring bytes this rank sent | the formula's (instruments.wire_bytes)."""
+    from instruments import wire_bytes
+    lines = []
+    for op in sorted(set(measured) | set(formula)):
+        got, want = measured.get(op, dict(bytes=0, wire_bytes=0.0, calls=0)), formula.get(op, 0)
+        lines.append(f"{indent}{op:14s} API {got['bytes']:>11,} | {want:>11,}   ring {got['wire_bytes']:>12,.0f} | "
+                     f"{wire_bytes(op, want, group_size):>12,.0f}   ({got['calls']} calls)")
+    return lines
+
 
 def print_by_rank(text: str, group=None) -> None:
     """Rank 0 prints every rank's text, in rank order (lines from several processes never interleave)."""

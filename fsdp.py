@@ -291,6 +291,11 @@ class ZeroOptimizer:
         for u in [u for u in self.units if self.stage <= 1 or u.unreduced]:
             self.reduce_unit(u)
         self.finish_reduction()
+        late = [n for u in self.units for n, p in zip(u.names, u.params) if self.stage >= 2 and p.grad is not None]
+        if late:  # stages 2-3 pack every gradient when they reduce: this one came after its unit's reduction
+            raise RuntimeError(f"the gradient of {late[0]} arrived after its unit was reduced (a weight gradient "
+                               f"deferred past the unit's backward, as zero bubble's W does?): run such "
+                               f"backwards inside opt.accumulating(), which reduces every unit once, at step()")
         groups = {}
         for u in self.units:  # one order on every rank
             groups.setdefault((u.group, u.across), []).append(u)
@@ -523,11 +528,12 @@ def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root
     gradients reduced in grad_bytes, n_params parameter tensors (one int32 used-flag each); replicas > 1
     (HSDP): shards and flags are all-reduced across replicas too; microbatches: backwards inside
     opt.accumulating() before one step (stage 3 gathers again for each one unless it keeps its units)."""
+    flags = 4 * n_params if P > 1 else 0  # (a group of one agrees with itself: no collective)
     if stage == 0:
-        return {"all_reduce": grad_bytes * numel + 4 * n_params}
+        return {"all_reduce": grad_bytes * numel + flags} if P > 1 else {}
     gathered = microbatches * (2 * numel - root_numel) if stage == 3 and reshard_after_forward else numel
     out = {"reduce_scatter": grad_bytes * numel, "all_gather": param_bytes * gathered,
-           "all_reduce": 4 * n_params + (grad_bytes * numel // P + 4 * n_params if replicas > 1 else 0)}
+           "all_reduce": flags + (grad_bytes * numel // P + 4 * n_params if replicas > 1 else 0)}
     return {k: v for k, v in out.items() if v}
 
 

@@ -381,3 +381,17 @@ def time_steps(step_fn, n_steps: int, warmup: int = 1, device=None) -> float:
         sync(device)
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
+
+
+def time_side_by_side(steps: dict, rounds: int = 3, per_round: int = 2, group=None, device=None) -> dict:
+    """{name: median seconds per call} of several step functions timed in ALTERNATING rounds (the
+    order rotates each round), so a drift in the machine's load hits every contender alike; the
+    ranks of `group` start each timing together. Ratios of these medians are what demos report."""
+    import statistics
+    names, times = list(steps), {k: [] for k in steps}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            if dist.is_initialized():
+                dist.barrier(group=group)
+            times[k].append(time_steps(steps[k], per_round, warmup=1 if r == 0 else 0, device=device))
+    return {k: statistics.median(v) for k, v in times.items()}

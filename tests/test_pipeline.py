@@ -229,7 +229,7 @@ def _rank_runs(p, layers, configs, batches, extras=False):
 
 def _zero3(cfg, batches, name):
     """pp=2 x ZeRO-3 over dp_shard=2: forward pre-hooks gather each unit's parameters, the runner only
-    calls the stage; a unit reduces once all its gradients arrived (zb: in W); AdamW; the full parameters."""
+    calls the stage; inside opt.accumulating() a unit reduces once per step, after its last W; AdamW."""
     from fsdp import shard_model
     mesh = Mesh(pp=2, dp_shard=2)
     pg = PipeGroup.from_ranks(mesh.ranks("pp"))
@@ -241,7 +241,8 @@ def _zero3(cfg, batches, name):
     for x, y in batches:
         b = x.shape[0] // 2
         sl = slice(mesh.rank("dp_shard") * b, (mesh.rank("dp_shard") + 1) * b)
-        res = pipeline_step(stage, SCHEDULES[name](2, 2)[pg.r], pg, x[sl], y[sl], 2)
+        with opt.accumulating():   # one reduction per unit and step, after its last (deferred) W
+            res = pipeline_step(stage, SCHEDULES[name](2, 2)[pg.r], pg, x[sl], y[sl], 2)
         opt.step()
         opt.zero_grad()
         out.append(None if res["loss"] is None else res["loss"].item())
