@@ -398,7 +398,10 @@ class Trainer:
         if self.loss_fn is not None:  # Σ CE / divide_by per micro-batch; ÷m, then ÷dp·cp: Σ CE / counted
             self.loss_fn.divide_by = max(counted, 1) / (self.dp * self.cp * m)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        with self.opt.accumulating():  # one reduction per step, after the last micro-batch
+        # Several backwards per step (micro-batches, a pipeline): ZeRO reduces once, after the last one
+        # (and zero bubble's deferred W); one backward: ZeRO-2/3 reduce unit by unit during it.
+        several = self.pg is not None or m > 1
+        with self.opt.accumulating() if several else contextlib.nullcontext():
             if self.pg is not None:
                 shape = (x.shape[0] // m, x.shape[1] // (self.tp if a.sequence_parallel else 1), self.cfg.dim)
                 out = pipeline.pipeline_step(model, self.actions, self.pg, x, y, m, act_shape=shape)
