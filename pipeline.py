@@ -4,11 +4,13 @@ Cut the model by depth into p stages, one per rank of the pp group: stage 0 hold
 the first layers, stage p-1 the last layers, the final norm, the head and the loss. The local batch
 [B, S] is split into m micro-batches [B/m, S]; a stage works on one micro-batch while its neighbours
 work on others. The order of its forwards (F), backwards (B) and weight-gradient passes (W) is the
-*schedule*: pipeline_schedules.py builds GPipe, 1F1B, interleaved 1F1B and ZB-H1 as data and states, with
-sources, each one's bubble and the micro-batches each rank holds. This file runs them: 1F1B written out
-as plain control flow first, then Stage (one rank's layers) and pipeline_step, one runner for any
-schedule. Zero bubble (Qi et al. 2024, arXiv:2401.10241 §2) splits each backward into B, the input
-gradient dL/dx, and W, the weight gradient dL/dW = dL/dy^T x: here for real, in autograd.
+*schedule*: pipeline_schedules.py builds GPipe, 1F1B, interleaved 1F1B and ZB-H1 as data, checks and
+plays them without a process, and states with sources each one's bubble and the micro-batches each rank
+holds (1F1B: idle (p-1)(t_f+t_b+t_w) per step, (p-1)/m of the ideal m(t_f+t_b+t_w); Narayanan et al.
+2021, arXiv:2104.04473 §2.2). This file runs them: 1F1B written out as plain control flow first, then
+Stage (one rank's layers) and pipeline_step, one runner for any schedule. Zero bubble (Qi et al. 2024,
+arXiv:2401.10241 §2) splits each backward into B, the input gradient dL/dx, and W, the weight gradient
+dL/dW = dL/dy^T x: here for real, in autograd.
 
 Communication, point to point between neighbours only: per step and stage boundary m activations
 forward and m gradients back, each [B/m, S, H] — 2·B·S·H·b bytes per boundary (API bytes = wire
@@ -32,8 +34,10 @@ from torch.overrides import TorchFunctionMode
 
 from instruments import SavedActivations, Timeline
 from mesh import all_reduce_flat
-from model import MoE, Transformer, init_tensor, rope_cos_sin
-from pipeline_schedules import COMPUTE, SCHEDULES, Action, comm_batches, held_formula, idle_formula, simulate, validate
+from data import get_batch, load_corpus
+from model import MoE, Transformer, build_model, get_config, init_tensor, rope_cos_sin
+from pipeline_schedules import (COMPUTE, SCHEDULES, Action, check_schedule, comm_batches, held_formula,  # noqa: F401
+                                 idle_formula, simulate, split_layers, validate)   # (train.py, the notebook use them)
 
 
 # ---- the simplest version: 1F1B as plain control flow ----------------------------------------
@@ -84,14 +88,6 @@ def one_f_one_b_plain(stage, pg, x, y, m: int):
 
 
 # ---- the model part one rank holds -----------------------------------------------------------------
-
-def split_layers(n_layers: int, n: int) -> list[range]:
-    """Layer indices of each of n stages, balanced; the first n_layers % n take one more (the last
-    stage already carries the head and the loss, the first only an embedding lookup)."""
-    base, extra = divmod(n_layers, n)
-    sizes = [base + (s < extra) for s in range(n)]
-    return [range(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(n)]
-
 
 class Stage(nn.Module):
     """Rank r's part of the shared Transformer: its v chunks, the virtual stages r, r+p, .., r+(v-1)p of
@@ -205,9 +201,8 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
             work.wait()
         for t in sent:   # sent, not needed again: the stage ends in a residual add, which saves no
             t.untyped_storage().resize_(0)   # output, so its backward needs only the graph
-        for t in group:
-            if t.op == "RECV_F":
-                inputs[(t.mb, t.chunk)].requires_grad_()   # so its gradient can be sent back
+        for t in (t for t in group if t.op == "RECV_F"):
+            inputs[(t.mb, t.chunk)].requires_grad_()   # so its gradient can be sent back
 
     for group in comm_batches(actions):
         a, key = group[0], (group[0].mb, group[0].chunk)
@@ -222,9 +217,8 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
                 weight_grads(deferred.pop(key))
             else:
                 transfer(group)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:   # replicas of this stage: one all-reduce
-        all_reduce_flat([q.grad for q in stage.parameters() if q.grad is not None], dp_group,
-                        divide_by=dist.get_world_size(dp_group))
+    if dp_group is not None and (n := dist.get_world_size(dp_group)) > 1:   # replicas of this stage: one all-reduce
+        all_reduce_flat([q.grad for q in stage.parameters() if q.grad is not None], dp_group, divide_by=n)
     return dict(loss=torch.stack(losses).sum() / m if losses else None, aux=torch.stack(aux).sum() / m if aux else None)
 
 
@@ -270,12 +264,8 @@ def weight_grads(deferred: list) -> None:
     """W: dL/dW = dL/dy^T x (and dL/db = sum of dL/dy) of each deferred linear — plus any (parameter,
     gradient) B already had — handed to autograd at once, so .grad and post-accumulate-grad hooks
     (ZeRO, DDP) see one ordinary backward per micro-batch."""
-    pairs = []   # (parameter, its gradient)
-    for item in deferred:
-        if len(item) == 2:   # computed in B (norm weights, the embedding): handed over only now
-            pairs.append(item)
-            continue
-        x, gy, w, b = item
+    pairs = [item for item in deferred if len(item) == 2]   # (parameter, gradient) computed in B: norms, embedding
+    for x, gy, w, b in (item for item in deferred if len(item) == 4):
         gy2 = gy.reshape(-1, gy.shape[-1])   # [tokens, out]
         pairs += [(w, gy2.T @ x.reshape(-1, x.shape[-1]))] + ([(b, gy2.sum(0))] if b is not None else [])
     deferred.clear()
@@ -311,8 +301,7 @@ def train(cfg, schedule: str, m: int, batches, pp_ranks, v: int = 1, dp_group=No
     opt = torch.optim.AdamW(stage.parameters(), lr=lr) if lr else None
     out = dict(losses=[], grads=None, stage=stage, actions=actions, pg=pg)
     for x, y in batches:
-        b = x.shape[0] // dp_size
-        x, y = x[dp_rank * b:(dp_rank + 1) * b].to(device), y[dp_rank * b:(dp_rank + 1) * b].to(device)
+        x, y = (t.chunk(dp_size)[dp_rank].to(device) for t in (x, y))   # this replica's share [B/dp, S]
         dist.barrier()   # every rank starts the step together: the timelines share an origin
         trace = StepTrace(stage)
         res = pipeline_step(stage, actions, pg, x, y, m, dp_group, trace=trace)
@@ -327,8 +316,6 @@ def train(cfg, schedule: str, m: int, batches, pp_ranks, v: int = 1, dp_group=No
 
 def timeline_ranks(configs, model: str = "small", n_layers: int = 8, batch: int = 8, seq: int = 32) -> dict:
     """For launch.run_ranks (the notebook): per (schedule, m, v), two steps with lr=0; the second's spans."""
-    from data import get_batch, load_corpus
-    from model import get_config
     batches = [get_batch(load_corpus(), s, batch, seq) for s in range(2)]
     return {c: {k: v for k, v in train(get_config(model, n_layers=n_layers), c[0], c[1], batches,
                                        list(range(dist.get_world_size())), c[2], lr=0).items()
@@ -341,11 +328,9 @@ def _demo(argv=None, reference=None) -> int:
     import argparse
     import os
 
-    from data import get_batch, load_corpus
     from demo import all_agree, finish, single_process
     from instruments import ascii_timeline, idle_share
     from mesh import Mesh, init_distributed, print0
-    from model import build_model, get_config
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     ap.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (default: 2 interleaved, else 1)")
@@ -370,15 +355,15 @@ def _demo(argv=None, reference=None) -> int:
     dist.all_gather_object(every, (mesh.coords["pp"], mesh.rank("dp"), out["spans"], out["peak_held"],
                                    out["peak_bytes"], out["losses"]))
     rows = sorted((e for e in every if e[1] == 0), key=lambda e: e[0])
-    ok = True
+    ok, diff = True, 0.0
     if dist.get_rank() == 0:
         ref = single_process(build_model(cfg, seed=0), batches)["losses"]   # the same model in one process
-        ok = max(abs(a - b) for a, b in zip(rows[-1][5], ref)) < 1e-4
+        diff = max(abs(a - b) for a, b in zip(rows[-1][5], ref))
+        ok = diff < 1e-4
         measured, total = idle_share([e[2] for e in rows])
         idle, sim = idle_formula(name, p, m, v), simulate(SCHEDULES[name](p, m, v))
         print(f"{name}: p={p} ranks x v={v} chunks x dp={args.dp}, m={m} micro-batches of {args.batch // args.dp // m};"
               f" {cfg.n_layers} layers split {[len(s) for s in split_layers(cfg.n_layers, p * v)]}\n"
-              f"  losses {[round(x, 6) for x in rows[-1][5]]}, one process {[round(x, 6) for x in ref]}\n"
               f"last step {total * 1e3:.0f} ms (F forward, B backward, W weight gradient, . idle):\n"
               + ascii_timeline([e[2] for e in rows]) + "\n"
               f"  bubble, idle share of the step: formula {idle / (3 * m + idle):.3f}, "
@@ -389,7 +374,7 @@ def _demo(argv=None, reference=None) -> int:
     ok = all_agree(ok)
     if args.compare and reference is not None and args.dp == 1:
         ok &= reference(out, cfg, name, m, batches[0], device, mesh.group("pp"))
-    print0("loss matches the single-process model:", "ok" if ok else "FAILED")
+    print0(f"loss matches the single-process model: {'ok' if ok else 'FAILED'} (max |diff| {diff:.1e})")
     return finish(ok)
 
 
@@ -412,7 +397,7 @@ if __name__ == "__main__":
             print0(f"  torch.distributed.pipelining {NAMES[name]} needs m >= p: nothing to compare with")
             return True
         ours, chunks = Stage(cfg, pg.r, p, 0, device, v=v), [Stage(cfg, c * p + pg.r, n, 0, device) for c in range(v)]
-        act = torch.empty(b, x.shape[1], cfg.dim, device=device, requires_grad=True)
+        act = torch.empty(b, x.shape[1], cfg.dim, device=device, requires_grad=True)   # a boundary's [b, S, H]
         logits = torch.empty(b, x.shape[1], cfg.vocab_size, device=device)
         stages = [pl.PipelineStage(ch, s, n, device, group=group, input_args=(x[:b],) if s == 0 else (act,),
                                    output_args=(logits,) if s == n - 1 else (act,))

@@ -8,7 +8,8 @@ the weight gradient that nobody waits for — and of its transfers to and from i
 schedule is data: `SCHEDULES[name](p, m, v)` gives each rank a list of Actions (F3, RECV_B2, SEND_F5.1
 for chunk 1), built by pure functions; `check_schedule` proves every list complete and consistent
 with its neighbours'; `simulate` plays them in time and finds any deadlock; `pipeline.pipeline_step`
-runs any of them unchanged. `python pipeline_schedules.py --p 4 --m 8` prints them all.
+runs any of them unchanged; `split_layers` and `validate` are the arithmetic every rank does alike
+before the first send. `python pipeline_schedules.py --p 4 --m 8` prints them all, played in time.
 
 Per micro-batch, t_f forward, t_b input-gradient backward, t_w weight-gradient backward on one
 stage (1:1:1 by the usual count of matmuls: Qi et al. 2024). Idle time of each stage per step:
@@ -138,6 +139,14 @@ def _at_ideal_times(orders, p, v=1):
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble}
+
+
+def split_layers(n_layers: int, n: int) -> list[range]:
+    """Layer indices of each of n stages, balanced; the first n_layers % n take one more (the last
+    stage already carries the head and the loss, the first only an embedding lookup)."""
+    base, extra = divmod(n_layers, n)
+    sizes = [base + (s < extra) for s in range(n)]
+    return [range(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(n)]
 
 
 def validate(p: int, m: int, n_layers: int, batch: int, schedule: str = "1f1b", v: int = 1) -> None:
