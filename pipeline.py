@@ -1,32 +1,25 @@
-"""Lesson 5 — pipeline parallel: stages, micro-batches and the schedule.
+"""Lesson 5 — pipeline parallel: stages, micro-batches and the runner.
 
-The idea
---------
-Cut the model by depth into p stages, one per rank of the pp group: stage 0 holds the embedding
-and the first layers, stage p-1 the last layers, the final norm, the head and the loss. The
-local batch [B, S] is split into m micro-batches [B/m, S]; a stage works on one micro-batch while
-its neighbours work on others. The order of its forwards (F), backwards (B) and, split off the
-backward, weight-gradient passes (W) is the *schedule*. Below, first 1F1B written out as plain
-control flow; then schedules as data (lists of actions built by pure functions) run by one runner.
-
-Per micro-batch, t_f forward, t_b input-gradient backward, t_w weight-gradient backward on one
-stage (1:1:1 by the usual count of matmuls: Qi et al. 2024). Idle time of each stage per step:
-    GPipe        (p-1)(t_f+t_b+t_w)      holds m micro-batches             Huang et al. 2019, arXiv:1811.06965
-    1F1B         (p-1)(t_f+t_b+t_w)      holds min(p-r, m)                 Narayanan et al. 2021, arXiv:2104.04473 §2.2
-    interleaved  (p-1)(t_f+t_b+t_w)/v    holds min(2(p-r-1)+(v-1)p+1, vm) chunk-micro-batches (each 1/v of a
-                 stage's): rank r runs v chunks, virtual stages r, r+p, ..; needs m % p == 0 (ibid. §2.2)
-    ZB-H1        (p-1)(t_f+t_b) - (min(m,p)-1)·t_w   = (p-1)(t_f+t_b-t_w) for m >= p; holds min(p, m)
-                 Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, arXiv:2401.10241 §2.1
-The ideal step is m(t_f+t_b+t_w); 1F1B's bubble is (p-1)/m of it, interleaved's (p-1)/(v·m), and
-ZB-H1's a third of 1F1B's at 1:1:1. 1F1B does not shrink GPipe's bubble: it shrinks the
-activations held, so m can grow. It also runs with m < p (warm-up min(p-r-1, m)).
+Cut the model by depth into p stages, one per rank of the pp group: stage 0 holds the embedding and
+the first layers, stage p-1 the last layers, the final norm, the head and the loss. The local batch
+[B, S] is split into m micro-batches [B/m, S]; a stage works on one micro-batch while its neighbours
+work on others. The order of its forwards (F), backwards (B) and weight-gradient passes (W) is the
+*schedule*: pipeline_schedules.py builds GPipe, 1F1B, interleaved 1F1B and ZB-H1 as data, checks and
+plays them without a process, and states with sources each one's bubble and the micro-batches each rank
+holds (1F1B: idle (p-1)(t_f+t_b+t_w) per step, (p-1)/m of the ideal m(t_f+t_b+t_w); Narayanan et al.
+2021, arXiv:2104.04473 §2.2). This file runs them: 1F1B written out as plain control flow first, then
+Stage (one rank's layers) and pipeline_step, one runner for any schedule. Zero bubble (Qi et al. 2024,
+arXiv:2401.10241 §2) splits each backward into B, the input gradient dL/dx, and W, the weight gradient
+dL/dW = dL/dy^T x: here for real, in autograd.
 
 Communication, point to point between neighbours only: per step and stage boundary m activations
-forward and m gradients back, each [B/m, S, H] — 2·B·S·H·b bytes each way pair (API bytes =
-wire bytes: a send moves its tensor once). Interleaved crosses p·v-1 boundaries instead of p-1:
-about v× the traffic. Memory: a rank holds L/p of the layers (their gradients and optimizer state)
-and the activations of the micro-batches above. Each micro-batch loss is scaled by 1/m, so the
-m backwards add up to the full-batch gradient; data-parallel replicas of a stage all-reduce it once.
+forward and m gradients back, each [B/m, S, H] — 2·B·S·H·b bytes per boundary (API bytes = wire
+bytes: a send moves its tensor once); interleaved crosses p·v-1 boundaries instead of p-1.
+Memory: a rank holds L/p of the layers (their gradients and optimizer state) and the activations of
+the micro-batches in flight. Each micro-batch loss is scaled by 1/m, so the m backwards add up to the
+full-batch gradient; data-parallel replicas of a stage all-reduce it once. With ZeRO-2/3
+(fsdp.shard_model), zero bubble's W delivers weight gradients after a unit's backward has reached its
+inputs, so the step must run inside opt.accumulating() (fsdp raises a clear error otherwise).
 """
 from __future__ import annotations
 
@@ -41,7 +34,10 @@ from torch.overrides import TorchFunctionMode
 
 from instruments import SavedActivations, Timeline
 from mesh import all_reduce_flat
-from model import MoE, Transformer, init_tensor, rope_cos_sin
+from data import get_batch, load_corpus
+from model import MoE, Transformer, build_model, get_config, init_tensor, rope_cos_sin
+from pipeline_schedules import (COMPUTE, SCHEDULES, Action, check_schedule, comm_batches, held_formula,  # noqa: F401
+                                 idle_formula, simulate, split_layers, validate)   # (train.py, the notebook use them)
 
 
 # ---- the simplest version: 1F1B as plain control flow ----------------------------------------
@@ -93,14 +89,6 @@ def one_f_one_b_plain(stage, pg, x, y, m: int):
 
 # ---- the model part one rank holds -----------------------------------------------------------------
 
-def split_layers(n_layers: int, n: int) -> list[range]:
-    """Layer indices of each of n stages, balanced; the first n_layers % n take one more (the last
-    stage already carries the head and the loss, the first only an embedding lookup)."""
-    base, extra = divmod(n_layers, n)
-    sizes = [base + (s < extra) for s in range(n)]
-    return [range(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(n)]
-
-
 class Stage(nn.Module):
     """Rank r's part of the shared Transformer: its v chunks, the virtual stages r, r+p, .., r+(v-1)p of
     p·v (v = 1: stage r of p). Parameters keep the full model's names (layers.5.attn.wq.weight), so
@@ -143,135 +131,6 @@ class Stage(nn.Module):
         return sum(aux) if aux else None
 
 
-# ---- schedules as data -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Action:
-    op: str         # F, B, W (compute) or SEND_F, RECV_F, SEND_B, RECV_B (to/from a neighbour)
-    mb: int         # micro-batch
-    chunk: int = 0  # which of the rank's v chunks
-
-    def __repr__(self):
-        return f"{self.op}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
-
-
-COMPUTE = ("F", "B", "W")
-
-
-def _transfers(op, i, c, r, p, v):
-    """(receives before, sends after) compute `op` of micro-batch i on chunk c of rank r."""
-    s, n = c * p + r, p * v   # the virtual stage, of n
-    recv, send = {"F": (s > 0, s < n - 1), "B": (s < n - 1, s > 0), "W": (False, False)}[op]
-    return [Action("RECV_" + op, i, c)] * recv, [Action("SEND_" + op, i, c)] * send
-
-
-def _by_ticks(ticks, r, p, v=1):
-    """Computes grouped in ticks; between two ticks ONE batch of transfers: the sends of the tick
-    before and the receives of the tick after (Megatron's send_forward_recv_backward and kin)."""
-    out, sends = [], []
-    for tick in ticks:
-        out += sends + [a for op, i, c in tick for a in _transfers(op, i, c, r, p, v)[0]] + [Action(*a) for a in tick]
-        sends = [a for op, i, c in tick for a in _transfers(op, i, c, r, p, v)[1]]
-    return out + sends
-
-
-def _one_chunk(v, name):
-    if v != 1:
-        raise ValueError(f"{name} runs one chunk per rank: use v = 1 (or the interleaved schedule)")
-
-
-def gpipe(p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """All forwards, then all backwards (ticks of one compute: receive just before, send just after)."""
-    _one_chunk(v, "gpipe")
-    return [_by_ticks([[("F", i, 0)] for i in range(m)] + [[("B", i, 0)] for i in range(m)], r, p) for r in range(p)]
-
-
-def one_f_one_b(p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Warm-up min(p-r-1, m) forwards, then F and B in turn, then the last backwards; any m >= 1."""
-    _one_chunk(v, "1f1b")
-    def order(w):
-        return [("F", i, 0) for i in range(w)] + [a for i in range(w, m) for a in (("F", i, 0), ("B", i - w, 0))] \
-            + [("B", i, 0) for i in range(m - w, m)]
-    return [_by_ticks([[a] for a in order(min(p - r - 1, m))], r, p) for r in range(p)]
-
-
-def interleaved(p: int, m: int, v: int = 2) -> list[list[Action]]:
-    """Interleaved 1F1B: micro-batches pass a rank's chunks in groups of p (so m % p == 0), depth first;
-    warm-up 2(p-r-1)+(v-1)p chunk-forwards; one batch of transfers per (F, B) tick — with each transfer
-    next to its compute, the last rank feeding the first deadlocks (see the tests)."""
-    if m % p:
-        raise ValueError(f"interleaved needs m a multiple of p, got m={m}, p={p}")
-    def f(k): return ("F", k // (p * v) * p + k % p, k // p % v)
-    def b(k): return ("B", k // (p * v) * p + k % p, v - 1 - k // p % v)
-    n, sched = m * v, []
-    for r in range(p):
-        w = min(2 * (p - r - 1) + (v - 1) * p, n)
-        sched.append(_by_ticks([[f(k)] for k in range(w)] + [[f(k), b(k - w)] for k in range(w, n)]
-                               + [[b(k)] for k in range(n - w, n)], r, p, v))
-    return sched
-
-
-def zero_bubble(p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """ZB-H1: 1F1B with each backward split into B (input gradient, on the critical path) and W (weight
-    gradient). Rank r defers its first r W's (every rank then holds min(p, m)), so the B's travel back
-    sooner; the deferred W's fill the tail. Transfers go where the ideal timeline has them."""
-    _one_chunk(v, "zb")
-    orders = []
-    for r in range(p):
-        w = min(p - r - 1, m)
-        order = [Action("F", i) for i in range(w)]
-        for i in range(m):
-            order += [Action("F", i + w)] * (i + w < m) + [Action("B", i)] + [Action("W", i - r)] * (i >= r)
-        orders.append(order + [Action("W", i) for i in range(max(m - r, 0), m)])
-    return _at_ideal_times(orders, p)
-
-
-def _at_ideal_times(orders, p, v=1):
-    """Transfers where the ideal timeline (unit times, free transfers) has them: a send right after the
-    compute that makes its data; its receive after the receiver's last compute ending by then. A
-    rendezvous transfer holds both sides, so both must reach it at that same moment."""
-    ideal = simulate(orders)["spans"]
-    made = {(a.op, a.mb, a.chunk * p + r): end for r, spans in enumerate(ideal) for a, _, end in spans}
-    sched = []
-    for r, spans in enumerate(ideal):
-        posts = [[] for _ in range(len(spans) + 1)]   # posts[k]: (time, transfer) posted just before compute k
-        for k, (a, _, end) in enumerate(spans):
-            recv, send = _transfers(a.op, a.mb, a.chunk, r, p, v)
-            posts[k + 1] += [(end, x) for x in send]
-            for x in recv:   # its data is made on the neighbouring virtual stage at time t
-                t = made[(a.op, a.mb, a.chunk * p + r + (1 if a.op == "B" else -1))]
-                posts[sum(e <= t for _, _, e in spans[:k])].append((t, x))
-        acts = []
-        for k, post in enumerate(posts):
-            acts += [x for _, x in sorted(post, key=lambda q: (q[0], repr(q[1])))] + [a for a, _, _ in spans[k:k + 1]]
-        sched.append(acts)
-    return sched
-
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble}
-
-
-def validate(p: int, m: int, n_layers: int, batch: int, schedule: str = "1f1b", v: int = 1) -> None:
-    """Pure arithmetic every rank does alike: a bad setting fails everywhere, before the first send."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {sorted(SCHEDULES)}")
-    if m < 1 or batch % m:
-        raise ValueError(f"batch {batch} is not divisible into {m} micro-batches: "
-                         f"choose --microbatches among {[d for d in range(1, batch + 1) if batch % d == 0]}")
-    if schedule == "interleaved" and (v < 2 or p < 2):
-        raise ValueError(f"interleaved needs >= 2 ranks and >= 2 virtual stages per rank, got p={p}, v={v}: "
-                         f"use --virtual-stages 2 or more on >= 2 ranks (one chunk per rank is 1f1b)")
-    if schedule == "interleaved" and m % p:
-        near = " or ".join(str(k) for k in (m // p * p, m // p * p + p) if k)
-        raise ValueError(f"interleaved needs the micro-batches to be a multiple of p={p}, got m={m} (they pass a "
-                         f"rank's chunks in groups of p): use --microbatches {near}")
-    if schedule != "interleaved" and v != 1:
-        raise ValueError(f"--virtual-stages {v} needs --schedule interleaved ({schedule} runs one chunk per rank)")
-    if n_layers < p * v:
-        raise ValueError(f"{n_layers} layers cannot fill {p * v} stages (p={p} x v={v}, each needs >= 1 layer): "
-                         f"use a model with >= {p * v} layers, or fewer stages")
-
-
 # ---- the runner: any schedule, one step ----------------------------------------------------------
 
 @dataclass
@@ -290,72 +149,6 @@ class PipeGroup:
 
     prev = property(lambda self: self.peer(-1) if self.r > 0 else None)
     next = property(lambda self: self.peer(+1) if self.r < self.p - 1 else None)
-
-
-class _InputGradOnly(torch.autograd.Function):
-    """y = x W^T + b whose backward returns dL/dx only (B) and leaves (x, dL/dy) for W. Weight and
-    bias come in a tuple, out of autograd's sight: B has no edge to them, so no hook of theirs fires."""
-
-    @staticmethod
-    def forward(ctx, x, params, deferred):
-        ctx.save_for_backward(x)
-        ctx.params, ctx.deferred = params, deferred
-        return F.linear(x, *params)
-
-    @staticmethod
-    def backward(ctx, gy):
-        ctx.deferred.append((ctx.saved_tensors[0], gy, *ctx.params))
-        return gy @ ctx.params[0], None, None
-
-
-class DeferWeightGrads(TorchFunctionMode):
-    """Inside it, every F.linear of a trainable weight on a differentiable input (nn.Linear, tensor_parallel's
-    Column/RowParallelLinear) computes only dL/dx in backward; weight_grads(deferred) does the rest."""
-
-    def __init__(self, deferred: list):
-        super().__init__()
-        self.deferred = deferred
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.linear or not (torch.is_grad_enabled() and args[0].requires_grad and args[1].requires_grad):
-            return func(*args, **kwargs)
-        x, w, b = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev):   # cast as autocast would, outside the Function
-            x, w, b = (t if t is None else t.to(torch.get_autocast_dtype(dev)) for t in (x, w, b))
-        with torch.autocast(dev, enabled=False):
-            return _InputGradOnly.apply(x, (w, b), self.deferred)
-
-
-def weight_grads(deferred: list) -> None:
-    """W: dL/dW = dL/dy^T x (and dL/db = sum of dL/dy) of each deferred linear — plus any (parameter,
-    gradient) B already had — handed to autograd at once, so .grad and post-accumulate-grad hooks
-    (ZeRO, DDP) see one ordinary backward per micro-batch."""
-    params, grads = [], []
-    for item in deferred:
-        if len(item) == 2:
-            params.append(item[0]), grads.append(item[1])
-            continue
-        x, gy, w, b = item
-        gy2 = gy.reshape(-1, gy.shape[-1])
-        params.append(w), grads.append(gy2.T @ x.reshape(-1, x.shape[-1]))   # [out, in]
-        if b is not None:
-            params.append(b), grads.append(gy2.sum(0))
-    deferred.clear()
-    if params:
-        torch.autograd.backward(params, grads)
-
-
-def comm_batches(actions: list[Action]) -> list[list[Action]]:
-    """Each compute alone, each run of consecutive transfers together (one batch_isend_irecv)."""
-    groups = []
-    for a in actions:
-        if a.op not in COMPUTE and groups and groups[-1][0].op not in COMPUTE:
-            groups[-1].append(a)
-        else:
-            groups.append([a])
-    return groups
 
 
 def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: int, dp_group=None, *,
@@ -397,11 +190,10 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
         ops, sent = [], []
         for t in group:
             k, peer = (t.mb, t.chunk), pg.peer(+1 if t.op in ("SEND_F", "RECV_B") else -1)
-            if t.op == "SEND_F":   # (contiguous: a sequence-parallel [b, S/t, H] is a transposed view)
-                sent.append(outputs[k][0])
-                ops.append(dist.P2POp(dist.isend, sent[-1].contiguous(), peer))
-            elif t.op == "SEND_B":
-                ops.append(dist.P2POp(dist.isend, inputs.pop(k).grad.contiguous(), peer))
+            if t.op.startswith("SEND"):   # (contiguous: a sequence-parallel [b, S/t, H] is a transposed view)
+                data = outputs[k][0] if t.op == "SEND_F" else inputs.pop(k).grad
+                sent += [data] if t.op == "SEND_F" else []
+                ops.append(dist.P2POp(dist.isend, data.contiguous(), peer))
             else:
                 buf = (inputs if t.op == "RECV_F" else grads)[k] = torch.empty(shape, dtype=dtype, device=x.device)
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
@@ -409,9 +201,8 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
             work.wait()
         for t in sent:   # sent, not needed again: the stage ends in a residual add, which saves no
             t.untyped_storage().resize_(0)   # output, so its backward needs only the graph
-        for t in group:
-            if t.op == "RECV_F":
-                inputs[(t.mb, t.chunk)].requires_grad_()   # so its gradient can be sent back
+        for t in (t for t in group if t.op == "RECV_F"):
+            inputs[(t.mb, t.chunk)].requires_grad_()   # so its gradient can be sent back
 
     for group in comm_batches(actions):
         a, key = group[0], (group[0].mb, group[0].chunk)
@@ -426,126 +217,78 @@ def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: i
                 weight_grads(deferred.pop(key))
             else:
                 transfer(group)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:   # replicas of this stage: one all-reduce
-        all_reduce_flat([q.grad for q in stage.parameters() if q.grad is not None], dp_group,
-                        divide_by=dist.get_world_size(dp_group))
+    if dp_group is not None and (n := dist.get_world_size(dp_group)) > 1:   # replicas of this stage: one all-reduce
+        all_reduce_flat([q.grad for q in stage.parameters() if q.grad is not None], dp_group, divide_by=n)
     return dict(loss=torch.stack(losses).sum() / m if losses else None, aux=torch.stack(aux).sum() / m if aux else None)
 
 
-# ---- checking and playing a schedule without running it ------------------------------------------
+# ---- zero bubble: B and W apart, in autograd -------------------------------------------------------
 
-def _message(a: Action, r: int, p: int):
-    """A transfer as (role, message): a message is (kind, micro-batch, the virtual stage that made it)."""
-    s = a.chunk * p + r
-    return a.op[:4], (a.op[-1], a.mb, {"SEND_F": s, "SEND_B": s, "RECV_F": s - 1, "RECV_B": s + 1}[a.op])
+class _InputGradOnly(torch.autograd.Function):
+    """y = x W^T + b whose backward returns dL/dx only (B) and leaves (x, dL/dy) for W. Weight and
+    bias come in a tuple, out of autograd's sight: B has no edge to them, so no hook of theirs fires."""
 
+    @staticmethod
+    def forward(ctx, x, params, deferred):
+        ctx.save_for_backward(x)
+        ctx.params, ctx.deferred = params, deferred
+        return F.linear(x, *params)
 
-def check_schedule(sched: list[list[Action]]) -> None:
-    """Raise ValueError unless every chunk of every rank runs F, B (and W if the schedule splits) of each
-    micro-batch once, with exactly the transfers it needs, each in order with what depends on it, and
-    each pair of ranks sends and receives the same messages in the same order."""
-    p, v = len(sched), 1 + max(a.chunk for acts in sched for a in acts)
-    m, split, pairs = sum(a.op == "F" for a in sched[0]) // v, any(a.op == "W" for acts in sched for a in acts), {}
-    for r, acts in enumerate(sched):
-        pos = {a: k for k, a in enumerate(acts)}
-        need = {x for i in range(m) for c in range(v) for op in "FBW"[:2 + split]
-                for x in [Action(op, i, c)] + sum(_transfers(op, i, c, r, p, v), [])}
-        if len(pos) != len(acts) or set(pos) != need:
-            raise ValueError(f"rank {r}: missing {sorted(map(repr, need - set(pos)))}, unexpected or repeated "
-                             f"{sorted(map(repr, set(pos) - need)) or [a for a in acts if acts.count(a) > 1]}")
-        for a, b in [("RECV_F", "F"), ("F", "SEND_F"), ("F", "B"), ("RECV_B", "B"), ("B", "SEND_B"), ("B", "W")]:
-            for i, c in ((i, c) for i in range(m) for c in range(v)):
-                if pos.get(Action(a, i, c), -1) > pos.get(Action(b, i, c), len(acts)):
-                    raise ValueError(f"rank {r}: {Action(b, i, c)} before {Action(a, i, c)}: out of order")
-        for a in (a for a in acts if a.op not in COMPUTE):
-            role, msg = _message(a, r, p)
-            peer = (r + (1 if a.op in ("SEND_F", "RECV_B") else -1)) % p
-            pairs.setdefault(((r, peer) if role == "SEND" else (peer, r), role), []).append(msg)
-    for (pair, role), msgs in pairs.items():
-        if msgs != pairs.get((pair, "RECV" if role == "SEND" else "SEND")):
-            raise ValueError(f"ranks {pair}: the messages are sent and received in a different order")
+    @staticmethod
+    def backward(ctx, gy):
+        ctx.deferred.append((ctx.saved_tensors[0], gy, *ctx.params))
+        return gy @ ctx.params[0], None, None
 
 
-def simulate(sched: list[list[Action]], t_f=1, t_b=1, t_w=1) -> dict:
-    """Play a schedule: per micro-batch and stage t_f forward, t_b input gradient, t_w weight gradient
-    (an unsplit B: t_b + t_w), a chunk 1/v of that. Transfers are free but *rendezvous*: a batch ends
-    once every partner has reached the batch holding its match — the strictest backend (gloo's send
-    waits for its receive), so a schedule that finishes here cannot deadlock; one that does not raises.
-    Computes alone are played with free, instant transfers (the ideal timeline).
-    Returns spans [(action, start, end)] per rank, total, idle and bubble (idle/total) per rank, and
-    peak_in_flight (micro-batches between F and the pass that frees them: W if split, else B)."""
-    p, v = len(sched), 1 + max(a.chunk for acts in sched for a in acts)
-    split, free = any(a.op == "W" for acts in sched for a in acts), all(a.op in COMPUTE for acts in sched for a in acts)
-    cost, n = {"F": t_f / v, "B": (t_b if split else t_b + t_w) / v, "W": t_w / v}, p * v
-    groups = [comm_batches(acts) for acts in sched]
-    idx, clock, posted, ready, held, peak = [0] * p, [0] * p, {}, {}, [0] * p, [0] * p
-    spans, progress = [[] for _ in range(p)], True
-    while progress:
-        progress = False
-        for r in range(p):
-            while idx[r] < len(groups[r]):
-                g = groups[r][idx[r]]
-                if g[0].op in COMPUTE:
-                    a = g[0]
-                    s = a.chunk * p + r
-                    dep = {"F": ("F", a.mb, s - 1) if s > 0 else None, "W": None,
-                           "B": ("B", a.mb, s + 1) if s < n - 1 else None}[a.op] if free else None
-                    if dep is not None and dep not in ready:
-                        break   # its input is made on a rank that has not got there yet
-                    start = max(clock[r], ready.get(dep, 0))
-                    clock[r] = ready[(a.op, a.mb, s)] = start + cost[a.op]
-                    held[r] += {"F": 1, "B": -(not split), "W": -1}[a.op]
-                    peak[r] = max(peak[r], held[r])
-                    spans[r].append((a, start, clock[r]))
-                else:
-                    msgs = [_message(a, r, p) for a in g]
-                    for q in msgs:
-                        posted.setdefault(q, clock[r])
-                    partners = [("RECV" if role == "SEND" else "SEND", msg) for role, msg in msgs]
-                    if not all(q in posted for q in partners):
-                        break   # blocked until the peers get there
-                    clock[r] = max(posted[q] for q in msgs + partners)
-                    spans[r] += [(a, posted[q], clock[r]) for a, q in zip(g, msgs)]
-                idx[r] += 1
-                progress = True
-    if any(idx[r] < len(groups[r]) for r in range(p)):
-        stuck = {r: groups[r][idx[r]] for r in range(p) if idx[r] < len(groups[r])}
-        raise RuntimeError(f"schedule deadlocks: ranks wait at {stuck}")
-    total = max(clock)
-    idle = [total - sum(e - s for a, s, e in sp if a.op in COMPUTE) for sp in spans]
-    return dict(spans=spans, total=total, idle=idle, bubble=[i / total for i in idle], peak_in_flight=peak)
+class DeferWeightGrads(TorchFunctionMode):
+    """Inside it, every F.linear of a trainable weight on a differentiable input (nn.Linear, tensor_parallel's
+    Column/RowParallelLinear) computes only dL/dx in backward; weight_grads(deferred) does the rest."""
+
+    def __init__(self, deferred: list):
+        super().__init__()
+        self.deferred = deferred
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.linear or not (torch.is_grad_enabled() and args[0].requires_grad and args[1].requires_grad):
+            return func(*args, **kwargs)
+        x, w, b = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):   # cast as autocast would, outside the Function
+            x, w, b = (t if t is None else t.to(torch.get_autocast_dtype(dev)) for t in (x, w, b))
+        with torch.autocast(dev, enabled=False):
+            return _InputGradOnly.apply(x, (w, b), self.deferred)
 
 
-def idle_formula(name: str, p: int, m: int, v: int = 1, t_f=1, t_b=1, t_w=1):
-    """Each rank's idle time per step, from the papers (see the module docstring)."""
-    if name == "zb":
-        return (p - 1) * (t_f + t_b) - (min(m, p) - 1) * t_w
-    return (p - 1) * (t_f + t_b + t_w) / (v if name == "interleaved" else 1)
-
-
-def held_formula(name: str, p: int, m: int, r: int, v: int = 1) -> int:
-    """Micro-batches (interleaved: chunk-micro-batches) rank r holds at its peak."""
-    return {"gpipe": m, "1f1b": min(p - r, m), "zb": min(p, m),
-            "interleaved": min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)}[name]
+def weight_grads(deferred: list) -> None:
+    """W: dL/dW = dL/dy^T x (and dL/db = sum of dL/dy) of each deferred linear — plus any (parameter,
+    gradient) B already had — handed to autograd at once, so .grad and post-accumulate-grad hooks
+    (ZeRO, DDP) see one ordinary backward per micro-batch."""
+    pairs = [item for item in deferred if len(item) == 2]   # (parameter, gradient) computed in B: norms, embedding
+    for x, gy, w, b in (item for item in deferred if len(item) == 4):
+        gy2 = gy.reshape(-1, gy.shape[-1])   # [tokens, out]
+        pairs += [(w, gy2.T @ x.reshape(-1, x.shape[-1]))] + ([(b, gy2.sum(0))] if b is not None else [])
+    deferred.clear()
+    if pairs:
+        torch.autograd.backward(*zip(*pairs))
 
 
 # ---- measuring from outside: the trace hook, and training with it --------------------------------
 
 class StepTrace:
-    """A `trace` for pipeline_step: one Timeline span per group of actions, and (held=True) the micro-batches
-    whose saved activations are alive after each group (instruments.SavedActivations)."""
+    """A `trace` for pipeline_step: one Timeline span per group of actions, and the micro-batches whose
+    saved activations are alive after each group (instruments.SavedActivations)."""
 
-    def __init__(self, stage, held: bool = True):
-        self.timeline, self.saved = Timeline(), SavedActivations(stage.parameters()) if held else None
+    def __init__(self, stage):
+        self.timeline, self.saved = Timeline(), SavedActivations(stage.parameters())
 
     @contextmanager
     def __call__(self, group):
         a = group[0]
-        track = self.saved.track((a.mb, a.chunk)) if self.saved and a.op == "F" else nullcontext()
+        track = self.saved.track((a.mb, a.chunk)) if a.op == "F" else nullcontext()
         with self.timeline.span(a.op if a.op in COMPUTE else "comm", ops=[repr(g) for g in group]), track:
             yield
-        if self.saved:
-            self.saved.sample()
+        self.saved.sample()
 
 
 def train(cfg, schedule: str, m: int, batches, pp_ranks, v: int = 1, dp_group=None, dp_rank: int = 0,
@@ -558,8 +301,7 @@ def train(cfg, schedule: str, m: int, batches, pp_ranks, v: int = 1, dp_group=No
     opt = torch.optim.AdamW(stage.parameters(), lr=lr) if lr else None
     out = dict(losses=[], grads=None, stage=stage, actions=actions, pg=pg)
     for x, y in batches:
-        b = x.shape[0] // dp_size
-        x, y = x[dp_rank * b:(dp_rank + 1) * b].to(device), y[dp_rank * b:(dp_rank + 1) * b].to(device)
+        x, y = (t.chunk(dp_size)[dp_rank].to(device) for t in (x, y))   # this replica's share [B/dp, S]
         dist.barrier()   # every rank starts the step together: the timelines share an origin
         trace = StepTrace(stage)
         res = pipeline_step(stage, actions, pg, x, y, m, dp_group, trace=trace)
@@ -574,8 +316,6 @@ def train(cfg, schedule: str, m: int, batches, pp_ranks, v: int = 1, dp_group=No
 
 def timeline_ranks(configs, model: str = "small", n_layers: int = 8, batch: int = 8, seq: int = 32) -> dict:
     """For launch.run_ranks (the notebook): per (schedule, m, v), two steps with lr=0; the second's spans."""
-    from data import get_batch, load_corpus
-    from model import get_config
     batches = [get_batch(load_corpus(), s, batch, seq) for s in range(2)]
     return {c: {k: v for k, v in train(get_config(model, n_layers=n_layers), c[0], c[1], batches,
                                        list(range(dist.get_world_size())), c[2], lr=0).items()
@@ -588,18 +328,15 @@ def _demo(argv=None, reference=None) -> int:
     import argparse
     import os
 
-    from data import get_batch, load_corpus
     from demo import all_agree, finish, single_process
     from instruments import ascii_timeline, idle_share
     from mesh import Mesh, init_distributed, print0
-    from model import build_model, get_config
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (default: 2 interleaved, else 1)")
     ap.add_argument("--model", default="small")
     ap.add_argument("--layers", type=int, default=None, help="n_layers (default: 2 per chunk)")
-    for name, default in [("batch", 8), ("seq", 32), ("steps", 2), ("dp", 1)]:
+    for name, default in [("microbatches", 8), ("batch", 8), ("seq", 32), ("steps", 2), ("dp", 1)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--compare", action="store_true", help="also run torch.distributed.pipelining's schedule")
     args = ap.parse_args(argv)
@@ -618,15 +355,15 @@ def _demo(argv=None, reference=None) -> int:
     dist.all_gather_object(every, (mesh.coords["pp"], mesh.rank("dp"), out["spans"], out["peak_held"],
                                    out["peak_bytes"], out["losses"]))
     rows = sorted((e for e in every if e[1] == 0), key=lambda e: e[0])
-    ok = True
+    ok, diff = True, 0.0
     if dist.get_rank() == 0:
         ref = single_process(build_model(cfg, seed=0), batches)["losses"]   # the same model in one process
-        ok = max(abs(a - b) for a, b in zip(rows[-1][5], ref)) < 1e-4
+        diff = max(abs(a - b) for a, b in zip(rows[-1][5], ref))
+        ok = diff < 1e-4
         measured, total = idle_share([e[2] for e in rows])
         idle, sim = idle_formula(name, p, m, v), simulate(SCHEDULES[name](p, m, v))
         print(f"{name}: p={p} ranks x v={v} chunks x dp={args.dp}, m={m} micro-batches of {args.batch // args.dp // m};"
               f" {cfg.n_layers} layers split {[len(s) for s in split_layers(cfg.n_layers, p * v)]}\n"
-              f"  losses {[round(x, 6) for x in rows[-1][5]]}, one process {[round(x, 6) for x in ref]}\n"
               f"last step {total * 1e3:.0f} ms (F forward, B backward, W weight gradient, . idle):\n"
               + ascii_timeline([e[2] for e in rows]) + "\n"
               f"  bubble, idle share of the step: formula {idle / (3 * m + idle):.3f}, "
@@ -637,58 +374,46 @@ def _demo(argv=None, reference=None) -> int:
     ok = all_agree(ok)
     if args.compare and reference is not None and args.dp == 1:
         ok &= reference(out, cfg, name, m, batches[0], device, mesh.group("pp"))
-    print0("loss matches the single-process model:", "ok" if ok else "FAILED")
+    print0(f"loss matches the single-process model: {'ok' if ok else 'FAILED'} (max |diff| {diff:.1e})")
     return finish(ok)
 
 
 if __name__ == "__main__":
-    import copy
-
     import torch.distributed.pipelining as pl
 
-    from demo import all_agree, main
-    from instruments import time_steps
+    from demo import all_agree, main, max_diff, snapshot
+    from instruments import time_side_by_side
     from mesh import print0
     from model import CrossEntropy
     NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
              "zb": "ScheduleInterleavedZeroBubble"}   # PyTorch's zero-bubble for one stage per rank: ZB-H1's order
 
     def torch_pipelining(out, cfg, name, m, batch, device, group) -> bool:
-        """The same split run by torch.distributed.pipelining's schedule of the same name: gradients and
-        step time side by side. Shapes are given up front, as ours are; every rank passes the loss."""
-        if not hasattr(pl, NAMES[name]):
-            print0(f"  torch {torch.__version__} has no {NAMES[name]}")
+        """The same split run by torch.distributed.pipelining's schedule of the same name, from the same
+        initial weights: gradients and step time side by side. Shapes are given up front, as ours are."""
+        (x, y), pg, v = (t.to(device) for t in batch), out["pg"], out["stage"].v
+        p, b, n = pg.p, x.shape[0] // m, pg.p * v
+        if name == "1f1b" and m < p:   # the schedule allows it, PyTorch's implementation does not
+            print0(f"  torch.distributed.pipelining {NAMES[name]} needs m >= p: nothing to compare with")
             return True
-        (x, y), pg, ours = (t.to(device) for t in batch), out["pg"], copy.deepcopy(out["stage"])
-        p, v, b, n = pg.p, ours.v, x.shape[0] // m, pg.p * ours.v
-        chunks = [Stage(cfg, c * p + pg.r, n, 0, device, next(ours.parameters()).dtype) for c in range(v)]
-        for ch in chunks:   # our trained weights: a chunk's names are a subset of the stage's
-            ch.load_state_dict({k: t for k, t in ours.state_dict().items() if k in ch.state_dict()})
-        act = torch.empty(b, x.shape[1], cfg.dim, device=device, requires_grad=True)
-        stages = [pl.PipelineStage(ch, c * p + pg.r, n, device, group=group,
-                                   input_args=(x[:b],) if c * p + pg.r == 0 else (act,),
-                                   output_args=(torch.empty(b, x.shape[1], cfg.vocab_size, device=device),)
-                                   if c * p + pg.r == n - 1 else (act,)) for c, ch in enumerate(chunks)]
-        multi = NAMES[name] in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
-        sched = getattr(pl, NAMES[name])(stages if multi else stages[0], m, loss_fn=CrossEntropy())
-        steps = dict(ours=lambda: pipeline_step(ours, out["actions"], pg, x, y, m),
+        ours, chunks = Stage(cfg, pg.r, p, 0, device, v=v), [Stage(cfg, c * p + pg.r, n, 0, device) for c in range(v)]
+        act = torch.empty(b, x.shape[1], cfg.dim, device=device, requires_grad=True)   # a boundary's [b, S, H]
+        logits = torch.empty(b, x.shape[1], cfg.vocab_size, device=device)
+        stages = [pl.PipelineStage(ch, s, n, device, group=group, input_args=(x[:b],) if s == 0 else (act,),
+                                   output_args=(logits,) if s == n - 1 else (act,))
+                  for s, ch in ((c * p + pg.r, ch) for c, ch in enumerate(chunks))]
+        sched = getattr(pl, NAMES[name])(stages if name in ("interleaved", "zb") else stages[0], m,
+                                         loss_fn=CrossEntropy())
+        steps = dict(ours=lambda: pipeline_step(ours, out["actions"], pg, x, y, m),   # every rank passes the loss
                      theirs=lambda: sched.step(*((x,) if pg.r == 0 else ()), target=y if pg.r == p - 1 else None))
         for f in steps.values():   # one step each: the gradients must agree
             f()
-        theirs = {k: q for ch in chunks for k, q in ch.named_parameters()}
-        diff = torch.tensor([max((q.grad - theirs[k].grad).abs().max().item() for k, q in ours.named_parameters())])
-        times = {k: [] for k in steps}
-        for _ in range(3):   # alternate, so drift in machine load hits both alike
-            for k, f in steps.items():
-                for mod in [ours] + chunks:
-                    mod.zero_grad(set_to_none=True)
-                dist.barrier()
-                times[k].append(time_steps(f, 2, device=device))
-        t = torch.tensor([min(times["ours"]), min(times["theirs"])])
-        for tensor in (diff, t):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        print0(f"  torch.distributed.pipelining {NAMES[name]}: gradients max |diff| {diff.item():.1e}; step time "
-               f"ours {t[0] * 1e3:.1f} ms, theirs {t[1] * 1e3:.1f} ms: ours/theirs {t[0] / t[1]:.2f}")
-        return all_agree(diff.item() < 1e-6)
+        diff = max_diff(snapshot(ours, grads=True), {k: q.grad for ch in chunks for k, q in ch.named_parameters()})
+        t = time_side_by_side(steps, group=group, device=device)   # alternating rounds, median each
+        t = torch.tensor([diff, t["ours"], t["theirs"]])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        print0(f"  torch.distributed.pipelining {NAMES[name]}: gradients max |diff| {t[0]:.1e}; step time "
+               f"ours {t[1] * 1e3:.1f} ms, theirs {t[2] * 1e3:.1f} ms: ours/theirs {t[1] / t[2]:.2f}")
+        return all_agree(t[0].item() < 1e-6)
 
     main(lambda argv: _demo(argv, reference=torch_pipelining))

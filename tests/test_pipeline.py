@@ -1,5 +1,5 @@
-"""Pipeline parallel: schedules checked and played as data against their formulas, then real runs
-(every schedule, p = 2 and 4, several m, float64) checked against one process."""
+"""Pipeline parallel: schedules (pipeline_schedules.py) checked and played as data against their formulas, then real
+runs (pipeline.py: every schedule, p = 2 and 4, several m, float64) checked against one process."""
 import re
 from fractions import Fraction
 
@@ -12,9 +12,10 @@ from harness import Exercise, global_batches, reference_model, run_ranks, run_sc
 from instruments import CommCounter
 from mesh import Mesh
 from model import get_config
-from pipeline import (COMPUTE, SCHEDULES, Action, DeferWeightGrads, PipeGroup, Stage, _by_ticks, check_schedule,
-                      held_formula, idle_formula, interleaved, one_f_one_b_plain, pipeline_step, simulate,
-                      split_layers, train, validate, weight_grads)
+from pipeline import (DeferWeightGrads, PipeGroup, Stage, one_f_one_b_plain, pipeline_step, split_layers, train,
+                      weight_grads)
+from pipeline_schedules import (COMPUTE, SCHEDULES, Action, _by_ticks, check_schedule, held_formula, idle_formula, interleaved,
+                       simulate, validate)
 
 B, S, LR = 8, 16, 1e-3
 # (schedule, m, v) per pipeline size: m < p, m = p and m > p where the schedule allows it
@@ -74,6 +75,19 @@ def test_zb_h1_order_is_pytorchs_zero_bubble_with_one_stage_per_rank():
         except (AttributeError, TypeError, KeyError) as e:
             pytest.skip(f"this torch plans zero bubble differently: {e}")
         assert theirs == [[(a.op, a.mb) for a in acts if a.op in COMPUTE] for acts in SCHEDULES["zb"](p, m)]
+
+
+def test_schedules_demo_prints_the_formulas_beside_the_simulation(capsys):
+    """`python pipeline_schedules.py` (in this process): every schedule's bubble and peak held, simulated = formula."""
+    import pipeline_schedules
+    assert pipeline_schedules._demo(["--p", "4", "--m", "8", "--times", "1", "2", "1", "--transfers"]) == 0
+    out = capsys.readouterr().out
+    bubbles = re.findall(r"simulated (\S+), formula (\S+)\n", out)
+    held = re.findall(r"held at the peak per rank: simulated ([\d ]*\d), formula ([\d ]*\d)", out)
+    assert len(bubbles) == len(held) == len(SCHEDULES) and all(s == f for s, f in bubbles + held), out
+    assert "F3 [SEND_F3 RECV_B0] B0" in out   # 1F1B rank 0: one batch of transfers, as the runner posts it
+    idle = idle_formula("1f1b", 4, 8, 1, 1, 2, 1)   # B:W:F = 2:1:1
+    assert bubbles[1] == (f"{idle / (8 * 4 + idle):.3f}",) * 2
 
 
 def test_interleaved_needs_its_transfers_batched_per_tick():
