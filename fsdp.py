@@ -19,7 +19,8 @@ reduce-scatter of 4Ψ for fp32 gradients, an all-gather of b_p·Ψ); a ring send
 final norm, head) stays gathered into its backward, which starts right after its forward (PyTorch's
 fully_shard does the same for its root); with reshard_after_forward=False every unit does: b_p·Ψ. Every
 step also all-reduces one int32 per parameter tensor: which parameters got a gradient on any rank (the
-agreement PyTorch DDP's find_unused_parameters makes), so that one no rank used gets none.
+agreement PyTorch DDP's find_unused_parameters makes), so that one no rank used gets none. A group of
+one rank sends nothing.
 
 How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4): a unit's parameters are views of one flat
 buffer [N], N padded to a multiple of P, so a rank's shard is one slice and a unit moves in one
@@ -32,19 +33,19 @@ unit that holds all its users; frozen parameters stay whole on every rank. `with
 defers the reduction over several backwards (FSDP §3.4): m micro-batches then cost one reduce-scatter
 (and with reshard_after_forward=False one all-gather) per step. The loop stays as it was:
 loss.backward(); opt.step(); opt.zero_grad() — after one call, opt = shard_model(model, stage).
+Saving and loading the shards (full and per-rank state dicts): checkpoint.py.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import math
-import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import checkpoint
 from mesh import all_gather_single, reduce_scatter_single, resolve_group
 
 
@@ -63,9 +64,10 @@ class FlatUnit:
         # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
         self.stage, self.group, self.divide_by, self.across = stage, group, divide_by, across
         self.P, self.r = (dist.get_world_size(group), dist.get_rank(group)) if stage > 0 else (1, 0)
-        self.alone = dist.get_world_size(group) == 1
+        self.alone = dist.get_world_size(group) == 1  # a group of one: no collective at all
         self.aliases, self.shapes = [e[0] for e in entries], [tuple(e[2].shape) for e in entries]
         self.names, self.numels = [a[0] for a in self.aliases], [math.prod(s) for s in self.shapes]
+        self.offsets = [0, *itertools.accumulate(self.numels)][:-1]  # of each parameter in buf
         self.N = -(-sum(self.numels) // self.P) * self.P  # padded: every rank gets n = N/P elements
         self.n = self.N // self.P
         master = _my_slice(self, entries, init_fn)  # [n], made from my part of each parameter only
@@ -83,13 +85,10 @@ class FlatUnit:
         self.gather_work, self.unreduced = None, False
         self.publish()
 
-    def offsets(self):
-        return [0, *itertools.accumulate(self.numels)][:-1]
-
     def spans(self):
         """[(i, a, b)]: parameter i covers [a, b) of my slice (parameters outside it are left out)."""
         lo, hi = self.r * self.n, (self.r + 1) * self.n
-        return [(i, max(o, lo) - lo, min(o + k, hi) - lo) for i, (o, k) in enumerate(zip(self.offsets(), self.numels))
+        return [(i, max(o, lo) - lo, min(o + k, hi) - lo) for i, (o, k) in enumerate(zip(self.offsets, self.numels))
                 if max(o, lo) < min(o + k, hi)]
 
     def views(self, flat):
@@ -132,7 +131,7 @@ class FlatUnit:
                 self.used[i] = 1
                 if self.stage >= 2:
                     p.grad = None  # stages 2-3 keep only the reduced slice
-        if self.stage == 0:  # (a group of one has nothing to add: no collective at all)
+        if self.stage == 0:
             return g, None if self.alone else dist.all_reduce(g, group=self.group, async_op=True), g
         out = g.new_empty(self.n)
         return out, reduce_scatter_single(out, g, group=self.group, async_op=True), g
@@ -218,10 +217,6 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
         opt.in_backward = False
         if not opt.deferring:
             opt.finish_reduction()
-            late = [n for u in opt.units for n, p in zip(u.names, u.params) if p.grad is not None]
-            if late:
-                raise RuntimeError(f"{late[0]} got its gradient after its unit was reduced: it is used outside "
-                                   f"its unit's forward; pass units= so that one unit encloses all its uses")
 
     for i, (module, _) in enumerate(units):
         module.register_forward_pre_hook(lambda m, args, i=i: pre_forward(i, args))
@@ -235,16 +230,18 @@ class ZeroOptimizer:
     for stages 0-1 (all-reduce; reduce-scatter), during backward for 2-3. Stages 1-2 then all-gather the
     new parameters; stage 3 leaves that to the next forward."""
 
-    def __init__(self, units, optimizer_cls, stage, max_grad_norm=None, before_reduce=None, **optimizer_kwargs):
-        self.units, self.stage, self.max_grad_norm, self.before_reduce = units, stage, max_grad_norm, before_reduce
-        self.inner = optimizer_cls([q for u in units for *_, q in u.pieces], **optimizer_kwargs)
+    def __init__(self, module, units, optimizer_cls, stage, max_grad_norm=None, before_reduce=None, **optimizer_kw):
+        self.module, self.units, self.stage = module, units, stage  # module: for its frozen params and buffers
+        self.max_grad_norm, self.before_reduce = max_grad_norm, before_reduce
+        self.inner = optimizer_cls([q for u in units for *_, q in u.pieces], **optimizer_kw)
         # Reductions run behind the rest of backward only on NCCL (its own CUDA stream); on gloo their CPU
         # threads would compete with compute (measured slower when ranks share cores): wait at once.
         self.async_reduce = all(dist.get_backend(u.group) == "nccl" for u in units)
         self.pending, self.deferring, self.in_backward, self.reduced, self.grad_norm = [], False, False, False, None
-        self.module = None  # the sharded model (its frozen parameters and buffers, for the state dicts)
 
     param_groups = property(lambda self: self.inner.param_groups)  # what LR schedulers set
+    full_state_dict, load_full_state_dict = checkpoint.full_state_dict, checkpoint.load_full_state_dict
+    shard_state_dict, load_shard_state_dict = checkpoint.shard_state_dict, checkpoint.load_shard_state_dict
 
     def zero_grad(self, set_to_none=True):
         for u in self.units:
@@ -281,6 +278,11 @@ class ZeroOptimizer:
             out.div_(u.divide_by)  # gloo has no ReduceOp.AVG: sum, then divide
             u.master.grad = out if u.master.grad is None else u.master.grad.add_(out)
         self.pending.clear()
+        late = [n for u in self.units for n, p in zip(u.names, u.params) if self.stage >= 2 and p.grad is not None]
+        if late:  # stages 2-3 pack every gradient when they reduce: this one came after its unit's reduction
+            raise RuntimeError(f"the gradient of {late[0]} arrived after its unit was reduced: if it is used outside "
+                               f"its unit's forward, pass units= so that one unit encloses all its uses; if its "
+                               f"backward was deferred (zero bubble's W), run it inside opt.accumulating()")
 
     @torch.no_grad()
     def reduce_gradients(self):
@@ -291,11 +293,6 @@ class ZeroOptimizer:
         for u in [u for u in self.units if self.stage <= 1 or u.unreduced]:
             self.reduce_unit(u)
         self.finish_reduction()
-        late = [n for u in self.units for n, p in zip(u.names, u.params) if self.stage >= 2 and p.grad is not None]
-        if late:  # stages 2-3 pack every gradient when they reduce: this one came after its unit's reduction
-            raise RuntimeError(f"the gradient of {late[0]} arrived after its unit was reduced (a weight gradient "
-                               f"deferred past the unit's backward, as zero bubble's W does?): run such "
-                               f"backwards inside opt.accumulating(), which reduces every unit once, at step()")
         groups = {}
         for u in self.units:  # one order on every rank
             groups.setdefault((u.group, u.across), []).append(u)
@@ -347,47 +344,6 @@ class ZeroOptimizer:
         for u in [u for u in self.units if u.master.grad is not None]:
             u.master.grad.mul_((max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0).to(u.master.grad.dtype))
         return self.grad_norm
-
-    # ---- checkpoints and measurements ---------------------------------------------------------------
-    def _unsharded(self) -> dict:  # the module's frozen parameters and buffers
-        sharded = {n for u in self.units for names in u.aliases for n in names}
-        return {k: v for k, v in (self.module.state_dict() if self.module else {}).items() if k not in sharded}
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict:
-        """{name: whole tensor} on every rank: each parameter gathered from the master slices, under every
-        name the plain model's state_dict() has for it, and the frozen parameters and buffers."""
-        out = {k: v.detach().clone() for k, v in self._unsharded().items()}
-        for u in self.units:
-            full = u.master.detach().clone()
-            if self.stage > 0:
-                full = full.new_empty(u.N)
-                all_gather_single(full, u.master.detach().clone(), group=u.group)
-            out.update((n, v.clone()) for names, v in zip(u.aliases, u.views(full)) for n in names)
-        return out
-
-    @torch.no_grad()
-    def load_full_state_dict(self, sd: dict):
-        """Load a full state dict (the same on every rank): each rank takes its slices and refreshes its
-        compute copies (any gathered copy is dropped); frozen parameters and buffers are copied whole."""
-        for u in self.units:
-            full = torch.cat([sd[name].reshape(-1).to(u.master) for name in u.names] + [u.master.new_zeros(u.N)])
-            u.master.copy_(full[u.r * u.n:(u.r + 1) * u.n])
-            u.publish()
-        for k, v in self._unsharded().items():
-            v.copy_(sd[k])
-
-    def shard_state_dict(self) -> dict:
-        """This rank's training state, for a checkpoint the same layout reloads: its master slices and the
-        inner optimizer's state (frozen parameters and buffers never change: they are not in it)."""
-        return copy.deepcopy(dict(masters=[u.master.detach() for u in self.units], optimizer=self.inner.state_dict()))
-
-    @torch.no_grad()
-    def load_shard_state_dict(self, sd: dict):
-        for u, m in zip(self.units, sd["masters"], strict=True):
-            u.master.copy_(m)
-            u.publish()  # compute copies refreshed; stage 3 drops any gathered (now stale) buffer
-        self.inner.load_state_dict(sd["optimizer"])
 
     def state_bytes(self) -> dict:
         """Model-state bytes this rank holds, by category (storage-based)."""
@@ -471,9 +427,8 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
 
     made = [(um, [FlatUnit(e, stage, g, d, a, param_dtype, init_fn) for (g, d, a), e in plan[id(um)].items()])
             for um in [*units, model] if plan[id(um)]]
-    opt = ZeroOptimizer([u for _, us in made for u in us], optimizer_cls, stage, max_grad_norm, before_reduce,
+    opt = ZeroOptimizer(model, [u for _, us in made for u in us], optimizer_cls, stage, max_grad_norm, before_reduce,
                         **optimizer_kwargs)
-    opt.module = model
     if stage >= 2:
         _add_hooks(opt, made, model, reshard_after_forward, prefetch)
     return opt
@@ -485,7 +440,7 @@ def _my_slice(u, entries, init_fn):
     p0, lo = entries[0][2], u.r * u.n
     master = torch.zeros(u.n, dtype=torch.promote_types(p0.dtype, torch.float32) if p0.is_meta else p0.dtype,
                          device=_device(u.group) if p0.is_meta else p0.device)
-    for (i, a, b), off in [(s, u.offsets()[s[0]]) for s in u.spans()]:
+    for (i, a, b), off in [(s, u.offsets[s[0]]) for s in u.spans()]:
         names, _, p = entries[i]
         full = init_fn(names[0], p.shape) if p.is_meta else p.detach()
         master[a:b] = full.reshape(-1)[lo + a - off:lo + b - off].to(master.device)
@@ -495,9 +450,8 @@ def _my_slice(u, entries, init_fn):
 def _repoint(entry, view):
     """Every holder of the parameter now holds `view` (of buf). `.data`-made views get their own version
     counter, so refilling buf (stage 3) does not trip autograd's check on saved tensors."""
-    _, holders, _ = entry
     p = nn.Parameter(view)
-    for module, attr in holders:
+    for module, attr in entry[1]:
         module._parameters[attr] = p
     return p
 
@@ -544,7 +498,6 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
     """Shard the shared model, train `steps` global batches with AdamW (microbatches > 1: that many backwards
     inside opt.accumulating() per step); return the full parameters, the losses and what the last step
     measured (bytes by collective; model state at rest; MemTracker's peak if track_peak) beside the formulas."""
-    import time
     import warnings
 
     from data import get_batch, load_corpus
@@ -557,33 +510,29 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
     opt = shard_model(model, stage, group=group, replicate_group=replicate_group if R > 1 else None, lr=lr,
                       init_fn=(lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None,
                       **shard_kwargs)
-    tokens, losses, times, peak = load_corpus(), [], [], None
+    tokens, losses, peak, m = load_corpus(), [], None, microbatches
     for s in range(steps):
         x, y = get_batch(tokens, s, batch, seq, seed, dp_rank, P * R, device=device)
         tracked = track_peak and s == steps - 1
         with memory_tracker(model, opt.inner) if tracked else contextlib.nullcontext() as mt, \
                 warnings.catch_warnings(), CommCounter() as comm:  # MemTracker: "no .grad" (ours are sharded)
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
-            t = time.perf_counter()
-            loss, m = 0.0, microbatches
+            loss = 0.0
             for xm, ym in zip(x.chunk(m), y.chunk(m)):
                 with opt.accumulating() if m > 1 else contextlib.nullcontext():
                     (part := model(xm, ym) / m).backward()
                 loss = loss + part.detach()
             opt.step()
-            times.append(time.perf_counter() - t)  # (on CPU: no queued work to wait for)
         peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"] if tracked else peak
         memory = opt.state_bytes()  # at rest, after the step (before zero_grad)
         opt.zero_grad()
-        loss = loss.double()
-        dist.all_reduce(loss)  # the global batch's loss, for printing (outside the counter)
+        dist.all_reduce(loss := loss.double())  # the global batch's loss, for printing (outside the counter)
         losses.append(loss.item() / (P * R))
     numel, k, root = sum(u.N for u in opt.units), sum(len(u.params) for u in opt.units), opt.units[-1]
     root_numel = root.N if "tok_embeddings.weight" in root.names else 0
     pb, gb, mb = root.buf.element_size(), root.master.element_size(), 0 if root.dtype == root.master.dtype else 4
     rs = shard_kwargs.get("reshard_after_forward", True)
     return dict(state={k: v.cpu() for k, v in opt.full_state_dict().items()}, losses=losses, peak=peak, stage=stage,
-                step_time=statistics.median(times[1:] or times),  # step 0 warms up
                 comm=comm.summary(), events=[(e.op, e.group_ranks, e.api_bytes) for e in comm.events], memory=memory,
                 numel=numel, root_numel=root_numel, n_params=k, P=P, param_bytes=pb,
                 memory_formula=zero_state_formula(stage, numel, P, pb, mb, pb if stage <= 1 else gb, 2 * gb),
@@ -605,8 +554,8 @@ def _demo(argv=None, reference=None) -> int:
     import os
 
     from data import get_batch, load_corpus
-    from demo import all_agree, finish, max_diff, print_by_rank, single_process
-    from instruments import time_steps, wire_bytes
+    from demo import all_agree, bytes_table, finish, max_diff, print_by_rank, single_process
+    from instruments import time_side_by_side
     from mesh import init_distributed, print0
     from model import build_model
     dtypes = {"fp32": None, "bf16": torch.bfloat16}  # None: compute in the parameters' own fp32
@@ -637,13 +586,10 @@ def _demo(argv=None, reference=None) -> int:
     lines = [f"rank {dist.get_rank()}: model state at rest, MiB (measured | formula)"]
     lines += [f"    {k:10s} {res['memory'][k] * mib:9.4f} | {v * mib:9.4f}" for k, v in res["memory_formula"].items()]
     lines[-1] += f"   ({res['memory']['total'] / res['numel']:.2f} bytes per parameter)"
-    lines.append("  bytes per step (API measured | formula; ring wire bytes sent by this rank)")
-    for op, want in sorted((res["comm_formula"] | {k: 0 for k in res["comm"] if k not in res["comm_formula"]}).items()):
-        got = res["comm"].get(op, dict(bytes=0, wire_bytes=0.0, calls=0))
-        lines.append(f"    {op:14s} {got['bytes']:>10,} | {want:>10,}   wire {got['wire_bytes']:>12,.0f} | "
-                     f"{wire_bytes(op, want, world):>12,.0f}   ({got['calls']} calls)")
-    lines.append(f"  step time {res['step_time'] * 1e3:.1f} ms" + (f", MemTracker peak {res['peak'] * mib:.3f} MiB "
-                 "(model state + activations + temporaries)" if res["peak"] else ""))
+    lines += ["  bytes per step, last step (API measured | formula; ring bytes this rank sent | formula)"]
+    lines += bytes_table(res["comm"], res["comm_formula"], world)
+    if res["peak"]:
+        lines.append(f"  MemTracker peak {res['peak'] * mib:.3f} MiB (model state + activations + temporaries)")
     print_by_rank("\n".join(lines))
 
     # The single-process run on the same global batches. Adam turns rounding-level gradient differences into
@@ -655,26 +601,26 @@ def _demo(argv=None, reference=None) -> int:
     ok = all_agree(err < tol)
     print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
            f"{'ok' if ok else 'MISMATCH'}")
-    if args.compare and reference is not None:  # PyTorch's FSDP2 beside a fresh copy of ours, steps in turn
+    if args.compare and reference is not None:  # PyTorch's FSDP2 beside a fresh copy of ours, in alternating rounds
         from torch.distributed.fsdp import MixedPrecisionPolicy
         ours, theirs = (build_model(args.model, seed=0, device=device) for _ in range(2))
         mp = MixedPrecisionPolicy(pd, torch.float32)
         for block in theirs.layers:
             reference(block, reshard_after_forward=not args.no_reshard, mp_policy=mp)
         reference(theirs, mp_policy=mp)
-        runs = [(ours, shard_model(ours, args.stage, lr=args.lr, **kw)),
-                (theirs, torch.optim.AdamW(theirs.parameters(), lr=args.lr))]
+        runs = {"ours": (ours, shard_model(ours, args.stage, lr=args.lr, **kw)),
+                "FSDP2": (theirs, torch.optim.AdamW(theirs.parameters(), lr=args.lr))}
         x, y = get_batch(tokens, 0, args.batch, args.seq, 0, dist.get_rank(), world, device=device)
 
         def step(model, opt):
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
-        times = [[time_steps(lambda: step(*r), 1, warmup=0, device=device) for r in runs] for _ in range(args.steps)]
-        ours_t, theirs_t = (statistics.median(t) for t in zip(*times[1:] or times))
-        same = max_diff({n: p.full_tensor() for n, p in theirs.named_parameters()}, runs[0][1].full_state_dict())
-        print0(f"PyTorch FSDP2 fully_shard: max |diff| to ours = {same:.2e}; step time ours {ours_t * 1e3:.1f} ms vs "
-               f"FSDP2 {theirs_t * 1e3:.1f} ms -> our throughput = {theirs_t / ours_t:.2f}x FSDP2's")
+        t = time_side_by_side({k: lambda r=r: step(*r) for k, r in runs.items()}, rounds=args.steps, per_round=1,
+                              device=device)
+        same = max_diff({n: p.full_tensor() for n, p in theirs.named_parameters()}, runs["ours"][1].full_state_dict())
+        print0(f"PyTorch FSDP2 fully_shard: max |diff| to ours = {same:.2e}; step time ours {t['ours'] * 1e3:.1f} ms "
+               f"vs FSDP2 {t['FSDP2'] * 1e3:.1f} ms -> our throughput = {t['FSDP2'] / t['ours']:.2f}x FSDP2's")
         del runs, ours, theirs  # FSDP2's state goes while the process group still exists
     return finish(ok)
 

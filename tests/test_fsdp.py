@@ -503,12 +503,12 @@ def _lines(out, word):
 
 def _check_stage1(out):
     assert out.count("(10.00 bytes per parameter)") == 4  # (4 + 4)Ψ + 8Ψ/4 on every rank
-    assert all(" 139,904 |    139,904" in line for line in _lines(out, "all_gather")), _lines(out, "all_gather")
+    assert all(" 139,904 |     139,904" in line for line in _lines(out, "all_gather")), _lines(out, "all_gather")
 
 
 def _check_no_reshard(out):
     gathers = _lines(out, "all_gather")
-    assert len(gathers) == 2 and all("139,904 |    139,904" in g and "(3 calls)" in g for g in gathers), gathers
+    assert len(gathers) == 2 and all("139,904 |     139,904" in g and "(3 calls)" in g for g in gathers), gathers
 
 
 def _check_bf16_compare(out):
