@@ -30,16 +30,13 @@ Memory per rank: q, k, v, output O(S/cp) instead of O(S); the ring's scores one 
 """
 from __future__ import annotations
 
-import contextlib
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from instruments import CommCounter, memory_tracker, time_steps
+from instruments import CommCounter, memory_tracker, time_calls, time_steps
 from mesh import all_reduce_flat
 
 LAYOUTS, METHODS = ("contiguous", "zigzag"), ("ring", "ulysses")
@@ -315,16 +312,15 @@ def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=
     pos, losses = shard_positions(S, cp, rank, layout).to(device), []
     for x, y in batches:
         x, y = (shard_sequence(t, cp, rank, layout).to(device) for t in (x, y))       # [B, S/cp]
-        loss = model(x, y, positions=pos)
         # The global loss is the mean of the ranks' local means (equal token counts): each rank
-        # backpropagates loss/cp and the ranks' parameter gradients are summed (the ring's backward
-        # already sent every dk, dv home). This all-reduce is lesson 1's; torchtitan folds cp into dp.
-        (loss / cp).backward()
-        all_reduce_flat([p.grad for p in model.parameters()], group)
+        # backpropagates loss/cp and the parameter gradients (and the loss) are summed over cp: lesson 1's
+        # all-reduce (torchtitan folds cp into dp). The ring's backward already sent every dk, dv home.
+        loss = model(x, y, positions=pos) / cp
+        loss.backward()
+        total = loss.detach().clone()
+        all_reduce_flat([p.grad for p in model.parameters()] + [total], group)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        total = loss.detach() / cp
-        all_reduce_flat([total], group)
         losses.append(total.item())
     return losses, model
 
@@ -350,24 +346,6 @@ def schedule_work(cp, rank, layout, causal, B, H, c, D) -> dict:
     cq = c // n
     return dict(fwd=4 * B * H * cq * cq * D * len(pairs), bwd=10 * B * H * cq * cq * D * len(pairs),
                 scores=B * H * sum(cq * (cq + 1) // 2 if d else cq * cq for d in pairs))
-
-
-@contextlib.contextmanager
-def timed_waits():
-    """Seconds this rank spends blocked in the ring's wait() — the next block not there yet — measured
-    by wrapping _Pass.wait from outside. Yields the list the durations are appended to."""
-    spent, inner = [], _Pass.wait
-
-    def wait(self):
-        t0 = time.perf_counter()
-        out = inner(self)
-        spent.append(time.perf_counter() - t0)
-        return out
-    _Pass.wait = wait
-    try:
-        yield spent
-    finally:
-        _Pass.wait = inner
 
 
 def _inputs(B, S, H, Hkv, D, dtype, seed, device=None, round_to=None, q_scale=1.0):
@@ -404,10 +382,8 @@ def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layou
         res["peak_bytes"] = mt.get_tracker_snapshot("peak")[q.device]["Total"]
     if repeats:   # every rank starts each call at once: the time is the ring's, not a straggler's
         res["time"] = time_steps(lambda: (dist.barrier(), step()), repeats)
-        with torch.no_grad(), timed_waits() as waits:
-            for _ in range(repeats):
-                dist.barrier()
-                attn(q, k, v)
+        with torch.no_grad(), time_calls(_Pass, "wait") as waits:      # blocked: the next block not there yet
+            time_steps(lambda: (dist.barrier(), attn(q, k, v)), repeats, warmup=0)
         res["wait"] = sum(waits) / repeats
     return res
 
@@ -433,8 +409,9 @@ def sweep(seq_lens, layouts=LAYOUTS, **shape) -> dict:
 # ---- demo: torchrun --nproc_per_node 4 ring_attention.py ------------------------------------------------
 
 def _demo(argv=None) -> int:
-    """Each method against full-sequence SDPA (error, FLOPs, memory, bytes against the formula, time, the
-    forward's waits), then the tiny model trained with cp ranks against one process."""
+    """One table: every method, per rank, against whole-sequence SDPA on one rank (relative error, forward
+    matmul FLOPs, peak memory, the forward's waits for the next block, time, bytes per layer against the
+    formula), and the tiny model trained with cp ranks (max |loss - one process's|); one verdict."""
     import argparse
     import os
 
@@ -448,58 +425,56 @@ def _demo(argv=None) -> int:
         ap.add_argument(f"--{name}", type=type(default), default=default)
     ap.add_argument("--no-causal", action="store_true")
     a = ap.parse_args(argv)
-    cp, H = int(os.environ.get("WORLD_SIZE", "1")), a.heads
+    cp, B, H, Hkv, D = int(os.environ.get("WORLD_SIZE", "1")), a.batch, a.heads, a.kv_heads, a.head_dim
     check_layout(a.seq, cp, "zigzag")                           # arithmetic, before any collective
-    if H % a.kv_heads:
-        raise ValueError(f"--heads {H} must be a multiple of --kv-heads {a.kv_heads}")
+    if H % Hkv or a.repeats < 1:
+        raise ValueError(f"--heads {H} must be a multiple of --kv-heads {Hkv}, --repeats at least 1")
     device, rank, world = init_distributed(), dist.get_rank(), dist.group.WORLD
     alone = [dist.new_group([r]) for r in range(cp)][rank]     # a "ring" of one: the same kernel on all of S
     U = 2 if cp >= 4 and cp % 2 == 0 else 1                    # ring x Ulysses: R = cp/2 rings of U = 2
     ring, uly = ring_ulysses_groups([list(range(cp))], U) if U > 1 else (None, None)
-    shape = dict(B=a.batch, S=a.seq, H=H, Hkv=a.kv_heads, D=a.head_dim, causal=not a.no_causal, dtype=torch.float32,
-                 repeats=a.repeats, memory=True, device=device, q_scale=a.q_scale)
-    ref = full_attention(**{k: v for k, v in shape.items() if k not in ("repeats", "memory")})
-    sdpa, one = (attention_case(**shape, method=m, layout="contiguous", group=alone) for m in ("ulysses", "ring"))
-    print0(f"cp={cp} ranks, B={a.batch} S={a.seq} heads={H} kv_heads={a.kv_heads} head_dim={a.head_dim} "
-           f"{'full' if a.no_causal else 'causal'} fp32, q x {a.q_scale:g}, {device}\n{'one rank, all of S':32s}"
-           f"{'fwd MFLOP':12s}{'peak MiB':10s}{'ms':>6s}\n{'  PyTorch SDPA':44s}{sdpa['peak_bytes'] / 2**20:<10.2f}"
-           f"{sdpa['time'] * 1e3:6.1f}\n{'  hand kernel, cp=1':32s}{one['flops'][0] / 1e6:<12.1f}"
-           f"{one['peak_bytes'] / 2**20:<10.2f}"
-           f"{one['time'] * 1e3:6.1f}\ncp={cp}, per rank{'rel. err':>24s}  {'fwd MFLOP':28s}{'peak MiB':24s}"
-           f"{'bytes/layer fwd+bwd (formula)':>30s}{'ms':>8s}")
-    ok, c = True, a.seq // cp
-    for method, layout, u in [("ring", "contiguous", 1), ("ring", "zigzag", 1), ("ulysses", "contiguous", cp),
-                              ("ulysses", "zigzag", U)][:3 + (U > 1)]:
-        name = f"{method} {layout}" if u in (1, cp) else f"ring {cp // U} x ulysses {U} {layout}"
-        if method == "ulysses" and H % u:
+    shape = dict(B=B, S=a.seq, H=H, Hkv=Hkv, D=D, causal=not a.no_causal, dtype=torch.float32, device=device,
+                 q_scale=a.q_scale)
+    ref = full_attention(**shape)
+    rows = [("PyTorch SDPA, 1 rank", "ulysses", "contiguous", 1, 1, alone, None),   # name, method, layout,
+            ("ring kernel, 1 rank", "ring", "contiguous", 1, 1, alone, None),       # cp, Ulysses size U,
+            ("ring contiguous", "ring", "contiguous", cp, 1, world, None),          # group, ring group
+            ("ring zigzag", "ring", "zigzag", cp, 1, world, None),
+            ("ulysses contiguous", "ulysses", "contiguous", cp, cp, world, None),
+            (f"ring {cp // U} x ulysses {U} zigzag", "ulysses", "zigzag", cp, U, uly, ring)][:5 + (U > 1)]
+    w = 5 * max(cp, 4) + 4
+    print0(f"cp={cp} ranks, B={B} S={a.seq} heads={H} kv_heads={Hkv} head_dim={D} {'full' if a.no_causal else 'causal'}"
+           f" fp32, q x {a.q_scale:g}, {device}\n{'':26s}{'rel. err':>9s}  {'fwd MFLOP per rank':{w}s}"
+           f"{'peak MiB per rank':{w}s}{'waits ms per rank':{w}s}{'ms':>6s}  bytes/layer fwd+bwd (formula)")
+    ok = True
+    for name, method, layout, n, u, group, ring_group in rows:
+        if H % u:
             print0(f"  ({name} skipped: {H} heads are not divisible by {u})")
             continue
-        res = attention_case(**shape, method=method, layout=layout, group=uly if 1 < u < cp else world,
-                             ring_group=ring if 1 < u < cp else None)
-        err = torch.stack([(res[n] - shard_sequence(ref[n], cp, rank, layout, dim=2)).abs().max() / ref[n].abs().max()
-                           for n in ("out", "dq", "dk", "dv")]).max()        # (torch's max keeps a nan)
-        every = [torch.empty(5, device=device) for _ in range(cp)]
-        dist.all_gather(every, torch.tensor([err, res["flops"][0] / 1e6, res["peak_bytes"] / 2**20, res["time"],
-                                             res["wait"]], device=device))
-        err, (flops, peak, ms, wait) = torch.stack(every)[:, 0].max().item(), torch.stack(every)[:, 1:].T.tolist()
-        hkv = a.kv_heads if a.kv_heads % u == 0 else H   # (Ulysses repeats kv heads it cannot split)
-        formula = sum(ring_bytes(a.batch, u * c, hkv // u, a.head_dim, cp // u, 4)) \
-            + (2 * ulysses_bytes(a.batch, c, H, a.kv_heads, a.head_dim, u, 4) if method == "ulysses" else 0)
-        ok &= err < 1e-4 and sum(res["bytes"]) == formula
-        flops = " ".join(f"{f:.1f}" for f in flops) if u < cp else "(SDPA: not counted on CPU)"
-        print0(f"  {name:36s}{err:7.1e}  {flops:28s}{' '.join(f'{m:.2f}' for m in peak):24s}"
-               f"{sum(res['bytes']):>15,d} ({formula:,d}){max(ms) * 1e3:8.1f}")
-        if u < cp:
-            print0(f"{'':38s}forward waits for the next block, ms per rank: "
-                   + " ".join(f"{w * 1e3:.1f}" for w in wait))
+        res = attention_case(**shape, method=method, layout=layout, group=group, ring_group=ring_group,
+                             repeats=a.repeats, memory=True)
+        err = torch.stack([(res[x] - shard_sequence(ref[x], n, rank % n, layout, dim=2)).abs().max() / ref[x].abs().max()
+                           for x in ("out", "dq", "dk", "dv")]).max()        # (torch's max keeps a nan)
+        mine = torch.tensor([err, res["flops"][0] / 1e6, res["peak_bytes"] / 2**20, res["wait"] * 1e3, res["time"]],
+                            device=device)
+        every = [torch.empty_like(mine) for _ in range(cp)]
+        dist.all_gather(every, mine)
+        err, flops, peak, wait, ms = torch.stack(every).T.tolist()
+        hkv, c = Hkv if Hkv % u == 0 else H, a.seq // n     # (Ulysses repeats kv heads it cannot split)
+        formula = sum(ring_bytes(B, u * c, hkv // u, D, n // u, 4)) + 2 * ulysses_bytes(B, c, H, Hkv, D, u, 4)
+        ok &= max(err) < 1e-4 and sum(res["bytes"]) == formula
+        cells = [" ".join(f"{x:.{p}f}" for x in xs) if show else "-"     # SDPA's matmuls: not counted on CPU
+                 for xs, p, show in ((flops, 1, method == "ring" or u < n), (peak, 2, True), (wait, 1, u < n))]
+        print0(f"  {name:26s}{max(err):7.1e}  " + "".join(f"{x:{w}s}" for x in cells)
+               + f"{max(ms) * 1e3:6.1f}  {sum(res['bytes']):,d} ({formula:,d})")
     batches = [get_batch(load_corpus(), s, 2, 32, device=device) for s in range(a.model_steps)]
     want = single_process(build_model("tiny", device=device), batches)["losses"]
-    print0(f"tiny model, {a.model_steps} steps, S=32, cp={cp}: one process " + " ".join(f"{v:.5f}" for v in want))
     for method, layout in [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag")][:2 + (4 % cp == 0)]:
         losses, _ = train_cp("tiny", batches, world, method, layout, device=device)
-        ok &= max(abs(x - y) for x, y in zip(losses, want)) < 1e-5
-        print0(f"  {method + ' ' + layout:24s}" + " ".join(f"{v:.5f}" for v in losses)
-               + f"  max |diff| {max(abs(x - y) for x, y in zip(losses, want)):.1e}")
+        diff = max(abs(x - y) for x, y in zip(losses, want))
+        ok &= diff < 1e-5
+        print0(f"  {'train ' + method + ' ' + layout:26s}{diff:7.1e}  tiny model, {a.model_steps} steps of S=32: "
+               f"max |loss - one process's loss|")
     ok = all_agree(ok)
     print0("all checks", "ok" if ok else "FAILED")
     return finish(ok)
