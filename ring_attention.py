@@ -117,11 +117,10 @@ class _Pass:
     asynchronously (one batch, so no pair of neighbours can deadlock): start it, compute, wait()."""
 
     def __init__(self, tensors, group):
-        ranks = dist.get_process_group_ranks(group)
-        me = ranks.index(dist.get_rank())
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        nxt, prv = (dist.get_global_rank(group, (me + step) % n) for step in (1, -1))
         self.sent = [t.contiguous() for t in tensors]   # alive until the sends are done
         self.bufs = [torch.empty_like(t) for t in self.sent]
-        nxt, prv = ranks[(me + 1) % len(ranks)], ranks[me - 1]
         self.reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt, group) for t in self.sent]
                                            + [dist.P2POp(dist.irecv, b, prv, group) for b in self.bufs])
 
@@ -302,19 +301,15 @@ def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=
     from model import build_model, get_config
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
     cp, rank, S = dist.get_world_size(group), dist.get_rank(group), batches[0][0].shape[1]
-    check_layout(S, cp, layout)                       # before any collective, on every rank alike
-    if method == "ulysses":
-        check_ulysses(cfg.n_heads, cp)
+    pos, losses = shard_positions(S, cp, rank, layout).to(device), []    # (checks S, before any collective)
     model = build_model(cfg, seed=seed, device=device)
-    for blk in model.layers:
+    for blk in model.layers:        # (its forward checks the heads, before any collective)
         blk.attn.sdpa = ContextParallelAttention(group, method, layout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    pos, losses = shard_positions(S, cp, rank, layout).to(device), []
     for x, y in batches:
         x, y = (shard_sequence(t, cp, rank, layout).to(device) for t in (x, y))       # [B, S/cp]
-        # The global loss is the mean of the ranks' local means (equal token counts): each rank
-        # backpropagates loss/cp and the parameter gradients (and the loss) are summed over cp: lesson 1's
-        # all-reduce (torchtitan folds cp into dp). The ring's backward already sent every dk, dv home.
+        # The global loss is the mean of the ranks' means (equal token counts): backpropagate loss/cp, sum the
+        # gradients (and loss) over cp: lesson 1's all-reduce. The ring's backward already sent dk, dv home.
         loss = model(x, y, positions=pos) / cp
         loss.backward()
         total = loss.detach().clone()
@@ -359,10 +354,10 @@ def _inputs(B, S, H, Hkv, D, dtype, seed, device=None, round_to=None, q_scale=1.
 
 def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layout="zigzag", dtype=torch.float64,
                    seed=0, group=None, ring_group=None, repeats=0, memory=False, device=None, q_scale=1.0):
-    """One forward + backward of context-parallel attention on this rank's shard of a seeded global batch:
-    its shards of out, dq, dk, dv; the collectives (CommCounter) and matmul FLOPs (FlopCounterMode) of
-    forward and backward; optionally peak memory (MemTracker), the median time of `repeats` calls and the
-    forward's waits for the next block. (On a group of one, "ulysses" is PyTorch's SDPA on all of S.)"""
+    """One forward + backward on this rank's shard of a seeded global batch: its shards of out, dq, dk, dv,
+    the collectives (CommCounter) and matmul FLOPs (FlopCounterMode) of forward and backward; optionally peak
+    memory (MemTracker), the median time of `repeats` calls and the forward's waits for the next block.
+    On a group of one, "ulysses" is PyTorch's SDPA on the whole sequence: the single-process reference."""
     group = group or dist.group.WORLD
     attn = ContextParallelAttention(group, method, layout, causal, ring_group)
     rank = dist.get_rank(group) + (0 if ring_group is None else dist.get_rank(ring_group) * dist.get_world_size(group))
@@ -386,16 +381,6 @@ def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layou
             time_steps(lambda: (dist.barrier(), attn(q, k, v)), repeats, warmup=0)
         res["wait"] = sum(waits) / repeats
     return res
-
-
-def full_attention(B=2, S=32, H=4, Hkv=2, D=8, causal=True, dtype=torch.float64, seed=0, device=None, round_to=None,
-                   q_scale=1.0):
-    """The reference: the same seeded batch through whole-sequence SDPA, in one process."""
-    q, k, v, dout = _inputs(B, S, H, Hkv, D, dtype, seed, device, round_to, q_scale)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)
-    out.backward(dout)
-    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
 
 
 def sweep(seq_lens, layouts=LAYOUTS, **shape) -> dict:
@@ -434,8 +419,8 @@ def _demo(argv=None) -> int:
     U = 2 if cp >= 4 and cp % 2 == 0 else 1                    # ring x Ulysses: R = cp/2 rings of U = 2
     ring, uly = ring_ulysses_groups([list(range(cp))], U) if U > 1 else (None, None)
     shape = dict(B=B, S=a.seq, H=H, Hkv=Hkv, D=D, causal=not a.no_causal, dtype=torch.float32, device=device,
-                 q_scale=a.q_scale)
-    ref = full_attention(**shape)
+                 q_scale=a.q_scale, repeats=a.repeats, memory=True)
+    ref = attention_case(**shape, method="ulysses", layout="contiguous", group=alone)    # SDPA, all of S
     rows = [("PyTorch SDPA, 1 rank", "ulysses", "contiguous", 1, 1, alone, None),   # name, method, layout,
             ("ring kernel, 1 rank", "ring", "contiguous", 1, 1, alone, None),       # cp, Ulysses size U,
             ("ring contiguous", "ring", "contiguous", cp, 1, world, None),          # group, ring group
@@ -451,8 +436,8 @@ def _demo(argv=None) -> int:
         if H % u:
             print0(f"  ({name} skipped: {H} heads are not divisible by {u})")
             continue
-        res = attention_case(**shape, method=method, layout=layout, group=group, ring_group=ring_group,
-                             repeats=a.repeats, memory=True)
+        res = ref if group is alone and method == "ulysses" else attention_case(
+            **shape, method=method, layout=layout, group=group, ring_group=ring_group)
         err = torch.stack([(res[x] - shard_sequence(ref[x], n, rank % n, layout, dim=2)).abs().max() / ref[x].abs().max()
                            for x in ("out", "dq", "dk", "dv")]).max()
         mine = torch.tensor([err, res["flops"][0] / 1e6, res["peak_bytes"] / 2**20, res["wait"] * 1e3, res["time"]],

@@ -24,6 +24,16 @@ def gather_sequence(shards, layout, dim=1):
     return torch.cat([chunks[i] for i in sorted(chunks)], dim)
 
 
+def full_attention(B, S, H, Hkv, D, causal, dtype, round_to=None):
+    """The reference: the same seeded batch (ra._inputs, seed 0 as ra.attention_case's default) through
+    whole-sequence SDPA, in one process."""
+    q, k, v, dout = ra._inputs(B, S, H, Hkv, D, dtype, 0, round_to=round_to)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)
+    out.backward(dout)
+    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+
+
 def _cases(cp):
     cases = [dict(method=m, layout=lay, causal=c, dtype=F64)
              for m in ("ring", "ulysses") for lay in ra.LAYOUTS for c in (True, False)]
@@ -96,7 +106,7 @@ def test_attention_equals_sdpa_bytes_flops_memory_errors(cp):
         res = [r[0][i] for r in per_rank]
         shape = {k: case[k] for k in ("B", "S", "H", "Hkv", "D", "causal")}
         exact = case["dtype"] == torch.bfloat16   # the exact answer for the bf16-rounded inputs, in float64
-        ref = ra.full_attention(**shape, dtype=F64 if exact else case["dtype"],
+        ref = full_attention(**shape, dtype=F64 if exact else case["dtype"],
                                 round_to=torch.bfloat16 if exact else None)
         tol = dict(rtol=1e-12, atol=1e-12) if case["dtype"] == F64 else dict(rtol=1e-5, atol=1e-5)
         for name in ("out", "dq", "dk", "dv"):
