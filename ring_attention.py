@@ -50,10 +50,9 @@ def chunk_ids(layout: str, cp: int, rank: int) -> list[int]:
 
 
 def ring_schedule(cp: int, rank: int, layout: str, causal: bool = True) -> list:
-    """The ring's plan on one rank, forward and backward alike: [(t, src, pairs)]. At step t the rank
-    holds the k, v block of rank src = (rank - t) mod cp and computes pairs (i, j, diagonal): its query
-    chunk i against the block's key chunk j. Causal: a pair wholly in the future is skipped; on the
-    diagonal (the same chunk) the causal triangle applies."""
+    """The ring's plan on one rank, forward and backward alike: [(t, src, pairs)]. At step t the rank holds
+    the k, v block of rank src = (rank - t) mod cp and computes pairs (i, j, diagonal): its query chunk i
+    against the block's key chunk j. Causal: a pair wholly in the future is skipped, a diagonal one masked."""
     mine, plan = chunk_ids(layout, cp, rank), []
     for t in range(cp):
         src = (rank - t) % cp
@@ -261,9 +260,8 @@ def check_layout(seq_len: int, cp: int, layout: str) -> None:
 
 
 class ContextParallelAttention(nn.Module):
-    """Attention over a sequence sharded across `group` (the model's rotary used the shard's absolute
-    positions). method "ring" or "ulysses" (with ring_group: Ulysses over `group` × a ring over
-    ring_group); layout "contiguous" or "zigzag"."""
+    """Attention over a sequence sharded across `group` (rotary used the shard's absolute positions): "ring"
+    or "ulysses" (with ring_group: Ulysses over `group` × a ring over ring_group), "contiguous" or "zigzag"."""
 
     def __init__(self, group, method: str = "ring", layout: str = "zigzag", causal: bool = True, ring_group=None):
         super().__init__()
@@ -394,9 +392,8 @@ def sweep(seq_lens, layouts=LAYOUTS, **shape) -> dict:
 # ---- demo: torchrun --nproc_per_node 4 ring_attention.py ------------------------------------------------
 
 def _demo(argv=None) -> int:
-    """One table: every method, per rank, against whole-sequence SDPA on one rank (relative error, forward
-    matmul FLOPs, peak memory, the forward's waits for the next block, time, bytes per layer against the
-    formula), and the tiny model trained with cp ranks (max |loss - one process's|); one verdict."""
+    """One table: every method per rank against PyTorch's SDPA on all of S on one rank (error, FLOPs, memory,
+    waits, time, bytes against the formula), and the tiny model trained on cp ranks against one process."""
     import argparse
     import os
 
@@ -440,12 +437,10 @@ def _demo(argv=None) -> int:
             **shape, method=method, layout=layout, group=group, ring_group=ring_group)
         err = torch.stack([(res[x] - shard_sequence(ref[x], n, rank % n, layout, dim=2)).abs().max() / ref[x].abs().max()
                            for x in ("out", "dq", "dk", "dv")]).max()
-        mine = torch.tensor([err, res["flops"][0] / 1e6, res["peak_bytes"] / 2**20, res["wait"] * 1e3, res["time"]],
-                            device=device)
-        every = [torch.empty_like(mine) for _ in range(cp)]
-        dist.all_gather(every, mine)
-        table = torch.stack(every)                           # [cp, 5]: a row per rank
-        err, (flops, peak, wait, ms) = table[:, 0].max().item(), table[:, 1:].T.tolist()   # (max keeps a nan)
+        every = [torch.tensor([err, res["flops"][0] / 1e6, res["peak_bytes"] / 2**20, res["wait"] * 1e3,
+                               res["time"]], device=device) for _ in range(cp)]   # [5] per rank: all-gathered
+        dist.all_gather(every, every[rank].clone())
+        err, (flops, peak, wait, ms) = torch.stack(every)[:, 0].max().item(), torch.stack(every)[:, 1:].T.tolist()
         hkv, c = Hkv if Hkv % u == 0 else H, a.seq // n     # (Ulysses repeats kv heads it cannot split)
         formula = sum(ring_bytes(B, u * c, hkv // u, D, n // u, 4)) + 2 * ulysses_bytes(B, c, H, Hkv, D, u, 4)
         ok &= err < 1e-4 and sum(res["bytes"]) == formula
