@@ -340,6 +340,30 @@ def overlap_fraction(spans, comm: str = "all_reduce", compute: str = "backward")
     return inside / total if total > 0 else 0.0
 
 
+# ---- context parallel (ring_attention.py): time spent inside one function ------------------
+
+@contextmanager
+def time_calls(owner, name: str):
+    """Seconds spent in each call of `owner.name` (a class's method, a module's function) inside the
+    region, measured by wrapping it from outside, so the code measured records nothing. Yields the
+    list each call's duration is appended to; the original is put back on exit.
+
+        with time_calls(_Pass, "wait") as waits:  attn(q, k, v)     # sum(waits): time blocked"""
+    inner, spent = getattr(owner, name), []
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - t0)
+    setattr(owner, name, timed)
+    try:
+        yield spent
+    finally:
+        setattr(owner, name, inner)
+
+
 # ---- time ----------------------------------------------------------------------------
 
 def sync(device=None):
