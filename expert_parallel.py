@@ -19,23 +19,19 @@ order; the owner decides and sends its verdict back (a second small all-to-all).
 Aux loss (Switch §2.2, eq. 4–6): α·E·Σ_i f_i·P_i, f_i = c_i/(N·k) the share of the N·k assignments
 routed to expert i (no gradient), P_i = S_i/N its mean router probability (S_i = Σ_tokens p_i).
 
-Composition: the tokens of a step may be split over the ranks in any way.
-  aux_group  every rank holding other tokens (dp × cp, × tp under tensor parallel); D what data
-             parallel divides summed gradients by (dp·cp). A rank differentiates
-             P = S/N + (S_local − sg(S_local))·D/N (sg: no gradient): the ranks' gradients, summed and
-             divided by D, are the global aux loss's, whatever share of the N tokens each holds.
-  tp         without sequence parallel the tp ranks hold the same [B, S, H]: each keeps 1/tp of the
-             rows, which are dispatched ONCE, and the outputs are all-gathered (backward: all-gather the
-             input gradient; keep my rows of the output gradient, already whole on every tp rank).
-             With sequence parallel the rows already differ. Either way the router's and the experts'
-             gradients are partial sums over tp. cp: an ep group is ep dp ranks at one cp index.
-  micro-batches, pipeline stages: the aux loss is per forward call, over that micro-batch's tokens
-             (as Megatron-LM). A stage's backward starts from its output: aux_weight=w (1/m) makes the
-             output's backward carry w·∂aux (Megatron-LM's MoEAuxLossAutoScaler).
-  gradients  dense: sum over dp × cp, divide by D. Experts: the backward all-to-all already summed every
-             ep rank's contribution on the owner; the other copies of my experts are on "edp_cp"
-             (dp/ep × cp ranks): sum there, divide by D — not by |edp_cp|, which would count each loss
-             ep times. Under tp, router and experts are first summed over tp.
+Composition (the README's table): the tokens of a step may be split over the ranks in any way.
+  aux_group  every rank holding other tokens (dp × cp, × tp under tensor parallel); D what data parallel
+             divides summed gradients by (dp·cp). A rank differentiates P = S/N + (S_local − sg(S_local))·D/N
+             (sg: no gradient): summed and divided by D, the ranks' gradients are the global aux loss's,
+             whatever share of the N tokens each holds.
+  tp         without sequence parallel the tp ranks hold the same [B, S, H]: each dispatches its 1/tp of the
+             rows ONCE and the outputs are all-gathered (SplitRows); with it the rows already differ. Either
+             way router and expert gradients are partial sums over tp. cp: an ep group is ep dp ranks at one
+             cp index. Micro-batches, pipeline stages: the aux loss is per forward call, over its tokens (as
+             Megatron-LM); aux_weight=w (1/m) makes a stage output's backward carry w·∂aux (AuxInBackward).
+  gradients  dense: sum over dp × cp, divide by D. Experts: the backward all-to-all already summed every ep
+             rank's contribution on the owner; sum over the other copies ("edp_cp": dp/ep × cp ranks) and
+             divide by D too — not by |edp_cp|, which would count each loss ep times. Under tp: first over tp.
 
 Communication per MoE layer and forward, per rank (b bytes per element; all-to-all: bytes sent to
 OTHER ranks; all-reduce, all-gather: ring wire bytes, see mesh.py):
