@@ -246,8 +246,8 @@ class VocabParallelCrossEntropy(nn.Module):
 # ---- the whole model ---------------------------------------------------------------------------------
 
 def check_divisible(cfg, t: int) -> None:
-    """Raise ONE clear ValueError (arithmetic only: on every rank, before any collective)."""
-    # (a mixture of experts' MLP is not split: expert parallel dispatches its tokens, expert_parallel.py)
+    """Raise ONE clear ValueError (arithmetic only: on every rank, before any collective). A mixture of
+    experts' MLP is not split (expert parallel dispatches its tokens, expert_parallel.py)."""
     sizes = [("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size)]
     sizes += [] if cfg.n_experts else [("ffn_dim (MLP width)", cfg.ffn_dim)]
     for what, n in sizes:
@@ -260,13 +260,10 @@ def check_divisible(cfg, t: int) -> None:
 
 
 def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = False):
-    """Convert the shared model IN PLACE: each rank keeps its slice of every full weight.
-
-    mesh_or_group: a Mesh (its "tp" group), a process group, or None (the world). model: a
-    model.Transformer or a pipeline.Stage (whatever of embedding, layers, norm and head it has).
-    Sets model.tp_group, model.sequence_parallel (a pipeline stage then sends [b, S/t, H]) and
-    model.tp_partial_grads = {parameter name: (slot, n_slots)}.
-    """
+    """Convert the shared model IN PLACE: each rank keeps its slice of every full weight. mesh_or_group: a
+    Mesh (its "tp" group), a process group, or None (the world). model: a model.Transformer or a pipeline.Stage
+    (whatever of embedding, layers, norm and head it has). Sets model.tp_group, model.sequence_parallel (a
+    pipeline stage then sends [b, S/t, H]) and model.tp_partial_grads = {parameter name: (slot, n_slots)}."""
     group = resolve_group(mesh_or_group, "tp")
     t, cfg, sp = _size(group), model.cfg, sequence_parallel
     check_divisible(cfg, t)
@@ -298,13 +295,10 @@ def mark_partial(model, name: str, slot: int = 0, n_slots: int = 1) -> None:
 
 
 def finish_grads(model, params=None) -> None:
-    """After backward: sum over tp the gradients each rank holds only a part of, in ONE all-reduce.
-
-    Each partial gradient goes into its slot of a zero buffer [n_slots, ...]: the sum gives each slot
-    the total over the ranks sharing it. params: only those (found by name, so parameters that ZeRO
-    replaced are found too); no collective if none of them is partial. Every tp rank must call it with
-    the same parameters, in the same order.
-    """
+    """After backward: sum over tp the gradients each rank holds only a part of, in ONE all-reduce. Each
+    partial gradient goes into its slot of a zero buffer [n_slots, ...]: the sum gives each slot the total over
+    the ranks sharing it. params: only those (found by name, so parameters that ZeRO replaced are found too);
+    no collective if none of them is partial. Every tp rank must call it with the same parameters, in order."""
     group, partial = getattr(model, "tp_group", None), getattr(model, "tp_partial_grads", {})
     named = dict(model.named_parameters())
     wanted = None if params is None else {id(p) for p in params}
