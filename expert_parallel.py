@@ -1,7 +1,5 @@
 """Lesson 7 — expert parallel: the experts of a mixture of experts live on different ranks.
 
-The idea
---------
 A mixture-of-experts (MoE) MLP has E experts and a router that sends each token to k of them
 (model.py's `MoE` is the single-device reference). Expert parallel (GShard, Lepikhin et al. 2020,
 arXiv:2006.16668 §2–3) splits the experts, not the tokens: each of the ep ranks of an "ep" group
@@ -21,23 +19,19 @@ order; the owner decides and sends its verdict back (a second small all-to-all).
 Aux loss (Switch §2.2, eq. 4–6): α·E·Σ_i f_i·P_i, f_i = c_i/(N·k) the share of the N·k assignments
 routed to expert i (no gradient), P_i = S_i/N its mean router probability (S_i = Σ_tokens p_i).
 
-Composition: the tokens of a step may be split over the ranks in any way.
-  aux_group  every rank holding other tokens (dp × cp, × tp under tensor parallel); D what data
-             parallel divides summed gradients by (dp·cp). A rank differentiates
-             P = S/N + (S_local − sg(S_local))·D/N (sg: no gradient): the ranks' gradients, summed and
-             divided by D, are the global aux loss's, whatever share of the N tokens each holds.
-  tp         without sequence parallel the tp ranks hold the same [B, S, H]: each keeps 1/tp of the
-             rows, which are dispatched ONCE, and the outputs are all-gathered (backward: all-gather the
-             input gradient; keep my rows of the output gradient, already whole on every tp rank).
-             With sequence parallel the rows already differ. Either way the router's and the experts'
-             gradients are partial sums over tp. cp: an ep group is ep dp ranks at one cp index.
-  micro-batches, pipeline stages: the aux loss is per forward call, over that micro-batch's tokens
-             (as Megatron-LM). A stage's backward starts from its output: aux_weight=w (1/m) makes the
-             output's backward carry w·∂aux (Megatron-LM's MoEAuxLossAutoScaler).
-  gradients  dense: sum over dp × cp, divide by D. Experts: the backward all-to-all already summed every
-             ep rank's contribution on the owner; the other copies of my experts are on "edp_cp"
-             (dp/ep × cp ranks): sum there, divide by D — not by |edp_cp|, which would count each loss
-             ep times. Under tp, router and experts are first summed over tp.
+Composition (the README's table): the tokens of a step may be split over the ranks in any way.
+  aux_group  every rank holding other tokens (dp × cp, × tp under tensor parallel); D what data parallel
+             divides summed gradients by (dp·cp). A rank differentiates P = S/N + (S_local − sg(S_local))·D/N
+             (sg: no gradient): summed and divided by D, the ranks' gradients are the global aux loss's,
+             whatever share of the N tokens each holds.
+  tp         without sequence parallel the tp ranks hold the same [B, S, H]: each dispatches its 1/tp of the
+             rows ONCE and the outputs are all-gathered (SplitRows); with it the rows already differ. Either
+             way router and expert gradients are partial sums over tp. cp: an ep group is ep dp ranks at one
+             cp index. Micro-batches, pipeline stages: the aux loss is per forward call, over its tokens (as
+             Megatron-LM); aux_weight=w (1/m) makes a stage output's backward carry w·∂aux (AuxInBackward).
+  gradients  dense: sum over dp × cp, divide by D. Experts: the backward all-to-all already summed every ep
+             rank's contribution on the owner; sum over the other copies ("edp_cp": dp/ep × cp ranks) and
+             divide by D too — not by |edp_cp|, which would count each loss ep times. Under tp: first over tp.
 
 Communication per MoE layer and forward, per rank (b bytes per element; all-to-all: bytes sent to
 OTHER ranks; all-reduce, all-gather: ring wire bytes, see mesh.py):
@@ -50,8 +44,6 @@ Per step (Ψ_E expert elements of the model, n_e = dp·cp/ep ranks holding each 
 all-reduced over edp_cp, wire 2(n_e−1)/n_e·Ψ_E/ep·b (ZeRO-1/2 there: reduce-scatter + all-gather, the
 same; ZeRO-3: 3(n_e−1)/n_e·Ψ_E/ep·b). Memory per rank for the experts: (b_p + b_g + K)·Ψ_E/ep (K
 optimizer bytes per element; ZeRO over edp_cp divides the sharded terms by n_e), not divided by tp.
-
-Run:  torchrun --nproc_per_node 4 expert_parallel.py   (or: python expert_parallel.py)
 """
 from __future__ import annotations
 
@@ -70,7 +62,7 @@ from data import get_batch, load_corpus
 from demo import all_agree, finish, max_diff, print_by_rank, single_process, snapshot
 from instruments import CommCounter, Timeline
 from mesh import Mesh, all_gather_single, all_reduce_flat, init_distributed, print0
-from model import MoE, build_model, get_config
+from model import MoE, build_model, get_config, num_params
 
 
 # ---- the differentiable all-to-all -----------------------------------------------------------
@@ -100,13 +92,10 @@ class AllToAll(torch.autograd.Function):
 
 class ExpertParallelMoE(MoE):
     """model.MoE with its E experts spread over `ep_group`, E/ep per rank (a subclass: Transformer.aux_loss()
-    still adds its aux loss). Sets aux_loss, tokens_per_expert [E/ep] and dropped, as MoE does.
-    aux_group     every rank holding other tokens of this step (default: the ep group)
-    grad_divisor  D, what data parallel divides summed gradients by (default |aux_group| / tp)
-    tp_group      tensor parallel: router and expert gradients are partial sums over it; without
-                  sequence_parallel its ranks hold the same tokens and each dispatches 1/tp of them
-    aux_weight    w: the output's backward also backpropagates w·aux, and aux_loss is only a value
-                  (pipeline stages); None: the model adds aux_loss to its loss"""
+    still adds its aux loss); sets aux_loss, tokens_per_expert [E/ep] and dropped, as MoE does. aux_group
+    (default: the ep group), grad_divisor D (default |aux_group|/tp), tp_group (its ranks hold the same tokens
+    unless sequence_parallel) and aux_weight w (None: the model adds aux_loss to its loss; a number: the
+    output's backward carries w·∂aux and aux_loss is only a value) as in the module doc's Composition."""
 
     def __init__(self, moe: MoE, ep_group, aux_group=None, grad_divisor=None, tp_group=None,
                  sequence_parallel: bool = False, aux_weight: float | None = None):
@@ -124,11 +113,9 @@ class ExpertParallelMoE(MoE):
         self.first = rank * self.n_local                     # my experts: first .. first + E/ep - 1
         self.router = moe.router                             # replicated on every rank
         sl = slice(self.first, self.first + self.n_local)
-        self.w1 = nn.Parameter(moe.w1.detach()[sl].clone())  # [E/ep, F, H]
-        self.w3 = nn.Parameter(moe.w3.detach()[sl].clone())  # [E/ep, F, H]
-        self.w2 = nn.Parameter(moe.w2.detach()[sl].clone())  # [E/ep, H, F]
-        for p in self.expert_parameters():                   # my rows of the full [E, ...] stack (to
-            p.ep_slice = (0, sl.start, sl.stop)              # materialise a meta model's slice by name)
+        self.w1, self.w3, self.w2 = (nn.Parameter(w.detach()[sl].clone()) for w in (moe.w1, moe.w3, moe.w2))
+        for p in self.expert_parameters():  # [E/ep, F, H], [E/ep, F, H], [E/ep, H, F]: my rows of the full
+            p.ep_slice = (0, sl.start, sl.stop)  # [E, ...] stacks (to materialise a meta model's slice by name)
         self.aux_loss, self.tokens_per_expert, self.dropped = None, None, 0
         self.all_to_all = AllToAll.apply                     # the demo's --compare swaps in PyTorch's
 
@@ -268,12 +255,9 @@ def validate_ep(n_experts: int, top_k: int, ep: int, capacity_factor=None) -> No
 
 
 def parallelize_experts(model, mesh, *, sequence_parallel: bool = False, aux_weight: float | None = None):
-    """Swap every MoE of a model.Transformer or a pipeline.Stage (layers in a ModuleDict) for its
-    expert-parallel layer, in place; returns the model.
-
-    mesh: a Mesh — its "ep" group; the aux group spans every rank holding distinct tokens (dp × cp,
-    × tp when tp > 1); D = dp·cp; tokens split over tp unless sequence_parallel.
-    """
+    """Swap every MoE of a model.Transformer or a pipeline.Stage (layers in a ModuleDict) for its expert-parallel
+    layer, in place; returns the model. From the Mesh: its "ep" group; the aux group spans every rank holding
+    distinct tokens (dp × cp, × tp when tp > 1); D = dp·cp; tokens split over tp unless sequence_parallel."""
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     blocks = [b for b in layers if isinstance(b.mlp, MoE) and not isinstance(b.mlp, ExpertParallelMoE)]
     for b in blocks:  # every layer validated before any is touched, and before any collective
@@ -395,9 +379,11 @@ def layer_check(cfg, tokens: int, skew: float = 0.0, seed: int = 1, device=None)
                 want=[r * cfg.dim * 8 for r in rows * 2], assignments=tokens * cfg.top_k)
 
 
-# ---- the demo -----------------------------------------------------------------------------------
+# ---- demo: torchrun --nproc_per_node 4 expert_parallel.py [--compare]   (or: python expert_parallel.py) ----
 
 def _demo(argv=None, reference=None) -> int:
+    """The layer against the single-device MoE (dropless, then with a capacity) with its bytes against the
+    formula; then training against one process, and with `reference` (PyTorch's all-to-all) beside ours."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] + " (--tokens: per rank, layer check; "
                                 "--ep: training's, 0 = all ranks; --batch: global)")
     for name, default in dict(experts=8, top_k=2, ep=0, tokens=64, batch=8, seq=32, steps=4).items():
@@ -411,8 +397,7 @@ def _demo(argv=None, reference=None) -> int:
     if world % ep or min(args.tokens, args.batch, args.seq, args.steps) < 1 or args.batch % world:
         raise ValueError(f"--ep must divide the world size {world}, --tokens, --batch, --seq, --steps be >= 1 "
                          f"and --batch a multiple of {world}")
-    cfg = get_config("tiny", n_experts=args.experts, top_k=args.top_k)
-    device = init_distributed()
+    cfg, device = get_config("tiny", n_experts=args.experts, top_k=args.top_k), init_distributed()
     rank, lines, ok = dist.get_rank(), [], True
     print0(f"expert parallel: world {world}, E {cfg.n_experts}, top-{cfg.top_k}; layer check with ep = {world}, "
            f"training with ep = {ep} ({cfg.n_experts // ep} experts per rank)")
@@ -432,10 +417,8 @@ def _demo(argv=None, reference=None) -> int:
 
     # training: ep experts per group against ONE process on the same global batches — the losses, and
     # step 1's gradients (a 2x error in the expert gradients hardly moves AdamW's losses: it shows here)
-    data = load_corpus()
-    batches = [get_batch(data, s, args.batch, args.seq, device=device) for s in range(args.steps)]
-    ref = single_process(build_model(cfg, device=device), batches, keep_grads=True)
-    runs = {}
+    batches = [get_batch(load_corpus(), s, args.batch, args.seq, device=device) for s in range(args.steps)]
+    ref, runs = single_process(build_model(cfg, device=device), batches, keep_grads=True), {}
     for name, a2a in [("ours", None)] + [("PyTorch's all_to_all_single_autograd", reference)] * args.compare:
         tl = Timeline(device)
         runs[name] = train_ep(cfg, ep, args.steps, args.batch, args.seq, a2a=a2a, device=device,
@@ -446,18 +429,15 @@ def _demo(argv=None, reference=None) -> int:
     want = {n: g[lo:lo + mine[n].shape[0]] if n in experts else g for n, g in ref["grads"][0].items()}
     d_exp, d_all = max_diff(*({n: d[n] for n in experts} for d in (mine, want))), max_diff(mine, want)
     ratio = (sum(mine[n].norm() ** 2 for n in experts) / sum(want[n].norm() ** 2 for n in experts)).sqrt().item()
-    d_loss = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"]))
     print_by_rank(f"  rank {rank}: step-1 gradients vs one process: max |diff| {d_all:.1e} (experts {d_exp:.1e}); "
                   f"expert gradient norm ours / one process = {ratio:.3f}")
-    n_all = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
-    n_exp = cfg.n_layers * 3 * cfg.n_experts * cfg.dim * cfg.ffn_dim
+    n_all, n_exp = num_params(cfg), cfg.n_layers * 3 * cfg.n_experts * cfg.dim * cfg.ffn_dim
     n_mine = sum(p.numel() for p in res["params"].values())
     memory_ok = n_mine == n_all - n_exp * (ep - 1) // ep
-    ok &= d_all < 1e-6 and d_loss < 1e-4 and memory_ok
+    ok &= d_all < 1e-6 and max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) < 1e-4 and memory_ok
     print0(f"parameters per rank {n_mine:,} = all {n_all:,} - (1 - 1/ep) x experts {n_exp:,}: "
-           f"{'ok' if memory_ok else 'MISMATCH'}\n"
-           f"training {args.steps} steps, global batch {args.batch}x{args.seq}, dropless, AdamW:\n"
-           f"  one process losses {[round(v, 6) for v in ref['losses']]}")
+           f"{'ok' if memory_ok else 'MISMATCH'}\ntraining {args.steps} steps, global batch {args.batch}x{args.seq}, "
+           f"dropless, AdamW:\n  one process losses {[round(v, 6) for v in ref['losses']]}")
     for name, r in runs.items():
         print0(f"  ep={ep} ({name}) losses {[round(v, 6) for v in r['losses']]}  max |diff| "
                f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.1e}  step {r['ms']:.1f} ms")

@@ -38,8 +38,7 @@ from model import IGNORE, Attention, RMSNorm, SwiGLU
 
 # ---- the conjugate operators f and g --------------------------------------------------------------
 
-def _size(group) -> int:
-    return dist.get_world_size(group)
+_size = dist.get_world_size
 
 
 def _all_reduce(x, group):
@@ -86,13 +85,11 @@ F_SP = (_gather_seq,         _reduce_scatter_seq)   # SP's f: [B, S/t, H] in, [B
 G_SP = (_reduce_scatter_seq, _gather_seq)           # SP's g: [B, S, H] partial in, [B, S/t, H] out
 
 
-def enter_tp(x, group, sp: bool):
-    """Into a column/row pair: f, or SP's all-gather."""
+def enter_tp(x, group, sp: bool):   # into a column/row pair: f, or SP's all-gather
     return _Conjugate.apply(x, group, *(F_SP if sp else F_TP))
 
 
-def exit_tp(x, group, sp: bool):
-    """Out of a pair: g, or SP's reduce-scatter."""
+def exit_tp(x, group, sp: bool):    # out of a pair: g, or SP's reduce-scatter
     return _Conjugate.apply(x, group, *(G_SP if sp else G_TP))
 
 
@@ -164,14 +161,11 @@ class ParallelAttention(Attention):
         nn.Module.__init__(self)
         t, r, hd = _size(group), dist.get_rank(group), attn.head_dim
         self.head_dim, self.sdpa, self.group, self.sp = hd, attn.sdpa, group, sp
-        hq = cfg.n_heads // t                                  # my query heads [r·hq, (r+1)·hq)
-        q_rows = (r * hq * hd, (r + 1) * hq * hd)
-        if cfg.n_kv_heads % t == 0:                            # kv heads split like the queries
-            hkv, self.kv_slot = cfg.n_kv_heads // t, None
-            kv_rows = (r * hkv * hd, (r + 1) * hkv * hd)
-        else:                                                  # the t/n_kv ranks of slot j share kv head j
-            j = r // (t // cfg.n_kv_heads)
-            kv_rows, self.kv_slot = (j * hd, (j + 1) * hd), (j, cfg.n_kv_heads)
+        # my query heads [r·hq, (r+1)·hq); my kv heads [j, j + hkv): split like the queries if t divides
+        # n_kv, else kv head j is replicated on the t/n_kv ranks whose query heads read it (slot j)
+        hq, hkv, j = cfg.n_heads // t, max(cfg.n_kv_heads // t, 1), r * cfg.n_kv_heads // t
+        q_rows, kv_rows = (r * hq * hd, (r + 1) * hq * hd), (j * hd, (j + hkv) * hd)
+        self.kv_slot = (j, cfg.n_kv_heads) if t > cfg.n_kv_heads else None
         # input_op=None: forward enters the pair ONCE for q, k and v (one all-reduce in backward, not 3)
         self.wq, self.wk, self.wv = (ColumnParallelLinear(w.weight, group, rows, input_op=None)
                                      for w, rows in ((attn.wq, q_rows), (attn.wk, kv_rows), (attn.wv, kv_rows)))
@@ -252,8 +246,8 @@ class VocabParallelCrossEntropy(nn.Module):
 # ---- the whole model ---------------------------------------------------------------------------------
 
 def check_divisible(cfg, t: int) -> None:
-    """Raise ONE clear ValueError (arithmetic only: on every rank, before any collective)."""
-    # (a mixture of experts' MLP is not split: expert parallel dispatches its tokens, expert_parallel.py)
+    """Raise ONE clear ValueError (arithmetic only: on every rank, before any collective). A mixture of
+    experts' MLP is not split (expert parallel dispatches its tokens, expert_parallel.py)."""
     sizes = [("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size)]
     sizes += [] if cfg.n_experts else [("ffn_dim (MLP width)", cfg.ffn_dim)]
     for what, n in sizes:
@@ -266,13 +260,10 @@ def check_divisible(cfg, t: int) -> None:
 
 
 def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = False):
-    """Convert the shared model IN PLACE: each rank keeps its slice of every full weight.
-
-    mesh_or_group: a Mesh (its "tp" group), a process group, or None (the world). model: a
-    model.Transformer or a pipeline.Stage (whatever of embedding, layers, norm and head it has).
-    Sets model.tp_group, model.sequence_parallel (a pipeline stage then sends [b, S/t, H]) and
-    model.tp_partial_grads = {parameter name: (slot, n_slots)}.
-    """
+    """Convert the shared model IN PLACE: each rank keeps its slice of every full weight. mesh_or_group: a
+    Mesh (its "tp" group), a process group, or None (the world). model: a model.Transformer or a pipeline.Stage
+    (whatever of embedding, layers, norm and head it has). Sets model.tp_group, model.sequence_parallel (a
+    pipeline stage then sends [b, S/t, H]) and model.tp_partial_grads = {parameter name: (slot, n_slots)}."""
     group = resolve_group(mesh_or_group, "tp")
     t, cfg, sp = _size(group), model.cfg, sequence_parallel
     check_divisible(cfg, t)
@@ -304,13 +295,10 @@ def mark_partial(model, name: str, slot: int = 0, n_slots: int = 1) -> None:
 
 
 def finish_grads(model, params=None) -> None:
-    """After backward: sum over tp the gradients each rank holds only a part of, in ONE all-reduce.
-
-    Each partial gradient goes into its slot of a zero buffer [n_slots, ...]: the sum gives each slot
-    the total over the ranks sharing it. params: only those (found by name, so parameters that ZeRO
-    replaced are found too); no collective if none of them is partial. Every tp rank must call it with
-    the same parameters, in the same order.
-    """
+    """After backward: sum over tp the gradients each rank holds only a part of, in ONE all-reduce. Each
+    partial gradient goes into its slot of a zero buffer [n_slots, ...]: the sum gives each slot the total over
+    the ranks sharing it. params: only those (found by name, so parameters that ZeRO replaced are found too);
+    no collective if none of them is partial. Every tp rank must call it with the same parameters, in order."""
     group, partial = getattr(model, "tp_group", None), getattr(model, "tp_partial_grads", {})
     named = dict(model.named_parameters())
     wanted = None if params is None else {id(p) for p in params}
@@ -361,13 +349,11 @@ def _demo(argv=None, reference=None) -> int:
     float64; count step 1's collectives against the formulas; time float32 steps side by side."""
     import argparse
     import copy
-    import itertools
     import os
-    import statistics
 
     from data import get_batch, load_corpus
-    from demo import all_agree, finish, print_by_rank, single_process
-    from instruments import CommCounter, time_steps
+    from demo import all_agree, bytes_table, finish, print_by_rank, single_process
+    from instruments import CommCounter, time_side_by_side
     from mesh import init_distributed, print0
     from model import build_model, get_config
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -384,67 +370,63 @@ def _demo(argv=None, reference=None) -> int:
     device, group = init_distributed(), dist.group.WORLD
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
     impls = {"by hand": lambda m: apply_tensor_parallel(copy.deepcopy(m), group, sp)}
-    if reference and not args.no_compare and cfg.n_kv_heads % t == 0:
+    if reference is not None and not args.no_compare and cfg.n_kv_heads % t == 0:
         impls["DTensor"] = lambda m: reference(copy.deepcopy(m), group, sp)
     why = f": Colwise would cut {cfg.n_kv_heads} kv heads in {t}" if reference and not args.no_compare else ""
     print0(f"tensor parallel: tp={t}, model {args.model}, batch {B}x{S}, sequence parallel {'on' if sp else 'off'}, "
-           f"{dist.get_backend()} on {device}; PyTorch's DTensor TP "
-           + ("beside it" if len(impls) > 1 else "left out" + why))
+           f"{dist.get_backend()} on {device}; PyTorch's DTensor TP " + ("beside it" if len(impls) > 1 else
+                                                                         "left out" + why))
     batches = [get_batch(load_corpus(), s, B, S, device=device) for s in range(args.steps)]
 
     def err(mine, full, p):   # my tensor (a DTensor's: the whole) against my slice of the one-process one
         mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
         return (mine.detach() - full_slice(full, p)).abs().max().item()
 
-    # 1. Training in float64 against one process: losses, step 1's gradients, final parameters.
+    # 1. Training in float64 against one process: losses, step 1's gradients, final parameters; and step 1's
+    #    collectives by phase (CommCounters nest: `step` sees what `fwd` and `bwd` see).
     ref = build_model(cfg, seed=0, dtype=torch.float64, device=device)
-    one, ok, counts = single_process(ref, batches, lr=1e-3, keep_grads=True), True, {}
+    one, ok, counted = single_process(ref, batches, lr=1e-3, keep_grads=True), True, {}
+    print0(f"{args.steps} AdamW steps in float64; collectives of step 1 (L={cfg.n_layers} layers; one [B,S,H] = "
+           f"{B * S * cfg.dim * 8:,d} bytes):")
     for name, make in impls.items():
-        m, losses = make(ref), []
+        m = make(ref)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        for i, (x, y) in enumerate(batches):
+        with CommCounter() as step:
             with CommCounter() as fwd:
-                loss = m(x, y)
+                loss = m(*batches[0])
             with CommCounter() as bwd:
                 loss.backward()
-            with CommCounter() as fin:
-                finish_grads(m)
-            if i == 0:
-                counts[name] = dict(forward=fwd, backward=bwd, finish_grads=fin)
-                off = [n for n, p in m.named_parameters() if err(p.grad, one["grads"][0][n], p) > 1e-10]
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+        with CommCounter() as fin:
+            finish_grads(m)
+        counted[name] = step, fin
+        off = [n for n, p in m.named_parameters() if err(p.grad, one["grads"][0][n], p) > 1e-10]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses = [loss.item()] + [train_step(m, opt, x, y).item() for x, y in batches[1:]]
         dl = max(abs(a - b) for a, b in zip(losses, one["losses"]))
         dp = max(err(p, dict(one["model"].named_parameters())[n], p) for n, p in m.named_parameters())
-        print0(f"{name:8s} vs one process, {args.steps} AdamW steps, float64: max |diff| loss {dl:.1e}, "
-               f"parameters {dp:.1e}")
+        print0(f"{name:8s} vs one process: max |diff| loss {dl:.1e}, parameters {dp:.1e}")
+        for phase, c in (("forward", fwd), ("backward", bwd), ("finish_grads", fin)):
+            print0(f"  {name:8s} {phase:12s} " + (", ".join(f"{s['calls']} {op} ({s['bytes']:,d} B)"
+                                                           for op, s in c.summary().items()) or "-"))
         print_by_rank(f"  rank {dist.get_rank()}: gradients of step 1 that differ: {', '.join(off) or 'none'}")
         ok &= dl < 1e-10 and dp < 1e-10 and not off
 
-    # 2. Step 1's collectives against the formulas (float64: b = 8 bytes).
-    print0(f"collectives of one step (L={cfg.n_layers} layers; one [B,S,H] = {B * S * cfg.dim * 8:,d} bytes):")
-    for name, phases in counts.items():
-        for phase, c in phases.items():
-            print0(f"  {name:8s} {phase:12s} " + (", ".join(f"{s['calls']} {op} ({s['bytes']:,d} B, "
-                                                           f"{s['wire_bytes']:,.0f} on the wire)"
-                                                           for op, s in c.summary().items()) or "-"))
-    fwd, bwd, fin = counts["by hand"].values()
-    want, plain = comm_formula(cfg, B, S, 8, t, sp), comm_formula(cfg, B, S, 8, t, False)
-    got = {op: (fwd.calls(op) + bwd.calls(op), fwd.bytes(op) + bwd.bytes(op)) for op in want}
-    wire, wire_want = fwd.wire_bytes() + bwd.wire_bytes(), 2 * (t - 1) / t * sum(v[1] for v in plain.values())
-    print0(f"  by hand, forward + backward (calls, bytes) {got}\n                            formula {want}\n  wire "
-           f"{wire:,.0f} bytes, formula {wire_want:,.0f} (with or without --sp); finish_grads {fin.bytes() // 8} "
-           f"elements, formula {partial_formula(cfg, t, sp)}")
-    ok &= got == want and abs(wire - wire_want) <= 1e-9 * wire_want and fin.bytes() == 8 * partial_formula(cfg, t, sp)
+    # 2. Our step 1 against the formulas (b = 8 bytes). SP: twice the API bytes, the same ring bytes.
+    (step, fin), want = counted["by hand"], comm_formula(cfg, B, S, 8, t, sp)
+    wire = 2 * (t - 1) / t * sum(b for _, b in comm_formula(cfg, B, S, 8, t, False).values())  # plain TP's
+    table = bytes_table(step.summary(), {op: b for op, (_, b) in want.items()}, t)
+    print0("\n".join(["by hand, forward + backward: measured | formula", *table]) + f"\n  wire "
+           f"{step.wire_bytes():,.0f} bytes, formula {wire:,.0f} (with or without --sp); finish_grads "
+           f"{fin.bytes() // 8} elements, formula {partial_formula(cfg, t, sp)}")
+    ok &= {op: (s["calls"], s["bytes"]) for op, s in step.summary().items()} == want
+    ok &= fin.bytes() == 8 * partial_formula(cfg, t, sp) and abs(step.wire_bytes() - wire) <= 1e-9 * wire
 
     # 3. Step time in float32: the implementations in alternating rounds (machine noise hits both alike).
     models = {k: make(ref.float()) for k, make in impls.items()}
-    opts, times = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}, {k: [] for k in impls}
-    for _, k in itertools.product(range(args.rounds), impls):
-        step = lambda: (dist.barrier(), train_step(models[k], opts[k], *batches[0]).item())  # noqa: E731
-        times[k].append(time_steps(step, args.timed))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
+    med = time_side_by_side({k: lambda k=k: train_step(models[k], opts[k], *batches[0]).item() for k in impls},
+                            args.rounds, args.timed, group, device)
     print0("float32: " + ", ".join(f"{k}{' +SP' if sp else ''} {s * 1e3:.1f} ms/step ({B * S / s:.0f} tokens/s)"
                                    for k, s in med.items())
            + (f"; throughput by hand / DTensor {med['DTensor'] / med['by hand']:.2f}x" if len(med) == 2 else ""))
@@ -458,21 +440,19 @@ if __name__ == "__main__":
         """The same split with PyTorch's DTensor parallelize_module (torchtitan's plan)."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel as Col, PrepareModuleInput, RowwiseParallel as Row
-        from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
-        seq = Shard(1) if sp else Replicate()  # the layout between the pairs
-        plan = {"tok_embeddings": Row(input_layouts=Replicate(), output_layouts=seq),
-                "output": Col(input_layouts=seq, output_layouts=Replicate()),
-                **({"norm": SequenceParallel()} if sp else {})}
-        for i in range(len(model.layers)):
-            p = f"layers.{i}."
+        from torch.distributed.tensor.parallel import ColwiseParallel as Col, PrepareModuleInput as Input
+        from torch.distributed.tensor.parallel import RowwiseParallel as Row, SequenceParallel, parallelize_module
+        seq, rep = Shard(1) if sp else Replicate(), Replicate()  # the layout between the pairs
+        plan = {"tok_embeddings": Row(input_layouts=rep, output_layouts=seq),
+                "output": Col(input_layouts=seq, output_layouts=rep), **({"norm": SequenceParallel()} if sp else {})}
+        for p in (f"layers.{i}." for i in range(len(model.layers))):
             plan.update({p + n: Col() for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")})
             plan.update({p + n: Row(output_layouts=seq) for n in ("attn.wo", "mlp.w2")})
             if sp:  # norms on the shard; gathered once before attention and once before the MLP
                 plan.update({p + "attn_norm": SequenceParallel(), p + "mlp_norm": SequenceParallel(),
-                             p + "attn": PrepareModuleInput(input_layouts=(seq, None, None),
-                                                            desired_input_layouts=(Replicate(), None, None)),
-                             p + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))})
+                             p + "attn": Input(input_layouts=(seq, None, None),
+                                               desired_input_layouts=(rep, None, None)),
+                             p + "mlp": Input(input_layouts=(seq,), desired_input_layouts=(rep,))})
         mesh = DeviceMesh.from_group(group, device_type=model.output.weight.device.type)
         return parallelize_module(model, mesh, plan)
 
