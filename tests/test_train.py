@@ -148,6 +148,7 @@ FOUR = [["--dp-replicate", "2", "--dp-shard", "2"], ["--dp-shard", "2", "--tp", 
 FOUR_MOE = [["--dp-shard", "2", "--ep", "2", "--tp", "2"], ["--dp-shard", "2", "--ep", "2", "--tp", "2",
             "--sequence-parallel", "--zero-stage", "3"], ["--dp-shard", "2", "--ep", "2", "--cp", "2"],
             ["--dp-shard", "2", "--ep", "2", "--pp", "2"], ["--dp-shard", "4", "--ep", "2", "--zero-stage", "2"],
+            ["--dp-shard", "4", "--ep", "2", "--zero-stage", "3"],
             ["--dp-shard", "4", "--ep", "4", "--zero-stage", "3", "--microbatches", "2"],
             ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2", "--zero-stage", "3"]]
 
@@ -185,10 +186,27 @@ def _check_composed_bytes(by):
         got = {k: v["bytes"] for k, v in lay["comm_summary"].items()}
         assert got["all_gather"] == numel * b and got["reduce_scatter"] == numel * b, (flags, got, numel)
         assert got["send"] == got["recv"] == Bl * S * H * b, got
-    # experts under ZeRO: dense units sharded over dp_shard (2 ranks), expert units over edp_cp
-    lay = by[" ".join(MOE + ["--dp-shard", "4", "--ep", "2", "--zero-stage", "2"])]
-    sizes = {group for _, _, group, _ in lay["zero_units"]}
-    assert sizes == {4, 2}, lay["zero_units"]  # dense over dp 4, experts over edp = dp/ep = 2
+    # experts under ZeRO 2 and 3: dense units sharded over dp_shard (4 ranks), expert units over edp_cp
+    # (dp/ep = 2 ranks); each part moves and holds what the ZeRO formulas give for its own group
+    from fsdp import zero_state_formula
+    for z in (2, 3):
+        lay = by[" ".join(MOE + ["--dp-shard", "4", "--ep", "2", "--zero-stage", str(z)])]
+        parts = {}  # group size -> padded elements of the units sharded over it
+        for n, _, size, _ in lay["zero_units"]:
+            parts[size] = parts.get(size, 0) + n
+        assert set(parts) == {4, 2}, lay["zero_units"]
+        root = sum(n for n, name, _, _ in lay["zero_units"] if name == "tok_embeddings.weight")
+        for size, numel in parts.items():
+            want = zero_comm_formula(z, numel, size, b, root if size == 4 else 0)
+            got = {op: sum(n for o, ranks, n in lay["comm_events"] if o == op and len(ranks) == size)
+                   for op in ("reduce_scatter", "all_gather")}
+            assert got == {"reduce_scatter": want["reduce_scatter"] * b // 4, "all_gather": want["all_gather"]}, \
+                (z, size, got, want)
+        form = [zero_state_formula(z, numel, size, b, 0, b, 2 * b) for size, numel in parts.items()]
+        mem = lay["state_bytes"]
+        for k in ("parameters", "gradients"):
+            assert mem[k] == sum(f[k] for f in form), (z, k, mem, form)
+        assert 0 <= mem["optimizer"] - sum(f["optimizer"] for f in form) <= 8 * 40, (z, mem, form)  # + step counters
 
 
 def test_8_ranks():
