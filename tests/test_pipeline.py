@@ -61,19 +61,18 @@ def test_the_bubbles_compare_as_the_papers_say():
 
 def test_zb_h1_order_is_pytorchs_zero_bubble_with_one_stage_per_rank():
     """The demo compares zb with ScheduleInterleavedZeroBubble: with one stage per rank its computes
-    come in exactly our ZB-H1 order (read from its private planner; skipped where that differs)."""
+    come in exactly our ZB-H1 order (read from its private planner; skipped only where it is missing)."""
     from torch.distributed.pipelining import schedules
+    if not hasattr(schedules.ScheduleInterleavedZeroBubble, "_calculate_single_rank_operations"):
+        pytest.skip("this torch has no private zero-bubble planner to read")  # torch 2.13 has it
     kind = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
     for p, m in [(2, 4), (4, 2), (4, 8), (8, 16)]:
         ref = object.__new__(schedules.ScheduleInterleavedZeroBubble)
         ref.n_local_stages, ref.pp_group_size, ref._n_microbatches = 1, p, m
         ref.number_of_rounds = max(1, m // p)
         ref.microbatches_per_round = m // ref.number_of_rounds
-        try:
-            theirs = [[(kind[a.computation_type.name], a.microbatch_index)
-                       for a in ref._calculate_single_rank_operations(r) if a is not None] for r in range(p)]
-        except (AttributeError, TypeError, KeyError) as e:
-            pytest.skip(f"this torch plans zero bubble differently: {e}")
+        theirs = [[(kind[a.computation_type.name], a.microbatch_index)
+                   for a in ref._calculate_single_rank_operations(r) if a is not None] for r in range(p)]
         assert theirs == [[(a.op, a.mb) for a in acts if a.op in COMPUTE] for acts in SCHEDULES["zb"](p, m)]
 
 
