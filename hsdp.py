@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fsdp import shard_model, train_and_measure, zero_comm_formula
+from fsdp import shard_model
 from mesh import Mesh
+from zero_measure import train_and_measure, zero_comm_formula
 
 
 def across_replicas(replicate_group):
@@ -49,7 +50,7 @@ def shard_hybrid(model, mesh: Mesh, **kwargs):
 # ---- a measured run (the demo and the tests call it) ---------------------------------------------
 
 def hsdp_train(replicate: int, shard: int, **kwargs) -> dict:
-    """A rank function: HSDP on a replicate x shard mesh; fsdp.train_and_measure's result plus the
+    """A rank function: HSDP on a replicate x shard mesh; zero_measure.train_and_measure's result plus the
     bytes measured on each mesh dimension and the formulas for them."""
     mesh = Mesh(dp_replicate=replicate, dp_shard=shard)
     res = train_and_measure(3, group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"), **kwargs)

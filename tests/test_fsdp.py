@@ -105,7 +105,8 @@ def _checkpoint(stage, **kw):
 
 def _run_p2():
     """Everything measured on 2 ranks."""
-    from fsdp import shard_model, train_and_measure
+    from fsdp import shard_model
+    from zero_measure import train_and_measure
     from model import Attention, SwiGLU, build_model
     kw = dict(steps=STEPS, batch=B, seq=S, lr=LR)
     out = {f"stage{s}": train_and_measure(s, **kw) for s in range(4)}
@@ -261,7 +262,7 @@ def _clip_over_world(stage):
 
 
 def _run_p4():
-    from fsdp import train_and_measure
+    from zero_measure import train_and_measure
     kw = dict(steps=STEPS, batch=B, seq=S, lr=LR, dtype=torch.float64)
     out = {f"fp64_{s}": train_and_measure(s, **kw) for s in range(4)}
     out["bf16_3"] = train_and_measure(3, param_dtype=torch.bfloat16, steps=1, batch=B, seq=S, lr=LR)
@@ -433,7 +434,7 @@ def test_accumulating_reduces_once_per_step(p2):
 def test_experts_sharded_over_their_own_group(p4):
     """groups_of: expert weights in flat buffers of their own over edp (2 ranks), dense over dp (4);
     float64 equal to one process at every stage; per group, bytes and state equal the formulas."""
-    from fsdp import zero_comm_formula, zero_state_formula
+    from zero_measure import zero_comm_formula, zero_state_formula
     from model import build_model, get_config
     cfg = get_config("tiny", n_experts=4)
     ref = single_process(build_model(cfg, seed=0, dtype=torch.float64), global_batches(STEPS, B, S), lr=LR)

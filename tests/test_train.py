@@ -93,7 +93,7 @@ def test_world_1_and_every_dimension_alone_on_2_ranks():
 def _check_bytes_and_memory(by):
     """Rank 0's last step against the formulas (API bytes; float64 = 8 bytes per element).
     Every layout also all-reduces one float64 for the global gradient norm (+8 bytes)."""
-    from fsdp import zero_comm_formula, zero_state_formula
+    from zero_measure import zero_comm_formula, zero_state_formula
     from model import get_config
     from ring_attention import ring_bytes
     cfg, b = get_config("tiny"), 8
@@ -165,7 +165,7 @@ def test_combinations_on_4_ranks():
 
 def _check_composed_bytes(by):
     """A composition's bytes are the sum of its lessons' (rank 0, last step, float64 API bytes)."""
-    from fsdp import zero_comm_formula
+    from zero_measure import zero_comm_formula
     from model import get_config
     cfg, b = get_config("tiny"), 8
     L, H, Bl = cfg.n_layers, cfg.dim, B // 2
@@ -188,7 +188,7 @@ def _check_composed_bytes(by):
         assert got["send"] == got["recv"] == Bl * S * H * b, got
     # experts under ZeRO 2 and 3: dense units sharded over dp_shard (4 ranks), expert units over edp_cp
     # (dp/ep = 2 ranks); each part moves and holds what the ZeRO formulas give for its own group
-    from fsdp import zero_state_formula
+    from zero_measure import zero_state_formula
     for z in (2, 3):
         lay = by[" ".join(MOE + ["--dp-shard", "4", "--ep", "2", "--zero-stage", str(z)])]
         parts = {}  # group size -> padded elements of the units sharded over it
