@@ -33,10 +33,10 @@ def full_state_dict(opt) -> dict:
     name the plain model's state_dict() has for it, and the frozen parameters and buffers."""
     out = {k: v.detach().clone() for k, v in _unsharded(opt).items()}
     for u in opt.units:
-        full = u.master.detach().clone()
+        full = u.master.detach()  # stage 0: the whole buffer (its views are cloned below)
         if opt.stage > 0:
             full = full.new_empty(u.N)
-            all_gather_single(full, u.master.detach().clone(), group=u.group)
+            all_gather_single(full, u.master.detach(), group=u.group)
         out.update((n, v.clone()) for names, v in zip(u.aliases, u.views(full)) for n in names)
     return out
 
@@ -46,7 +46,7 @@ def load_full_state_dict(opt, sd: dict) -> None:
     """Load a full state dict (the same on every rank): each rank takes its slices and refreshes its
     compute copies (any gathered copy is dropped); frozen parameters and buffers are copied whole."""
     for u in opt.units:
-        full = torch.cat([sd[name].reshape(-1).to(u.master) for name in u.names] + [u.master.new_zeros(u.N)])
+        full = torch.cat([sd[name].reshape(-1).to(u.master) for name in u.names] + [u.master.new_zeros(u.N - sum(u.numels))])
         u.master.copy_(full[u.r * u.n:(u.r + 1) * u.n])
         u.publish()
     for k, v in _unsharded(opt).items():

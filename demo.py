@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from mesh import collective_device
+
 
 # ---- the single-process reference ------------------------------------------------------------
 
@@ -121,8 +123,7 @@ def all_agree(ok: bool, group=None) -> bool:
     """True on every rank if `ok` is true on every rank of `group` (one MIN all-reduce)."""
     if not dist.is_initialized():
         return bool(ok)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    flag = torch.tensor([1.0 if ok else 0.0], device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return flag.item() == 1.0
 

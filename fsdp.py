@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
-from mesh import all_gather_single, reduce_scatter_single, resolve_group
+from mesh import all_gather_single, collective_device, reduce_scatter_single, resolve_group
 
 
 # ---- a unit's parameters, flattened: gather, free, reduce ----------------------------------------
@@ -162,7 +162,7 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
     stage3, order, done = opt.stage == 3, [], set()  # order: units by first forward, for the prefetch
 
     def gather(i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
-        j = order.index(i) + step if i in order else -1
+        j = order.index(i) + step  # (pre_forward listed i before its first gather)
         ahead = units[order[j]][1] if prefetch and 0 <= j < len(order) and units[order[j]][0] is not root else []
         for u in units[i][1] + ahead:
             u.unshard()
@@ -424,7 +424,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
         for attr, p in m._parameters.items():
             if p is not None and not p.requires_grad and (p.is_meta or param_dtype is not None):
                 full = init_fn(f"{mname}.{attr}" if mname else attr, p.shape) if p.is_meta else p.detach()
-                m._parameters[attr] = nn.Parameter(full.to(_device(group), param_dtype or full.dtype), False)
+                m._parameters[attr] = nn.Parameter(full.to(collective_device(group), param_dtype or full.dtype), False)
 
     made = [(um, [FlatUnit(e, stage, g, d, a, param_dtype, init_fn) for (g, d, a), e in plan[id(um)].items()])
             for um in [*units, model] if plan[id(um)]]
@@ -440,7 +440,7 @@ def _my_slice(u, entries, init_fn):
     from init_fn, on the device our collectives use, in at least fp32 (a bf16 model gets an fp32 master)."""
     p0, lo = entries[0][2], u.r * u.n
     master = torch.zeros(u.n, dtype=torch.promote_types(p0.dtype, torch.float32) if p0.is_meta else p0.dtype,
-                         device=_device(u.group) if p0.is_meta else p0.device)
+                         device=collective_device(u.group) if p0.is_meta else p0.device)
     for (i, a, b), off in [(s, u.offsets[s[0]]) for s in u.spans()]:
         names, _, p = entries[i]
         full = init_fn(names[0], p.shape) if p.is_meta else p.detach()
@@ -455,11 +455,6 @@ def _repoint(entry, view):
     for module, attr in entry[1]:
         module._parameters[attr] = p
     return p
-
-
-def _device(group):
-    nccl = dist.get_backend(group) == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 # ---- the demo: torchrun --nproc_per_node 4 fsdp.py --stage 3 --compare ----------------------------

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fsdp import shard_model
 from mesh import Mesh
-from zero_measure import train_and_measure, zero_comm_formula
+from zero_measure import train_and_measure
 
 
 def across_replicas(replicate_group):
@@ -59,10 +59,12 @@ def hsdp_train(replicate: int, shard: int, **kwargs) -> dict:
     for op, ranks, n in res["events"]:
         dim = "dp_shard" if ranks == shard_ranks else "dp_replicate" if ranks == rep_ranks else "other"
         by_dim[dim][op] = by_dim[dim].get(op, 0) + n
-    gb = 8 if kwargs.get("dtype") == torch.float64 else 4
-    f = zero_comm_formula(3, res["numel"], shard, res["param_bytes"], res["root_numel"],
-                          kwargs.get("reshard_after_forward", True), n_params=res["n_params"], grad_bytes=gb)
-    rep = {"all_reduce": gb * res["numel"] // shard + 4 * res["n_params"]} if replicate > 1 else {}
+    # train_and_measure's formula counts both dimensions' all-reduces together: the used-flags go over
+    # dp_shard, the gradient shards (and the flags again) across dp_replicate
+    f, flags = dict(res["comm_formula"]), 4 * res["n_params"] if shard > 1 else 0
+    rep = {"all_reduce": f.pop("all_reduce", 0) - flags} if replicate > 1 else {}
+    if flags:
+        f["all_reduce"] = flags
     res.update(bytes_by_dim=by_dim, shard_ranks=shard_ranks, replicate_ranks=rep_ranks,
                bytes_formula={"dp_shard": f, "dp_replicate": rep})
     return res

@@ -37,7 +37,6 @@ import datetime
 import math
 import os
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
@@ -190,6 +189,13 @@ def resolve_group(group, dim: str = "dp"):
         return group
     raise ValueError(f"group must be a Mesh (its {dim!r} group is used), a ProcessGroup or None (the "
                      f"whole world), got {type(group).__name__}")
+
+
+def collective_device(group=None) -> torch.device:
+    """Where `group`'s collectives take their tensors: this rank's GPU under NCCL, else the CPU (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_reduce_flat(tensors, group=None, divide_by: int = 1) -> None:

@@ -36,8 +36,8 @@ from instruments import SavedActivations, Timeline
 from mesh import all_reduce_flat
 from data import get_batch, load_corpus
 from model import MoE, Transformer, build_model, get_config, init_tensor, rope_cos_sin
-from pipeline_schedules import (COMPUTE, SCHEDULES, Action, check_schedule, comm_batches, held_formula,  # noqa: F401
-                                 idle_formula, simulate, split_layers, validate)   # (train.py, the notebook use them)
+from pipeline_schedules import (COMPUTE, SCHEDULES, Action, comm_batches, held_formula, idle_formula, simulate,
+                                 split_layers, validate)
 
 
 # ---- the simplest version: 1F1B as plain control flow ----------------------------------------
@@ -152,16 +152,17 @@ class PipeGroup:
 
 
 def pipeline_step(stage: Stage, actions: list[Action], pg: PipeGroup, x, y, m: int, dp_group=None, *,
-                  act_shape=None, act_dtype=None, trace=lambda group: nullcontext()) -> dict:
+                  trace=lambda group: nullcontext()) -> dict:
     """One forward+backward of the local batch x, y [B, S] (y: the last rank's targets) through this
     rank's actions; leaves the full-batch gradients in .grad (no optimizer step, no zero_grad).
-    act_shape: one micro-batch's tensor at a stage boundary (default [B/m, S, H]; sequence parallel
-    sends [B/m, S/tp, H]). trace(group): a context manager entered around each group of actions (a
+    A stage boundary carries one micro-batch's [B/m, S, H] ([B/m, S/tp, H] once tensor_parallel made the
+    stage sequence parallel). trace(group): a context manager entered around each group of actions (a
     compute alone, consecutive transfers together): the place to measure from, outside.
     Returns dict(loss: the mean loss on the last rank, else None; aux: the MoE aux loss of this rank's
     layers, averaged over micro-batches — add it to the reported loss — or None)."""
-    shape = act_shape or (x.shape[0] // m, x.shape[1], stage.cfg.dim)
-    dtype = act_dtype or next(stage.parameters()).dtype
+    sp = getattr(stage, "sequence_parallel", False)
+    shape = (x.shape[0] // m, x.shape[1] // (dist.get_world_size(stage.tp_group) if sp else 1), stage.cfg.dim)
+    dtype = next(stage.parameters()).dtype
     xs, ys = x.chunk(m), (y.chunk(m) if stage.is_last else None)
     split = any(a.op == "W" for a in actions)
     inputs, outputs, grads, deferred, losses, aux = {}, {}, {}, {}, [], []
@@ -295,6 +296,7 @@ def train(cfg, schedule: str, m: int, batches, pp_ranks, v: int = 1, dp_group=No
           dp_size: int = 1, lr: float = 1e-3, seed: int = 0, dtype=torch.float32, device="cpu") -> dict:
     """Train this rank's stage on global batches [(x, y)], one AdamW step each (lr=0: none). Returns the
     losses (last rank), the first step's gradients by name, the last step's timeline and peak held."""
+    from demo import snapshot
     validate(len(pp_ranks), m, cfg.n_layers, batches[0][0].shape[0] // dp_size, schedule, v)  # before any send
     pg = PipeGroup.from_ranks(pp_ranks)
     stage, actions = Stage(cfg, pg.r, pg.p, seed, device, dtype, v), SCHEDULES[schedule](pg.p, m, v)[pg.r]
@@ -305,7 +307,7 @@ def train(cfg, schedule: str, m: int, batches, pp_ranks, v: int = 1, dp_group=No
         dist.barrier()   # every rank starts the step together: the timelines share an origin
         trace = StepTrace(stage)
         res = pipeline_step(stage, actions, pg, x, y, m, dp_group, trace=trace)
-        out["grads"] = out["grads"] or {n: q.grad.detach().clone() for n, q in stage.named_parameters()}
+        out["grads"] = out["grads"] or snapshot(stage, grads=True)
         if opt:
             opt.step()
         stage.zero_grad(set_to_none=True)

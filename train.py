@@ -81,9 +81,10 @@ import ring_attention
 import tensor_parallel
 from data import IGNORE, get_batch, load_corpus
 from demo import finish, main, single_process
+from instruments import peak_memory_bytes
 from mesh import DIMS, Mesh, init_distributed
-from model import build_model, flops_per_token, get_config, init_tensor, num_params
-from train_cli import CP_LAYOUT, check_args, config_of, layout_of, parse_args  # noqa: F401  (tests use them from here)
+from model import build_model, flops_per_token, init_tensor, num_params
+from train_cli import CP_LAYOUT, check_args, config_of, layout_of, parse_args, store_dtype  # noqa: F401  (tests use them from here)
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, from the vendors' data sheets
 
@@ -106,9 +107,8 @@ class Trainer:
     def __init__(self, args, mesh: Mesh, device):
         self.args, self.mesh, self.device = args, mesh, device
         self.cfg = cfg = config_of(args)
-        store = torch.float64 if args.dtype == "float64" else torch.float32
-        self.dp, self.cp, self.tp, self.pp, self.m = (mesh.size("dp"), mesh.size("cp"), mesh.size("tp"),
-                                                      args.pp, args.microbatches)
+        store = store_dtype(args)
+        self.dp, self.cp, self.tp, self.m = mesh.size("dp"), mesh.size("cp"), mesh.size("tp"), args.microbatches
         sp = args.sequence_parallel and self.tp > 1
         # Meta device: shapes only, each rank materialises just its ZeRO-3 shards (fp32 models; the
         # flat units' masters are fp32, so float64 runs are built for real).
@@ -122,7 +122,6 @@ class Trainer:
         else:
             self.pg = None
             model = build_model(cfg, seed=args.seed, dtype=store, device="meta" if self.meta else device)
-        self.is_last = self.pg is None or self.pg.r == args.pp - 1
         full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         blocks = list(model.layers.values() if self.pg is not None else model.layers)
         # 2. tensor parallel: my slice of every weight (the MoE MLPs are left to expert parallel)
@@ -132,10 +131,9 @@ class Trainer:
         self.positions = None
         if self.cp > 1:
             u = args.cp_ulysses
-            ring = None
-            if 1 < u < self.cp:  # Ulysses inside groups of u cp ranks, a ring across those groups
-                ring, uly = ring_attention.ring_ulysses_groups(mesh.groups_along(("cp",)), u)
-            group = uly if 1 < u < self.cp else mesh.group("cp")
+            # 1 < u < cp: Ulysses inside groups of u cp ranks, a ring across those groups
+            ring, group = (ring_attention.ring_ulysses_groups(mesh.groups_along(("cp",)), u) if 1 < u < self.cp
+                           else (None, mesh.group("cp")))
             method = "ulysses" if u > 1 else "ring"
             for block in blocks:
                 block.attn.sdpa = ring_attention.ContextParallelAttention(group, method, CP_LAYOUT, ring_group=ring)
@@ -147,13 +145,11 @@ class Trainer:
         expert_names = set()
         if cfg.n_experts:
             expert_parallel.parallelize_experts(model, mesh, sequence_parallel=sp)
-            ids = {id(p) for p in expert_parallel.expert_parameters(model)}
-            expert_names = {n for n, p in model.named_parameters() if id(p) in ids}
+            name_of = {id(p): n for n, p in model.named_parameters()}
+            expert_names = {name_of[id(p)] for p in expert_parallel.expert_parameters(model)}
             if self.tp > 1:  # each tp rank routed its own tokens: router and expert gradients are partial
-                partial = {id(p) for p in expert_parallel.tp_partial_parameters(model)}
-                for n, p in model.named_parameters():
-                    if id(p) in partial:
-                        tensor_parallel.mark_partial(model, n)
+                for p in expert_parallel.tp_partial_parameters(model):
+                    tensor_parallel.mark_partial(model, name_of[id(p)])
         # 5. activation checkpointing (inside the module call: ZeRO-3's gather hooks cover the recompute)
         if args.activation_checkpointing == "full":
             for block in blocks:
@@ -183,7 +179,7 @@ class Trainer:
             before_reduce=(lambda params: tensor_parallel.finish_grads(model, params)) if partial_grads else None,
             param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
             init_fn=init_fn if self.meta else None, lr=args.lr)
-        self.model, self.loss_fn = model, model.loss_fn if self.is_last else None
+        self.model, self.loss_fn = model, getattr(model, "loss_fn", None)  # a pipeline: its last stage only
         self.grad_norm = None
 
     def _copies(self, model, name, p, expert_names) -> int:
@@ -210,8 +206,7 @@ class Trainer:
         a = self.args
         x, y = get_batch(tokens, step, a.global_batch_size, a.seq_len, a.seed, pad_share=a.pad_share)
         counted = int((y != IGNORE).sum())
-        rows = slice(self.mesh.rank("dp") * (len(x) // self.dp), (self.mesh.rank("dp") + 1) * (len(x) // self.dp))
-        x, y = x[rows].to(self.device), y[rows].to(self.device)
+        x, y = (t.chunk(self.dp)[self.mesh.rank("dp")].to(self.device) for t in (x, y))  # my rows
         if self.cp > 1:
             x, y = (ring_attention.shard_sequence(t, self.cp, self.mesh.rank("cp"), CP_LAYOUT) for t in (x, y))
         return x, y, counted
@@ -231,8 +226,7 @@ class Trainer:
         several = self.pg is not None or m > 1
         with self.opt.accumulating() if several else contextlib.nullcontext():
             if self.pg is not None:
-                shape = (x.shape[0] // m, x.shape[1] // (self.tp if a.sequence_parallel else 1), self.cfg.dim)
-                out = pipeline.pipeline_step(model, self.actions, self.pg, x, y, m, act_shape=shape)
+                out = pipeline.pipeline_step(model, self.actions, self.pg, x, y, m)
                 loss += sum(v.double() for v in (out["loss"], out["aux"]) if v is not None)
             else:
                 for xm, ym in zip(x.chunk(m), y.chunk(m)):  # gradient accumulation
@@ -295,9 +289,7 @@ def _pipeline_units(stage):
 
 def _peak_memory(device) -> int:
     """CUDA allocator peak on a GPU; the process's peak resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return peak_memory_bytes(device) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def _peak_flops(device) -> float | None:
@@ -308,7 +300,7 @@ def _peak_flops(device) -> float | None:
 def train(args, device=None, verbose: bool = True) -> dict:
     """Train on every rank of an initialised process group; returns (on every rank) the global losses
     per step and this rank's measurements."""
-    from instruments import CommCounter
+    from instruments import CommCounter, sync
     device = device or torch.device("cpu")
     check_args(args, dist.get_world_size())                    # every rank, before any collective
     mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
@@ -327,13 +319,12 @@ def train(args, device=None, verbose: bool = True) -> dict:
     for s in range(start, last):
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-            torch.cuda.synchronize(device)
+        sync(device)
         t0 = time.perf_counter()
         comm.reset()
         with comm if world > 1 else contextlib.nullcontext():  # one process has nothing to count
             share = trainer.step(s, tokens)
-        if cuda:
-            torch.cuda.synchronize(device)
+        sync(device)
         tps = args.global_batch_size * args.seq_len / (time.perf_counter() - t0)
         loss, lr, mem, nbytes = trainer.global_loss(share), lr_at(s + 1, args), _peak_memory(device), comm.bytes()
         wire = comm.wire_bytes()
@@ -383,7 +374,7 @@ def reference_losses(args, steps: range = None, device=None) -> list[float]:
     i gathers the i-th rows of every data-parallel rank — since the aux loss is per forward."""
     steps = steps or range(args.steps)
     model = build_model(config_of(args), seed=args.seed, device=device,
-                        dtype=torch.float64 if args.dtype == "float64" else torch.float32)
+                        dtype=store_dtype(args))
     tokens = load_corpus(args.data)
     batches = [get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, pad_share=args.pad_share,
                          device=device or "cpu") for s in range(steps.stop)]
@@ -439,8 +430,8 @@ if __name__ == "__main__":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         shape = (args.dp_replicate, args.dp_shard, args.tp)  # the same row-major order as mesh.py
         dm = init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        model = build_model(get_config(args.model), seed=args.seed, device=device,
-                            dtype=torch.float64 if args.dtype == "float64" else torch.float32)
+        model = build_model(config_of(args), seed=args.seed, device=device,
+                            dtype=store_dtype(args))
         if args.tp > 1:
             cols = ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")  # then rows: attn.wo, mlp.w2
             plan = {f"layers.{i}.{n}": ColwiseParallel() if n in cols else RowwiseParallel()

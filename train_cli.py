@@ -75,6 +75,11 @@ def parse_args(argv=None):
     return args
 
 
+def store_dtype(args) -> torch.dtype:
+    """The dtype parameters are stored in (bf16 runs compute in bf16 from fp32 master weights)."""
+    return torch.float64 if args.dtype == "float64" else torch.float32
+
+
 def config_of(args):
     layers = {} if args.layers is None else dict(n_layers=args.layers)
     return get_config(args.model, n_experts=args.experts, top_k=args.top_k, **layers)

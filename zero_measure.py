@@ -16,8 +16,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from fsdp import _device, shard_model
-from mesh import resolve_group
+from fsdp import shard_model
+from mesh import collective_device, resolve_group
 
 
 # ---- the formulas the measurements are compared with ---------------------------------------------
@@ -62,7 +62,7 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
     from data import get_batch, load_corpus
     from instruments import CommCounter, memory_tracker
     from model import build_model, get_config, init_tensor
-    cfg, group, device = get_config(model_name), resolve_group(group), _device(group)
+    cfg, group, device = get_config(model_name), resolve_group(group), collective_device(group)
     P, R = dist.get_world_size(group), dist.get_world_size(replicate_group) if replicate_group is not None else 1
     dp_rank = dist.get_rank(group) + P * (dist.get_rank(replicate_group) if R > 1 else 0)  # replica-major
     model = build_model(cfg, seed, dtype, device="meta" if meta else device)
