@@ -113,7 +113,8 @@ def _demo(argv=None, reference=None) -> int:
         lines.append(f"    UNEXPECTED collectives on other groups: {res['bytes_by_dim']['other']}")
     mem, form = res["memory"], res["memory_formula"]
     lines.append("    model state bytes (measured | formula (b_p+b_g+K)Ψ/S): " + ", ".join(
-        f"{k} {mem[k]:,} | {form[k]:,.0f}" for k in ("parameters", "master", "gradients", "optimizer", "total")))
+        f"{k} {mem[k]:,} | {form[k]:,.0f}" for k in ("parameters", "master", "gradients", "optimizer", "total"))
+        + " (optimizer: + AdamW's step counter per parameter piece)")
     print_by_rank("\n".join(lines))
 
     tokens = load_corpus()  # the single-process run on the same global batches (tolerance as in fsdp.py)
