@@ -381,9 +381,9 @@ def layer_check(cfg, tokens: int, skew: float = 0.0, seed: int = 1, device=None)
 
 # ---- demo: torchrun --nproc_per_node 4 expert_parallel.py [--compare]   (or: python expert_parallel.py) ----
 
-def _demo(argv=None, reference=None) -> int:
+def _demo(argv=None) -> int:
     """The layer against the single-device MoE (dropless, then with a capacity) with its bytes against the
-    formula; then training against one process, and with `reference` (PyTorch's all-to-all) beside ours."""
+    formula; then training against one process, and with --compare PyTorch's all-to-all beside ours."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] + " (--tokens: per rank, layer check; "
                                 "--ep: training's, 0 = all ranks; --batch: global)")
     for name, default in dict(experts=8, top_k=2, ep=0, tokens=64, batch=8, seq=32, steps=4).items():
@@ -419,7 +419,8 @@ def _demo(argv=None, reference=None) -> int:
     # step 1's gradients (a 2x error in the expert gradients hardly moves AdamW's losses: it shows here)
     batches = [get_batch(load_corpus(), s, args.batch, args.seq, device=device) for s in range(args.steps)]
     ref, runs = single_process(build_model(cfg, device=device), batches, keep_grads=True), {}
-    for name, a2a in [("ours", None)] + [("PyTorch's all_to_all_single_autograd", reference)] * args.compare:
+    from references import all_to_all
+    for name, a2a in [("ours", None)] + [("PyTorch's all_to_all_single_autograd", all_to_all)] * args.compare:
         tl = Timeline(device)
         runs[name] = train_ep(cfg, ep, args.steps, args.batch, args.seq, a2a=a2a, device=device,
                               trace=lambda s: tl.span("step"))
@@ -449,10 +450,5 @@ def _demo(argv=None, reference=None) -> int:
 
 
 if __name__ == "__main__":
-    import torch.distributed._functional_collectives as funcol
-
     from demo import main
-
-    def pytorch_all_to_all(x, out_splits, in_splits, group):  # PyTorch's differentiable all-to-all
-        return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, out_splits, in_splits, group))
-    main(lambda argv: _demo(argv, reference=pytorch_all_to_all))
+    main(_demo)

@@ -459,7 +459,7 @@ def _repoint(entry, view):
 
 # ---- the demo: torchrun --nproc_per_node 4 fsdp.py --stage 3 --compare ----------------------------
 
-def _demo(argv=None, reference=None) -> int:
+def _demo(argv=None) -> int:
     import argparse
     import os
 
@@ -512,13 +512,10 @@ def _demo(argv=None, reference=None) -> int:
     ok = all_agree(err < tol)
     print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
            f"{'ok' if ok else 'MISMATCH'}")
-    if args.compare and reference is not None:  # PyTorch's FSDP2 beside a fresh copy of ours, in alternating rounds
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+    if args.compare:  # PyTorch's FSDP2 beside a fresh copy of ours, in alternating rounds
+        from references import fsdp2
         ours, theirs = (build_model(args.model, seed=0, device=device) for _ in range(2))
-        mp = MixedPrecisionPolicy(pd, torch.float32)
-        for block in theirs.layers:
-            reference(block, reshard_after_forward=not args.no_reshard, mp_policy=mp)
-        reference(theirs, mp_policy=mp)
+        fsdp2(theirs, param_dtype=pd, reshard_after_forward=not args.no_reshard)
         runs = {"ours": (ours, shard_model(ours, args.stage, lr=args.lr, **kw)),
                 "FSDP2": (theirs, torch.optim.AdamW(theirs.parameters(), lr=args.lr))}
         x, y = get_batch(tokens, 0, args.batch, args.seq, 0, dist.get_rank(), world, device=device)
@@ -537,7 +534,5 @@ def _demo(argv=None, reference=None) -> int:
 
 
 if __name__ == "__main__":
-    from torch.distributed.fsdp import fully_shard  # PyTorch's own FSDP2: only here, as the reference
-
     from demo import main
-    main(lambda argv: _demo(argv, reference=fully_shard))
+    main(_demo)

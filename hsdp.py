@@ -72,7 +72,7 @@ def hsdp_train(replicate: int, shard: int, **kwargs) -> dict:
 
 # ---- the demo: torchrun --nproc_per_node 4 hsdp.py [--replicate R] [--compare] -----------------------
 
-def _demo(argv=None, reference=None) -> int:
+def _demo(argv=None) -> int:
     import argparse
     import os
 
@@ -124,14 +124,10 @@ def _demo(argv=None, reference=None) -> int:
     ok = all_agree(err < tol and not res["bytes_by_dim"]["other"])
     print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
            f"{'ok' if ok else 'MISMATCH'}")
-    if args.compare and reference is not None and S * R > 1:  # FSDP2's HSDP: fully_shard on a 2-D device mesh
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        mesh2d = init_device_mesh(device.type, (R, S), mesh_dim_names=("replicate", "shard"))
-        theirs, mp = build_model(args.model, seed=0, device=device), MixedPrecisionPolicy(pd, torch.float32)
-        for block in theirs.layers:
-            reference(block, mesh=mesh2d, mp_policy=mp)
-        reference(theirs, mesh=mesh2d, mp_policy=mp)
+    if args.compare and S * R > 1:  # FSDP2's HSDP: fully_shard on a 2-D device mesh
+        from references import fsdp2, hsdp_mesh
+        theirs = build_model(args.model, seed=0, device=device)
+        fsdp2(theirs, mesh=hsdp_mesh(device.type, R, S), param_dtype=pd)
         opt = torch.optim.AdamW(theirs.parameters(), lr=args.lr)
         for s in range(args.steps):
             theirs(*get_batch(tokens, s, args.batch, args.seq, 0, dist.get_rank(), world, device=device)).backward()
@@ -144,7 +140,5 @@ def _demo(argv=None, reference=None) -> int:
 
 
 if __name__ == "__main__":
-    from torch.distributed.fsdp import fully_shard  # PyTorch's own FSDP2: only here, as the reference
-
     from demo import main
-    main(lambda argv: _demo(argv, reference=fully_shard))
+    main(_demo)

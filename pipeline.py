@@ -324,9 +324,9 @@ def timeline_ranks(configs, model: str = "small", n_layers: int = 8, batch: int 
                 if k in ("spans", "peak_held", "peak_bytes")} for c in configs}
 
 
-# ---- demo (PyTorch's own pipelining appears only below the __main__ line, as the reference) ----------
+# ---- demo: torchrun --nproc_per_node 4 pipeline.py --schedule 1f1b [--compare] ----------------------
 
-def _demo(argv=None, reference=None) -> int:
+def _demo(argv=None) -> int:
     import argparse
     import os
 
@@ -374,48 +374,13 @@ def _demo(argv=None, reference=None) -> int:
               + "  ".join(f"{held_formula(name, p, m, r, v)}/{e[3]}" for r, e in enumerate(rows))
               + "   activation MB: " + " ".join(f"{e[4] / 2**20:.1f}" for e in rows), flush=True)
     ok = all_agree(ok)
-    if args.compare and reference is not None and args.dp == 1:
-        ok &= reference(out, cfg, name, m, batches[0], device, mesh.group("pp"))
+    if args.compare and args.dp == 1:  # PyTorch's schedule of the same name, side by side
+        from references import torch_pipelining
+        ok &= torch_pipelining(out, cfg, name, m, batches[0], device, mesh.group("pp"))
     print0(f"loss matches the single-process model: {'ok' if ok else 'FAILED'} (max |diff| {diff:.1e})")
     return finish(ok)
 
 
 if __name__ == "__main__":
-    import torch.distributed.pipelining as pl
-
-    from demo import all_agree, main, max_diff, snapshot
-    from instruments import time_side_by_side
-    from mesh import print0
-    from model import CrossEntropy
-    NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-             "zb": "ScheduleInterleavedZeroBubble"}   # PyTorch's zero-bubble for one stage per rank: ZB-H1's order
-
-    def torch_pipelining(out, cfg, name, m, batch, device, group) -> bool:
-        """The same split run by torch.distributed.pipelining's schedule of the same name, from the same
-        initial weights: gradients and step time side by side. Shapes are given up front, as ours are."""
-        (x, y), pg, v = (t.to(device) for t in batch), out["pg"], out["stage"].v
-        p, b, n = pg.p, x.shape[0] // m, pg.p * v
-        if name == "1f1b" and m < p:   # the schedule allows it, PyTorch's implementation does not
-            print0(f"  torch.distributed.pipelining {NAMES[name]} needs m >= p: nothing to compare with")
-            return True
-        ours, chunks = Stage(cfg, pg.r, p, 0, device, v=v), [Stage(cfg, c * p + pg.r, n, 0, device) for c in range(v)]
-        act = torch.empty(b, x.shape[1], cfg.dim, device=device, requires_grad=True)   # a boundary's [b, S, H]
-        logits = torch.empty(b, x.shape[1], cfg.vocab_size, device=device)
-        stages = [pl.PipelineStage(ch, s, n, device, group=group, input_args=(x[:b],) if s == 0 else (act,),
-                                   output_args=(logits,) if s == n - 1 else (act,))
-                  for s, ch in ((c * p + pg.r, ch) for c, ch in enumerate(chunks))]
-        sched = getattr(pl, NAMES[name])(stages if name in ("interleaved", "zb") else stages[0], m,
-                                         loss_fn=CrossEntropy())
-        steps = dict(ours=lambda: pipeline_step(ours, out["actions"], pg, x, y, m),   # every rank passes the loss
-                     theirs=lambda: sched.step(*((x,) if pg.r == 0 else ()), target=y if pg.r == p - 1 else None))
-        for f in steps.values():   # one step each: the gradients must agree
-            f()
-        diff = max_diff(snapshot(ours, grads=True), {k: q.grad for ch in chunks for k, q in ch.named_parameters()})
-        t = time_side_by_side(steps, group=group, device=device)   # alternating rounds, median each
-        t = torch.tensor([diff, t["ours"], t["theirs"]])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        print0(f"  torch.distributed.pipelining {NAMES[name]}: gradients max |diff| {t[0]:.1e}; step time "
-               f"ours {t[1] * 1e3:.1f} ms, theirs {t[2] * 1e3:.1f} ms: ours/theirs {t[1] / t[2]:.2f}")
-        return all_agree(t[0].item() < 1e-6)
-
-    main(lambda argv: _demo(argv, reference=torch_pipelining))
+    from demo import main
+    main(_demo)

@@ -344,8 +344,8 @@ def partial_formula(cfg, t: int, sp: bool) -> int:
 
 # ---- demo: torchrun --nproc_per_node 2 tensor_parallel.py [--sp] ---------------------------------------
 
-def _demo(argv=None, reference=None) -> int:
-    """Train by hand (and with `reference(model, group, sp)`: PyTorch's DTensor TP) against one process in
+def _demo(argv=None) -> int:
+    """Train by hand (and with PyTorch's DTensor TP, references.dtensor_tp) against one process in
     float64; count step 1's collectives against the formulas; time float32 steps side by side."""
     import argparse
     import copy
@@ -370,9 +370,10 @@ def _demo(argv=None, reference=None) -> int:
     device, group = init_distributed(), dist.group.WORLD
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
     impls = {"by hand": lambda m: apply_tensor_parallel(copy.deepcopy(m), group, sp)}
-    if reference is not None and not args.no_compare and cfg.n_kv_heads % t == 0:
-        impls["DTensor"] = lambda m: reference(copy.deepcopy(m), group, sp)
-    why = f": Colwise would cut {cfg.n_kv_heads} kv heads in {t}" if reference and not args.no_compare else ""
+    if not args.no_compare and cfg.n_kv_heads % t == 0:
+        from references import dtensor_tp
+        impls["DTensor"] = lambda m: dtensor_tp(copy.deepcopy(m), group, sp)
+    why = f": Colwise would cut {cfg.n_kv_heads} kv heads in {t}" if not args.no_compare else ""
     print0(f"tensor parallel: tp={t}, model {args.model}, batch {B}x{S}, sequence parallel {'on' if sp else 'off'}, "
            f"{dist.get_backend()} on {device}; PyTorch's DTensor TP " + ("beside it" if len(impls) > 1 else
                                                                          "left out" + why))
@@ -436,25 +437,5 @@ def _demo(argv=None, reference=None) -> int:
 
 
 if __name__ == "__main__":
-    def dtensor_tensor_parallel(model, group, sp=False):
-        """The same split with PyTorch's DTensor parallelize_module (torchtitan's plan)."""
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel as Col, PrepareModuleInput as Input
-        from torch.distributed.tensor.parallel import RowwiseParallel as Row, SequenceParallel, parallelize_module
-        seq, rep = Shard(1) if sp else Replicate(), Replicate()  # the layout between the pairs
-        plan = {"tok_embeddings": Row(input_layouts=rep, output_layouts=seq),
-                "output": Col(input_layouts=seq, output_layouts=rep), **({"norm": SequenceParallel()} if sp else {})}
-        for p in (f"layers.{i}." for i in range(len(model.layers))):
-            plan.update({p + n: Col() for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")})
-            plan.update({p + n: Row(output_layouts=seq) for n in ("attn.wo", "mlp.w2")})
-            if sp:  # norms on the shard; gathered once before attention and once before the MLP
-                plan.update({p + "attn_norm": SequenceParallel(), p + "mlp_norm": SequenceParallel(),
-                             p + "attn": Input(input_layouts=(seq, None, None),
-                                               desired_input_layouts=(rep, None, None)),
-                             p + "mlp": Input(input_layouts=(seq,), desired_input_layouts=(rep,))})
-        mesh = DeviceMesh.from_group(group, device_type=model.output.weight.device.type)
-        return parallelize_module(model, mesh, plan)
-
     from demo import main
-    main(lambda argv: _demo(argv, reference=dtensor_tensor_parallel))
+    main(_demo)

@@ -401,17 +401,18 @@ def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
             for flags in layouts]
 
 
-def run(argv=None, compare=None) -> int:
-    """torchrun entry point. compare(args, device) -> (losses, seconds per step): PyTorch's own FSDP2 +
-    DTensor run of the same layout, defined below the __main__ line (--compare)."""
+def run(argv=None) -> int:
+    """torchrun entry point; --compare runs the same layout under PyTorch's own FSDP2 + DTensor TP
+    (references.train_fsdp2_tp) and prints both losses and step times."""
     args = parse_args(argv)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
     device = init_distributed()
     out = train(args, device)
-    if args.compare and compare is not None:
+    if args.compare:
+        from references import train_fsdp2_tp
         t_ours = statistics.median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]
                                    or out["tokens_per_s"])
-        theirs, step_time = compare(args, device)
+        theirs, step_time = train_fsdp2_tp(args, device)
         err = max(abs(a - b) for a, b in zip(out["losses"], theirs))
         if dist.get_rank() == 0:
             print(f"PyTorch FSDP2 + DTensor TP, same layout: max |loss diff| {err:.2e}; median step "
@@ -421,63 +422,4 @@ def run(argv=None, compare=None) -> int:
 
 
 if __name__ == "__main__":
-    # PyTorch's own wrappers appear only here, as the reference --compare runs beside ours.
-    def pytorch_fsdp2_tp(args, device):
-        """The same model, batches, AdamW, schedule and clipping under fully_shard + parallelize_module."""
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        shape = (args.dp_replicate, args.dp_shard, args.tp)  # the same row-major order as mesh.py
-        dm = init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        model = build_model(config_of(args), seed=args.seed, device=device,
-                            dtype=store_dtype(args))
-        if args.tp > 1:
-            cols = ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")  # then rows: attn.wo, mlp.w2
-            plan = {f"layers.{i}.{n}": ColwiseParallel() if n in cols else RowwiseParallel()
-                    for i in range(len(model.layers)) for n in cols + ("attn.wo", "mlp.w2")}
-            plan.update(tok_embeddings=RowwiseParallel(input_layouts=Replicate()),
-                        output=ColwiseParallel(output_layouts=Replicate()))
-            parallelize_module(model, dm["tp"], plan)
-        if args.dp_replicate * args.dp_shard > 1:
-            dp_mesh = dm["dp_replicate", "dp_shard"] if args.dp_replicate > 1 else dm["dp_shard"]
-            for block in model.layers:
-                fully_shard(block, mesh=dp_mesh)
-            fully_shard(model, mesh=dp_mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        tokens, losses, times = load_corpus(args.data), [], []
-        dp, dp_rank = args.dp_replicate * args.dp_shard, dist.get_rank() // args.tp
-        for s in range(args.steps):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(s + 1, args)
-            x, y = get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, dp_rank, dp, device=device)
-            t0 = time.perf_counter()
-            loss = model(x, y)
-            loss.backward()
-            if args.grad_clip:  # parameters live on different meshes: the global norm by hand
-                sq = torch.zeros((), dtype=torch.float64, device=device)
-                world = dist.get_world_size()
-                for p in model.parameters():
-                    g, copies = p.grad, world  # a plain tensor: the same on every rank
-                    if hasattr(g, "to_local"):  # copies: ranks outside its mesh, and replicated mesh dims
-                        copies = world // g.device_mesh.size() * math.prod(
-                            g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
-                        g = g.to_local()
-                    sq += g.double().pow(2).sum() / copies
-                dist.all_reduce(sq)
-                coef = (args.grad_clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-                for p in model.parameters():
-                    p.grad.mul_(coef.item())
-            opt.step()
-            opt.zero_grad()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-            v = loss.detach().double() / dp if args.tp == 1 or dist.get_rank() % args.tp == 0 else \
-                torch.zeros((), dtype=torch.float64, device=device)
-            v = v.full_tensor() if hasattr(v, "full_tensor") else v
-            dist.all_reduce(v)
-            losses.append(v.item())
-        return losses, statistics.median(times[1:] or times)
-
-    main(lambda argv: run(argv, compare=pytorch_fsdp2_tp))
+    main(run)

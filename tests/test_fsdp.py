@@ -52,14 +52,10 @@ def _loop(model, opt, steps=STEPS, dtype=None):
 
 def _fsdp2_state(param_dtype=None):
     """PyTorch's FSDP2 fully_shard (each Block, then the root) on the same model and data."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from model import build_model
+    from references import fsdp2
     model = build_model("tiny", seed=0)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    fsdp2(model, param_dtype=param_dtype)
     _loop(model, torch.optim.AdamW(model.parameters(), lr=LR))
     return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
 
