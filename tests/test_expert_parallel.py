@@ -14,8 +14,8 @@ from instruments import CommCounter
 from mesh import Mesh
 from model import get_config, num_params
 
-from expert_parallel import (expert_parameters, parallelize_experts, sync_gradients,
-                             tp_partial_parameters, train_ep)
+from ep_measure import train_ep
+from expert_parallel import expert_parameters, parallelize_experts, sync_gradients, tp_partial_parameters
 
 TOKENS = 24  # tokens per token-holding slot in the layer checks
 EXPERT = ("mlp.w1", "mlp.w3", "mlp.w2")
