@@ -10,132 +10,38 @@ copy when the compute copy is bf16). ZeRO shards it step by step; bytes per rank
     stage 2  + the gradients            b_p·Ψ + (b_g + K)·Ψ/P
     stage 3  + the parameters (FSDP)    (b_p + b_g + K)·Ψ/P
 
-Communication per step in elements, as ZeRO §7 counts it: stage 0 all-reduces the gradients, 2Ψ (a
-reduce-scatter plus an all-gather); stages 1-2 reduce-scatter the gradients and all-gather the new
-parameters, 2Ψ; stage 3 all-gathers each unit before its forward and again before its backward and
-reduce-scatters its gradient, 3Ψ. The tests count API bytes, what is handed to a collective (a
-reduce-scatter of 4Ψ for fp32 gradients, an all-gather of b_p·Ψ); a ring sends (P-1)/P of that per rank
-(2(P-1)/P for an all-reduce). Exactly, stage 3 gathers b_p·(2Ψ − Ψ_root): the root unit (embedding,
-final norm, head) stays gathered into its backward, which starts right after its forward (PyTorch's
-fully_shard does the same for its root); with reshard_after_forward=False every unit does: b_p·Ψ. Every
-step also all-reduces one int32 per parameter tensor: which parameters got a gradient on any rank (the
-agreement PyTorch DDP's find_unused_parameters makes), so that one no rank used gets none. A group of
-one rank sends nothing.
+Communication per step in elements (ZeRO §7): stage 0 all-reduces the gradients, 2Ψ (a reduce-scatter
+plus an all-gather); stages 1-2 reduce-scatter the gradients and all-gather the new parameters, 2Ψ;
+stage 3 all-gathers each unit before its forward and again before its backward and reduce-scatters its
+gradient, 3Ψ. The tests count API bytes, what is handed to a collective (a reduce-scatter of 4Ψ for fp32
+gradients, an all-gather of b_p·Ψ); a ring sends (P-1)/P of that per rank (all-reduce: 2(P-1)/P).
+Exactly, stage 3 gathers b_p·(2Ψ − Ψ_root): the root unit (embedding, final norm, head) stays gathered
+into its backward, which follows its forward at once (as FSDP2's root); with reshard_after_forward=False
+every unit does: b_p·Ψ. Each step also all-reduces one int32 per parameter tensor, which parameters got
+a gradient on any rank (as DDP's find_unused_parameters), so one no rank used gets none.
 
 How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4): a unit's parameters are views of one flat
-buffer [N], N padded to a multiple of P, so a rank's shard is one slice and a unit moves in one
-collective (FSDP's FlatParameter). The optimizer steps one 1-D piece per parameter (as FSDP2 shards
-per parameter), so AdamW skips a parameter without gradient and counts its steps as in one process.
-Stages 2-3 reduce a unit once the gradients of its inputs exist (its whole backward is done); at the end
-of backward every unit not reduced yet is reduced, in one order on every rank, so a branch that some
-ranks skip can neither hang nor skip a reduction. A tied weight stays one parameter, in the innermost
-unit that holds all its users; frozen parameters stay whole on every rank. `with opt.accumulating():`
-defers the reduction over several backwards (FSDP §3.4): m micro-batches then cost one reduce-scatter
-(and with reshard_after_forward=False one all-gather) per step. The loop stays as it was:
-loss.backward(); opt.step(); opt.zero_grad() — after one call, opt = shard_model(model, stage).
-Saving and loading the shards (full and per-rank state dicts): checkpoint.py. The formulas above as
-functions, and a training run that measures both (the demo, tests and notebook use it): zero_measure.py.
+buffer [N], N padded to a multiple of P, so a shard is one slice and a unit moves in one collective
+(FSDP's FlatParameter). The optimizer steps one 1-D piece per parameter (as FSDP2), so AdamW skips a
+parameter without gradient as in one process. Stages 2-3 reduce a unit once its backward is done, and
+at the end of backward every unit not reduced yet, in one order on every rank: a branch some ranks skip
+can neither hang nor skip a reduction. `with opt.accumulating():` defers the reduction over several
+backwards (FSDP §3.4). The loop stays as it was — opt = shard_model(model, stage), then
+loss.backward(); opt.step(); opt.zero_grad(). A unit's flat buffer, its slice and its collectives:
+flat_unit.py. The shards saved and loaded: checkpoint.py. The formulas as functions, the bytes a rank
+holds and the measured run the demo, tests and notebook use: zero_measure.py.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
-from mesh import all_gather_single, collective_device, reduce_scatter_single, resolve_group
-
-
-# ---- a unit's parameters, flattened: gather, free, reduce ----------------------------------------
-
-class FlatUnit:
-    """One unit's parameters on one group as a flat buffer [N]; this rank keeps the slice [r·n, (r+1)·n),
-    n = N/P (stage 0: P = 1, the whole buffer).
-    buf     [N] compute dtype: the module's parameters are views of it (stage 3 frees it between uses)
-    shard   [n] compute dtype: my slice (a view of buf in stages 0-2; its own tensor in stage 3)
-    master  [n] the parameters' dtype (fp32): what the optimizer updates; the shard itself if no cast
-    pieces  [(i, a, b, piece)]: piece = master[a:b], my part of parameter i, the optimizer's parameter
-    """
-
-    def __init__(self, entries, stage, group, divide_by, across=None, param_dtype=None, init_fn=None):
-        # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
-        self.stage, self.group, self.divide_by, self.across = stage, group, divide_by, across
-        self.P, self.r = (dist.get_world_size(group), dist.get_rank(group)) if stage > 0 else (1, 0)
-        self.alone = dist.get_world_size(group) == 1  # a group of one: no collective at all
-        self.aliases, self.shapes = [e[0] for e in entries], [tuple(e[2].shape) for e in entries]
-        self.names, self.numels = [a[0] for a in self.aliases], [math.prod(s) for s in self.shapes]
-        self.offsets = [0, *itertools.accumulate(self.numels)][:-1]  # of each parameter in buf
-        self.N = -(-sum(self.numels) // self.P) * self.P  # padded: every rank gets n = N/P elements
-        self.n = self.N // self.P
-        master = _my_slice(self, entries, init_fn)  # [n], made from my part of each parameter only
-        self.dtype, same = param_dtype or master.dtype, param_dtype in (None, master.dtype)
-        self.buf = torch.empty(self.N, dtype=self.dtype, device=master.device)
-        if stage == 3:  # my slice lives apart from buf, which holds bytes only while gathered
-            self.shard = master if same else torch.empty_like(master, dtype=self.dtype)
-        else:           # my slice is a view of buf; with no cast the optimizer steps it in place
-            self.shard = self.buf[self.r * self.n:(self.r + 1) * self.n]
-            master = self.shard.copy_(master) if same else master
-        self.master = nn.Parameter(master)
-        self.pieces = [(i, a, b, nn.Parameter(self.master.detach()[a:b])) for i, a, b in self.spans()]
-        self.params = [_repoint(e, view) for e, view in zip(entries, self.views(self.buf.data))]
-        self.used = torch.zeros(len(self.params), dtype=torch.int32, device=master.device)  # got a gradient here
-        self.gather_work, self.unreduced = None, False
-        self.publish()
-
-    def spans(self):
-        """[(i, a, b)]: parameter i covers [a, b) of my slice (parameters outside it are left out)."""
-        lo, hi = self.r * self.n, (self.r + 1) * self.n
-        return [(i, max(o, lo) - lo, min(o + k, hi) - lo) for i, (o, k) in enumerate(zip(self.offsets, self.numels))
-                if max(o, lo) < min(o + k, hi)]
-
-    def views(self, flat):
-        """A flat [N] tensor as one view per parameter, in its shape."""
-        return [t.view(s) for t, s in zip(flat[:sum(self.numels)].split(self.numels), self.shapes)]
-
-    @torch.no_grad()
-    def publish(self):
-        """After the master slice changed (a step, a load): refresh every compute copy of it."""
-        if self.shard.data_ptr() != self.master.data_ptr():
-            self.shard.copy_(self.master)  # e.g. fp32 -> bf16
-        if self.stage in (1, 2):
-            all_gather_single(self.buf, self.shard, group=self.group)
-        if self.stage == 3:
-            self.free()  # a gathered copy would be stale: the next use gathers the new values
-
-    def unshard(self):
-        """Stage 3: start the all-gather of buf, [n] per rank -> [N], unless it is gathered already."""
-        if self.gather_work is None and self.buf.untyped_storage().size() == 0:
-            self.buf.untyped_storage().resize_(self.N * self.buf.element_size())
-            self.gather_work = all_gather_single(self.buf, self.shard, group=self.group, async_op=True)
-
-    def wait(self):
-        if self.gather_work is not None:
-            self.gather_work.wait()
-            self.gather_work = None
-
-    def free(self):
-        self.wait()
-        self.buf.untyped_storage().resize_(0)  # every parameter view now has no bytes
-
-    def reduce(self):
-        """Pack the gradients into one [N] (zeros where a parameter has none: every rank hands over the
-        same sizes) and sum it over the group: stage 0 all-reduces it, the others reduce-scatter it to
-        my slice [n]. Returns (result, work, input)."""
-        g = torch.zeros(self.N, dtype=self.master.dtype, device=self.master.device)
-        for i, (p, view) in enumerate(zip(self.params, self.views(g))):
-            if p.grad is not None:
-                view.copy_(p.grad)
-                self.used[i] = 1
-                if self.stage >= 2:
-                    p.grad = None  # stages 2-3 keep only the reduced slice
-        if self.stage == 0:
-            return g, None if self.alone else dist.all_reduce(g, group=self.group, async_op=True), g
-        out = g.new_empty(self.n)
-        return out, reduce_scatter_single(out, g, group=self.group, async_op=True), g
+from flat_unit import FlatUnit
+from mesh import collective_device, resolve_group
 
 
 # ---- stages 2-3: hooks that gather, free and reduce while forward and backward run ---------------
@@ -346,16 +252,6 @@ class ZeroOptimizer:
             u.master.grad.mul_((max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0).to(u.master.grad.dtype))
         return self.grad_norm
 
-    def state_bytes(self) -> dict:
-        """Model-state bytes this rank holds, by category (storage-based)."""
-        from instruments import model_state_bytes
-        masters = [u.master for u in self.units if u.master.data_ptr() != u.shard.data_ptr()]  # a cast apart
-        grads = [u.master.grad for u in self.units if u.master.grad is not None]  # reduced (stages 2-3: held)
-        ms = model_state_bytes([p for u in self.units for p in u.params] + [u.shard for u in self.units], self.inner,
-                               extra={"master": masters, "g": grads})
-        ms["gradients"] += ms.pop("g")
-        return ms
-
 
 # ---- the entry point ---------------------------------------------------------------------------------
 
@@ -435,28 +331,6 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
     return opt
 
 
-def _my_slice(u, entries, init_fn):
-    """A new unit's master slice [n], made from my part of each parameter only: a meta-device model's
-    from init_fn, on the device our collectives use, in at least fp32 (a bf16 model gets an fp32 master)."""
-    p0, lo = entries[0][2], u.r * u.n
-    master = torch.zeros(u.n, dtype=torch.promote_types(p0.dtype, torch.float32) if p0.is_meta else p0.dtype,
-                         device=collective_device(u.group) if p0.is_meta else p0.device)
-    for (i, a, b), off in [(s, u.offsets[s[0]]) for s in u.spans()]:
-        names, _, p = entries[i]
-        full = init_fn(names[0], p.shape) if p.is_meta else p.detach()
-        master[a:b] = full.reshape(-1)[lo + a - off:lo + b - off].to(master.device)
-    return master
-
-
-def _repoint(entry, view):
-    """Every holder of the parameter now holds `view` (of buf). `.data`-made views get their own version
-    counter, so refilling buf (stage 3) does not trip autograd's check on saved tensors."""
-    p = nn.Parameter(view)
-    for module, attr in entry[1]:
-        module._parameters[attr] = p
-    return p
-
-
 # ---- the demo: torchrun --nproc_per_node 4 fsdp.py --stage 3 --compare ----------------------------
 
 def _demo(argv=None) -> int:
@@ -464,11 +338,11 @@ def _demo(argv=None) -> int:
     import os
 
     from data import get_batch, load_corpus
-    from demo import all_agree, bytes_table, finish, max_diff, print_by_rank, single_process
+    from demo import bytes_table, finish, max_diff, print_by_rank
     from instruments import time_side_by_side
-    from zero_measure import train_and_measure
     from mesh import init_distributed, print0
     from model import build_model
+    from zero_measure import one_process_check, train_and_measure
     dtypes = {"fp32": None, "bf16": torch.bfloat16}  # None: compute in the parameters' own fp32
     ap = argparse.ArgumentParser(description="ZeRO stage 0-3 on the shared model, measured against the formulas")
     ap.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
@@ -502,23 +376,14 @@ def _demo(argv=None) -> int:
     if res["peak"]:
         lines.append(f"  MemTracker peak {res['peak'] * mib:.3f} MiB (model state + activations + temporaries)")
     print_by_rank("\n".join(lines))
-
-    # The single-process run on the same global batches. Adam turns rounding-level gradient differences into
-    # up to a whole step (lr) on elements whose gradient is ~0: fp32 within 5% of a step per step, bf16 2 steps.
-    tokens = load_corpus()
-    batches = [get_batch(tokens, s, args.batch, args.seq, 0, device=device) for s in range(args.steps)]
-    ref = single_process(build_model(args.model, seed=0, device=device), batches, lr=args.lr, compute_dtype=pd)
-    err, tol = max_diff(res["state"], ref["model"].state_dict()), (0.05 if pd is None else 2.0) * args.lr * args.steps
-    ok = all_agree(err < tol)
-    print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
-           f"{'ok' if ok else 'MISMATCH'}")
+    ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
     if args.compare:  # PyTorch's FSDP2 beside a fresh copy of ours, in alternating rounds
         from references import fsdp2
         ours, theirs = (build_model(args.model, seed=0, device=device) for _ in range(2))
         fsdp2(theirs, param_dtype=pd, reshard_after_forward=not args.no_reshard)
         runs = {"ours": (ours, shard_model(ours, args.stage, lr=args.lr, **kw)),
                 "FSDP2": (theirs, torch.optim.AdamW(theirs.parameters(), lr=args.lr))}
-        x, y = get_batch(tokens, 0, args.batch, args.seq, 0, dist.get_rank(), world, device=device)
+        x, y = get_batch(load_corpus(), 0, args.batch, args.seq, 0, dist.get_rank(), world, device=device)
 
         def step(model, opt):
             model(x, y).backward()

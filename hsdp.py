@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fsdp import shard_model
 from mesh import Mesh
-from zero_measure import train_and_measure
+from zero_measure import one_process_check, train_and_measure
 
 
 def across_replicas(replicate_group):
@@ -77,7 +77,7 @@ def _demo(argv=None) -> int:
     import os
 
     from data import get_batch, load_corpus
-    from demo import all_agree, finish, max_diff, print_by_rank, single_process
+    from demo import all_agree, finish, max_diff, print_by_rank
     from instruments import wire_bytes
     from mesh import init_distributed, print0
     from model import build_model
@@ -117,13 +117,9 @@ def _demo(argv=None) -> int:
         + " (optimizer: + AdamW's step counter per parameter piece)")
     print_by_rank("\n".join(lines))
 
-    tokens = load_corpus()  # the single-process run on the same global batches (tolerance as in fsdp.py)
-    batches = [get_batch(tokens, s, args.batch, args.seq, 0, device=device) for s in range(args.steps)]
-    ref = single_process(build_model(args.model, seed=0, device=device), batches, lr=args.lr, compute_dtype=pd)
-    err, tol = max_diff(res["state"], ref["model"].state_dict()), (2.0 if args.bf16 else 0.05) * args.lr * args.steps
-    ok = all_agree(err < tol and not res["bytes_by_dim"]["other"])
-    print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
-           f"{'ok' if ok else 'MISMATCH'}")
+    ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
+    ok &= all_agree(not res["bytes_by_dim"]["other"])
+    tokens = load_corpus()
     if args.compare and S * R > 1:  # FSDP2's HSDP: fully_shard on a 2-D device mesh
         from references import fsdp2, hsdp_mesh
         theirs = build_model(args.model, seed=0, device=device)

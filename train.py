@@ -85,6 +85,7 @@ from instruments import peak_memory_bytes
 from mesh import DIMS, Mesh, init_distributed
 from model import build_model, flops_per_token, init_tensor, num_params
 from train_cli import CP_LAYOUT, check_args, config_of, layout_of, parse_args, store_dtype  # noqa: F401  (tests use them from here)
+from zero_measure import held_bytes  # the model state a rank holds, each step
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, from the vendors' data sheets
 
@@ -238,7 +239,7 @@ class Trainer:
             self.grad_norm = self.opt.clip_grad_norm_(a.grad_clip, group=dist.group.WORLD,
                                                       weight_of=lambda n: 1.0 / self.copies[n])
         self.opt.step()
-        self.state = self.opt.state_bytes()  # model state held between steps (gradients included)
+        self.state = held_bytes(self.opt)  # model state held between steps (gradients included)
         self.opt.zero_grad(set_to_none=True)
         return loss / (self.dp * self.cp)
 
@@ -342,7 +343,7 @@ def train(args, device=None, verbose: bool = True) -> dict:
             with open(args.log_file, "a") as f:
                 f.write(json.dumps(dict(step=s + 1, loss=loss, lr=lr, tokens_per_s=tps, peak_memory_bytes=mem,
                                         comm_bytes=nbytes, mfu=mfu)) + "\n")
-    state = getattr(trainer, "state", None) or trainer.opt.state_bytes()
+    state = getattr(trainer, "state", None) or held_bytes(trainer.opt)
     if rank0 and verbose:
         print("model state on rank 0 after a step: " + ", ".join(f"{k} {v / 2**10:.1f} KiB" for k, v in state.items()),
               flush=True)

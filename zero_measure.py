@@ -50,7 +50,18 @@ def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root
     return {k: v for k, v in out.items() if v}
 
 
-# ---- a measured run (the demo, the tests and the notebook call it) --------------------------------
+# ---- what a rank holds, and a measured run (the demos, the tests and the notebook call it) ----------
+
+def held_bytes(opt) -> dict:
+    """Model-state bytes a ZeroOptimizer's rank holds, by category (storage-based: views count once)."""
+    from instruments import model_state_bytes
+    masters = [u.master for u in opt.units if u.master.data_ptr() != u.shard.data_ptr()]  # a cast apart
+    grads = [u.master.grad for u in opt.units if u.master.grad is not None]  # reduced (stages 2-3: held)
+    ms = model_state_bytes([p for u in opt.units for p in u.params] + [u.shard for u in opt.units], opt.inner,
+                           extra={"master": masters, "g": grads})
+    ms["gradients"] += ms.pop("g")
+    return ms
+
 
 def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-2, group=None, replicate_group=None,
                       meta=False, seed=0, dtype=torch.float32, track_peak=False, microbatches=1, **shard_kwargs):
@@ -83,7 +94,7 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
                 loss = loss + part.detach()
             opt.step()
         peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"] if tracked else peak
-        memory = opt.state_bytes()  # at rest, after the step (before zero_grad)
+        memory = held_bytes(opt)  # at rest, after the step (before zero_grad)
         opt.zero_grad()
         dist.all_reduce(loss := loss.double())  # the global batch's loss, for printing (outside the counter)
         losses.append(loss.item() / (P * R))
@@ -104,3 +115,22 @@ def measure_runs(configs, **kwargs) -> list[dict]:
     parameters; each result carries its config."""
     return [{k: v for k, v in train_and_measure(**c, **kwargs).items() if k not in ("state", "events")} | c
             for c in configs]
+
+
+# ---- the demos' check (fsdp.py, hsdp.py) ---------------------------------------------------------
+
+def one_process_check(state, model_name, steps, batch, seq, lr, param_dtype, device) -> bool:
+    """Full parameters after `steps` against the single-process run on the same global batches, printed.
+    Adam turns rounding-level gradient differences into up to a whole step (lr) on elements whose gradient
+    is ~0: fp32 within 5% of a step per step, bf16 compute within 2 steps."""
+    from data import get_batch, load_corpus
+    from demo import all_agree, max_diff, single_process
+    from mesh import print0
+    from model import build_model
+    batches = [get_batch(load_corpus(), s, batch, seq, 0, device=device) for s in range(steps)]
+    ref = single_process(build_model(model_name, seed=0, device=device), batches, lr=lr, compute_dtype=param_dtype)
+    err, tol = max_diff(state, ref["model"].state_dict()), (0.05 if param_dtype is None else 2.0) * lr * steps
+    ok = all_agree(err < tol)
+    print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
+           f"{'ok' if ok else 'MISMATCH'}")
+    return ok
