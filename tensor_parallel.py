@@ -324,36 +324,18 @@ def train_step(model, opt, x, y):
     return loss.detach()
 
 
-# ---- the formulas the demo and the tests measure against ----------------------------------------------
-
-def comm_formula(cfg, B: int, S: int, b: int, t: int, sp: bool) -> dict:
-    """{op: (calls, API bytes)} of one forward + backward (finish_grads apart), as in the docstring."""
-    n, act, loss = 4 * cfg.n_layers + 2, B * S * cfg.dim * b, 3 * B * S * max(b, 4)
-    if t == 1:
-        return {}
-    return ({"all_gather": (n, n * act), "reduce_scatter": (n, n * act), "all_reduce": (3, loss)} if sp
-            else {"all_reduce": (n + 3, n * act + loss)})
-
-
-def partial_formula(cfg, t: int, sp: bool) -> int:
-    """Elements finish_grads all-reduces per step: replicated kv weights (n_kv slots each) + SP norms."""
-    L, H = cfg.n_layers, cfg.dim
-    kv = 2 * L * cfg.n_kv_heads * cfg.head_dim * H if cfg.n_kv_heads % t else 0
-    return 0 if t == 1 else kv + ((2 * L + 1) * H if sp else 0)
-
-
 # ---- demo: torchrun --nproc_per_node 2 tensor_parallel.py [--sp] ---------------------------------------
 
 def _demo(argv=None) -> int:
-    """Train by hand (and with PyTorch's DTensor TP, references.dtensor_tp) against one process in
-    float64; count step 1's collectives against the formulas; time float32 steps side by side."""
+    """Train by hand (and with PyTorch's DTensor TP, references.dtensor_tp) against one process in float64;
+    count step 1's collectives against the formulas; time float32 steps side by side (tp_measure.py)."""
     import argparse
     import copy
     import os
 
+    import tp_measure
     from data import get_batch, load_corpus
-    from demo import all_agree, bytes_table, finish, print_by_rank, single_process
-    from instruments import CommCounter, time_side_by_side
+    from demo import all_agree, finish, print_by_rank, single_process
     from mesh import init_distributed, print0
     from model import build_model, get_config
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -383,8 +365,7 @@ def _demo(argv=None) -> int:
         mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
         return (mine.detach() - full_slice(full, p)).abs().max().item()
 
-    # 1. Training in float64 against one process: losses, step 1's gradients, final parameters; and step 1's
-    #    collectives by phase (CommCounters nest: `step` sees what `fwd` and `bwd` see).
+    # Training in float64 against one process: losses, step 1's gradients, final parameters
     ref = build_model(cfg, seed=0, dtype=torch.float64, device=device)
     one, ok, counted = single_process(ref, batches, lr=1e-3, keep_grads=True), True, {}
     print0(f"{args.steps} AdamW steps in float64; collectives of step 1 (L={cfg.n_layers} layers; one [B,S,H] = "
@@ -392,46 +373,21 @@ def _demo(argv=None) -> int:
     for name, make in impls.items():
         m = make(ref)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        with CommCounter() as step:
-            with CommCounter() as fwd:
-                loss = m(*batches[0])
-            with CommCounter() as bwd:
-                loss.backward()
-        with CommCounter() as fin:
-            finish_grads(m)
-        counted[name] = step, fin
+        loss, counted[name] = tp_measure.counted_step(m, *batches[0])   # forward, backward, finish_grads
         off = [n for n, p in m.named_parameters() if err(p.grad, one["grads"][0][n], p) > 1e-10]
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses = [loss.item()] + [train_step(m, opt, x, y).item() for x, y in batches[1:]]
         dl = max(abs(a - b) for a, b in zip(losses, one["losses"]))
         dp = max(err(p, dict(one["model"].named_parameters())[n], p) for n, p in m.named_parameters())
-        print0(f"{name:8s} vs one process: max |diff| loss {dl:.1e}, parameters {dp:.1e}")
-        for phase, c in (("forward", fwd), ("backward", bwd), ("finish_grads", fin)):
-            print0(f"  {name:8s} {phase:12s} " + (", ".join(f"{s['calls']} {op} ({s['bytes']:,d} B)"
-                                                           for op, s in c.summary().items()) or "-"))
+        print0(f"{name:8s} vs one process: max |diff| loss {dl:.1e}, parameters {dp:.1e}\n"
+               + tp_measure.phase_lines(name, counted[name]))
         print_by_rank(f"  rank {dist.get_rank()}: gradients of step 1 that differ: {', '.join(off) or 'none'}")
         ok &= dl < 1e-10 and dp < 1e-10 and not off
-
-    # 2. Our step 1 against the formulas (b = 8 bytes). SP: twice the API bytes, the same ring bytes.
-    (step, fin), want = counted["by hand"], comm_formula(cfg, B, S, 8, t, sp)
-    wire = 2 * (t - 1) / t * sum(b for _, b in comm_formula(cfg, B, S, 8, t, False).values())  # plain TP's
-    table = bytes_table(step.summary(), {op: b for op, (_, b) in want.items()}, t)
-    print0("\n".join(["by hand, forward + backward: measured | formula", *table]) + f"\n  wire "
-           f"{step.wire_bytes():,.0f} bytes, formula {wire:,.0f} (with or without --sp); finish_grads "
-           f"{fin.bytes() // 8} elements, formula {partial_formula(cfg, t, sp)}")
-    ok &= {op: (s["calls"], s["bytes"]) for op, s in step.summary().items()} == want
-    ok &= fin.bytes() == 8 * partial_formula(cfg, t, sp) and abs(step.wire_bytes() - wire) <= 1e-9 * wire
-
-    # 3. Step time in float32: the implementations in alternating rounds (machine noise hits both alike).
-    models = {k: make(ref.float()) for k, make in impls.items()}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
-    med = time_side_by_side({k: lambda k=k: train_step(models[k], opts[k], *batches[0]).item() for k in impls},
-                            args.rounds, args.timed, group, device)
-    print0("float32: " + ", ".join(f"{k}{' +SP' if sp else ''} {s * 1e3:.1f} ms/step ({B * S / s:.0f} tokens/s)"
-                                   for k, s in med.items())
-           + (f"; throughput by hand / DTensor {med['DTensor'] / med['by hand']:.2f}x" if len(med) == 2 else ""))
-    ok = all_agree(ok)
+    formulas_ok, text = tp_measure.check_formulas(counted["by hand"], cfg, B, S, t, sp)   # SP: the same ring bytes
+    print0(text)
+    print0(tp_measure.time_float32(impls, ref, batches[0], args.rounds, args.timed, group, device, sp))
+    ok = all_agree(ok and formulas_ok)
     print0("all checks", "ok" if ok else "FAILED")
     return finish(ok)
 

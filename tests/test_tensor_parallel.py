@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tensor_parallel as tp
+import tp_measure
 from demo import single_process
 from harness import Exercise, global_batches, run_ranks, run_script
 from instruments import CommCounter
@@ -221,7 +222,7 @@ def test_matches_single_process_and_counts_collectives(t):
             assert r["loss"] < tol and r["grads"] < tol, ((dtype, sp, L), r)
             b = 8 if dtype == F64 else 4
             c = get_config("tiny", n_layers=L)
-            want = tp.comm_formula(c, B, S, b, t, sp)   # Megatron: (4L + 2) activation collectives + 3 for the loss
+            want = tp_measure.comm_formula(c, B, S, b, t, sp)  # Megatron: 4L + 2 activation collectives, 3 for the loss
             for op, (calls, nbytes) in want.items():
                 got = (r["fwd"].calls(op) + r["bwd"].calls(op), r["fwd"].bytes(op) + r["bwd"].bytes(op))
                 assert got == (calls, nbytes), ((dtype, sp, L), op, got)
@@ -235,7 +236,7 @@ def test_matches_single_process_and_counts_collectives(t):
                 plain["fwd"].wire_bytes() + plain["bwd"].wire_bytes(), rel=1e-12)
             assert r["loss_value"] == pytest.approx(plain["loss_value"], abs=1e-12 if b == 8 else 1e-6)
             # finish_grads: replicated kv heads (zero-padded to n_kv slots) + SP norm weights, one call
-            n = tp.partial_formula(c, t, sp)
+            n = tp_measure.partial_formula(c, t, sp)
             assert (r["fin"].calls("all_reduce"), r["fin"].bytes("all_reduce")) == ((1 if n else 0), n * b)
         # every matmul weight is split t ways, kv projections min(t, n_kv) ways; norms replicated
         H, kv_rows = cfg.dim, max(cfg.n_kv_heads // t, 1) * cfg.head_dim
