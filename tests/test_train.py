@@ -95,7 +95,7 @@ def _check_bytes_and_memory(by):
     Every layout also all-reduces one float64 for the global gradient norm (+8 bytes)."""
     from zero_measure import zero_comm_formula, zero_state_formula
     from model import get_config
-    from ring_attention import ring_bytes
+    from cp_measure import ring_bytes
     cfg, b = get_config("tiny"), 8
     L, H, P = cfg.n_layers, cfg.dim, 2
     for z in range(4):
