@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 import torch
 
 import expert_parallel
 import pipeline
-from mesh import DIMS
+from mesh import DIMS, validate_mesh
 from model import CONFIGS, get_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -106,10 +105,10 @@ def check_args(args, world_size: int) -> None:
     if small:
         raise ValueError("invalid training layout:\n  - " + ", ".join(small) + " must be >= 1")
     problems = []
-    if math.prod(dims.values()) != world_size:
-        problems.append(f"pp*dp_replicate*dp_shard*cp*tp = {math.prod(dims.values())} but the world size is "
-                        f"{world_size}: choose sizes whose product is {world_size} (or launch with "
-                        f"torchrun --nproc_per_node {math.prod(dims.values())})")
+    try:  # the mesh's own check: the sizes multiply to the world size, ep divides data parallel
+        validate_mesh(dims, world_size, args.ep)
+    except ValueError as e:
+        problems.append(str(e))
     try:
         cfg = config_of(args)
     except ValueError as e:
@@ -153,8 +152,6 @@ def check_args(args, world_size: int) -> None:
             expert_parallel.validate_ep(args.experts, args.top_k, args.ep)
         except ValueError as e:
             problems.append(str(e))
-        if dp % args.ep:
-            problems.append(f"--ep {args.ep} borrows data-parallel ranks and must divide dp_replicate*dp_shard = {dp}")
     if args.zero_stage > 0 and dp * cp == 1:
         problems.append(f"--zero-stage {args.zero_stage} shards over data-parallel (and cp) ranks, but there "
                         f"is only one: use --zero-stage 0 or --dp-shard > 1")
