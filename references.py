@@ -12,8 +12,8 @@ test or a benchmark can put the two side by side: the same numbers, and the step
     expert_parallel.py   functional collectives' all_to_all_single_autograd  all_to_all
     train.py             fully_shard + parallelize_module on a device mesh     train_fsdp2_tp
 
-The lessons never import this module (a strategy never uses a wrapper); their demos import it in
-their --compare branch.
+No strategy imports this module (a strategy never uses a wrapper): only the demos, inside their
+--compare branch, and the tests do.
 """
 from __future__ import annotations
 
