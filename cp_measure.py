@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from instruments import CommCounter, memory_tracker, time_calls, time_steps
-from ring_attention import LAYOUTS, ContextParallelAttention, _Pass, chunk_ids, ring_schedule, shard_sequence
+from ring_attention import LAYOUTS, ContextParallelAttention, RingPass, chunk_ids, ring_schedule, shard_sequence
 
 
 # ---- the formulas the measurements are compared with ---------------------------------------------
@@ -39,7 +39,7 @@ def schedule_work(cp, rank, layout, causal, B, H, c, D) -> dict:
 
 # ---- one forward + backward, measured from outside (tests, notebook and demo call these on every rank) ----
 
-def _inputs(B, S, H, Hkv, D, dtype, seed, device=None, round_to=None, q_scale=1.0):
+def seeded_inputs(B, S, H, Hkv, D, dtype, seed, device=None, round_to=None, q_scale=1.0):
     """The seeded global q, k, v [B, h, S, D] and output gradient, the same on every rank (round_to: first
     rounded to that dtype — the exact answer for bf16 inputs — q_scale: q multiplied, scores grow)."""
     gen = torch.Generator().manual_seed(seed)
@@ -58,7 +58,7 @@ def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layou
     attn = ContextParallelAttention(group, method, layout, causal, ring_group)
     rank = dist.get_rank(group) + (0 if ring_group is None else dist.get_rank(ring_group) * dist.get_world_size(group))
     q, k, v, dout = (shard_sequence(t, attn.cp, rank, layout, dim=2).requires_grad_(i < 3)      # [B, h, S/cp, D]
-                     for i, t in enumerate(_inputs(B, S, H, Hkv, D, dtype, seed, device, q_scale=q_scale)))
+                     for i, t in enumerate(seeded_inputs(B, S, H, Hkv, D, dtype, seed, device, q_scale=q_scale)))
     with CommCounter() as fwd, FlopCounterMode(display=False) as ffl:
         out = attn(q, k, v)
     with CommCounter() as bwd, FlopCounterMode(display=False) as bfl:
@@ -73,7 +73,7 @@ def attention_case(B=2, S=32, H=4, Hkv=2, D=8, causal=True, method="ring", layou
         res["peak_bytes"] = mt.get_tracker_snapshot("peak")[q.device]["Total"]
     if repeats:   # every rank starts each call at once: the time is the ring's, not a straggler's
         res["time"] = time_steps(lambda: (dist.barrier(), step()), repeats)
-        with torch.no_grad(), time_calls(_Pass, "wait") as waits:      # blocked: the next block not there yet
+        with torch.no_grad(), time_calls(RingPass, "wait") as waits:      # blocked: the next block not there yet
             time_steps(lambda: (dist.barrier(), attn(q, k, v)), repeats, warmup=0)
         res["wait"] = sum(waits) / repeats
     return res

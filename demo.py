@@ -11,8 +11,8 @@
                                           one line per rank and exit code 2, not a traceback)
 (instruments.time_side_by_side times several step functions in alternating rounds.)
 
-PyTorch's own parallel wrappers (DDP, FSDP2, DTensor, pipelining) are never used here; the
-demos import them below their `__main__` line, as the references they compare with.
+PyTorch's own parallel wrappers (DDP, FSDP2, DTensor, pipelining) are never used here: references.py
+builds them on the same model and groups, and the demos and tests import it to compare with.
 """
 from __future__ import annotations
 

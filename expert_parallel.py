@@ -341,8 +341,11 @@ def _demo(argv=None) -> int:
     # step 1's gradients (a 2x error in the expert gradients hardly moves AdamW's losses: it shows here)
     batches = [get_batch(load_corpus(), s, args.batch, args.seq, device=device) for s in range(args.steps)]
     ref, runs = single_process(build_model(cfg, device=device), batches, keep_grads=True), {}
-    from references import all_to_all
-    for name, a2a in [("ours", None)] + [("PyTorch's all_to_all_single_autograd", all_to_all)] * args.compare:
+    contenders = [("ours", None)]
+    if args.compare:
+        from references import all_to_all
+        contenders.append(("PyTorch's all_to_all_single_autograd", all_to_all))
+    for name, a2a in contenders:
         tl = Timeline(device)
         runs[name] = train_ep(cfg, ep, args.steps, args.batch, args.seq, a2a=a2a, device=device,
                               trace=lambda s: tl.span("step"))

@@ -5,11 +5,12 @@ arXiv:2304.11277 §3.2.1, the FlatParameter): the unit's k parameters, Ψ_u elem
 to end in a buffer [N], N = Ψ_u padded up to a multiple of P, so that rank r owns the slice
 [r·n, (r+1)·n), n = N/P. Every parameter of the module becomes a view of the buffer, so gathering the
 buffer is gathering the unit, and freeing its storage frees every parameter at once. What one unit moves
-(API bytes; b_p compute bytes per element, gradients reduced in fp32):
+(API bytes; b_p compute bytes per element, b_m bytes of the master dtype the gradients are reduced in:
+fp32, also under a bf16 compute copy; float64 for a float64 model):
 
     unshard  all-gather      [n] per rank -> [N]        b_p·N      (stage 3: before forward and backward)
     publish  all-gather      my new slice -> [N]        b_p·N      (stages 1-2: after the step)
-    reduce   reduce-scatter  [N] gradients -> my [n]    4·N        (stages 1-3; stage 0 all-reduces [N])
+    reduce   reduce-scatter  [N] gradients -> my [n]    b_m·N      (stages 1-3; stage 0 all-reduces [N])
 
 fsdp.py decides WHEN (its hooks and its optimizer); this class is WHAT moves and where it lives.
 """
@@ -36,9 +37,10 @@ class FlatUnit:
 
     def __init__(self, entries, stage, group, divide_by, across=None, param_dtype=None, init_fn=None):
         # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
-        self.stage, self.group, self.divide_by, self.across = stage, group, divide_by, across
+        self.stage, self.group = stage, group
+        self.divide_by, self.across = divide_by, across  # read by fsdp.py's optimizer: how to finish a reduction
         self.P, self.r = (dist.get_world_size(group), dist.get_rank(group)) if stage > 0 else (1, 0)
-        self.alone = dist.get_world_size(group) == 1  # a group of one: no collective at all
+        self.alone = dist.get_world_size(group) == 1  # stage 0 on a group of one skips its all-reduce
         self.aliases, self.shapes = [e[0] for e in entries], [tuple(e[2].shape) for e in entries]
         self.names, self.numels = [a[0] for a in self.aliases], [math.prod(s) for s in self.shapes]
         self.offsets = [0, *itertools.accumulate(self.numels)][:-1]  # of each parameter in buf
@@ -56,7 +58,7 @@ class FlatUnit:
         self.pieces = [(i, a, b, nn.Parameter(self.master.detach()[a:b])) for i, a, b in self.spans()]
         self.params = [_repoint(e, view) for e, view in zip(entries, self.views(self.buf.data))]
         self.used = torch.zeros(len(self.params), dtype=torch.int32, device=master.device)  # got a gradient here
-        self.gather_work, self.unreduced = None, False
+        self.gather_work, self.unreduced = None, False  # unreduced: fsdp.py deferred this unit's reduction
         self.publish()
 
     def spans(self):

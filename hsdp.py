@@ -119,9 +119,9 @@ def _demo(argv=None) -> int:
 
     ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
     ok &= all_agree(not res["bytes_by_dim"]["other"])
-    tokens = load_corpus()
     if args.compare and S * R > 1:  # FSDP2's HSDP: fully_shard on a 2-D device mesh
         from references import fsdp2, hsdp_mesh
+        tokens = load_corpus()
         theirs = build_model(args.model, seed=0, device=device)
         fsdp2(theirs, mesh=hsdp_mesh(device.type, R, S), param_dtype=pd)
         opt = torch.optim.AdamW(theirs.parameters(), lr=args.lr)

@@ -212,25 +212,27 @@ def all_reduce_flat(tensors, group=None, divide_by: int = 1) -> None:
         t.copy_(part.view_as(t))
 
 
-def validate_mesh(shape: dict, world_size: int, ep: int = 1) -> None:
-    """Raise ValueError if the sizes are not a valid mesh for `world_size` ranks."""
+def mesh_problems(shape: dict, world_size: int, ep: int = 1) -> list[str]:
+    """What is wrong with these sizes as a mesh for `world_size` ranks: one sentence each, naming the fix."""
     sizes = ", ".join(f"{d}={shape[d]}" for d in DIMS)
-    bad = [d for d in DIMS if not isinstance(shape[d], int) or shape[d] < 1]
-    if bad or not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"mesh sizes must be integers >= 1, got {sizes}, ep={ep}")
-    product = 1
-    for d in DIMS:
-        product *= shape[d]
+    if any(not isinstance(shape[d], int) or shape[d] < 1 for d in DIMS) or not isinstance(ep, int) or ep < 1:
+        return [f"mesh sizes must be integers >= 1, got {sizes}, ep={ep}"]
+    problems, product, dp = [], math.prod(shape[d] for d in DIMS), shape["dp_replicate"] * shape["dp_shard"]
     if product != world_size:
-        raise ValueError(
-            f"mesh {sizes} has {product} ranks but the world size is {world_size}: "
-            f"choose sizes whose product pp*dp_replicate*dp_shard*cp*tp equals {world_size} "
-            f"(or launch with torchrun --nproc_per_node {product})")
-    dp = shape["dp_replicate"] * shape["dp_shard"]
+        problems.append(f"mesh {sizes} has {product} ranks but the world size is {world_size}: "
+                        f"choose sizes whose product pp*dp_replicate*dp_shard*cp*tp equals {world_size} "
+                        f"(or launch with torchrun --nproc_per_node {product})")
     if dp % ep != 0:
-        raise ValueError(f"ep={ep} borrows ranks from data parallel (dp_replicate*dp_shard={dp}) "
-                         f"and must divide it: choose ep from "
-                         f"{[e for e in range(1, dp + 1) if dp % e == 0]}")
+        problems.append(f"ep={ep} borrows ranks from data parallel (dp_replicate*dp_shard={dp}) and must divide "
+                        f"it: choose ep from {[e for e in range(1, dp + 1) if dp % e == 0]}")
+    return problems
+
+
+def validate_mesh(shape: dict, world_size: int, ep: int = 1) -> None:
+    """Raise one ValueError saying everything mesh_problems finds (arithmetic only: before any collective)."""
+    problems = mesh_problems(shape, world_size, ep)
+    if problems:
+        raise ValueError("; and ".join(problems))
 
 
 def _demo(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""PyTorch's own implementation of each lesson, set up like ours, for side-by-side checks.
+"""PyTorch's own implementation of the lessons that have one, set up like ours, for side-by-side checks.
 
 Every lesson is written by hand on torch.distributed collectives. PyTorch ships the same ideas as
 wrappers; this module builds them on the same model, groups and data, so that a demo's --compare, a
@@ -12,8 +12,9 @@ test or a benchmark can put the two side by side: the same numbers, and the step
     expert_parallel.py   functional collectives' all_to_all_single_autograd  all_to_all
     train.py             fully_shard + parallelize_module on a device mesh     train_fsdp2_tp
 
-No strategy imports this module (a strategy never uses a wrapper): only the demos, inside their
---compare branch, and the tests do.
+No strategy imports this module (a strategy never uses a wrapper): only the demos (ddp's always, the
+others for --compare, tensor_parallel's unless --no-compare) and the tests do. mesh.py and
+ring_attention.py have no counterpart here: PyTorch's ring attention is experimental.
 """
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ def ddp(model, group, **kw):
     return DistributedDataParallel(model, process_group=group, **kw)
 
 
-def fsdp2(model, *, mesh=None, param_dtype=None, reduce_dtype=torch.float32, reshard_after_forward=True):
+def fsdp2(model, *, mesh=None, param_dtype=None, reshard_after_forward=True):
     """FSDP2 as fsdp.shard_model cuts the model: each Block a unit, the rest the root. param_dtype:
-    compute dtype, gradients reduced in fp32 (as ours). A 2-D mesh (replicate, shard) makes it HSDP."""
+    compute dtype; gradients are reduced in the parameters' own dtype (fp32 under a bf16 compute copy),
+    as ours are. A 2-D mesh (replicate, shard) makes it HSDP."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=next(model.parameters()).dtype)
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -132,8 +134,7 @@ def train_fsdp2_tp(args, device):
     if args.tp > 1:
         dtensor_tp(model, dm["tp"])
     if args.dp_replicate * args.dp_shard > 1:
-        fsdp2(model, mesh=dm["dp_replicate", "dp_shard"] if args.dp_replicate > 1 else dm["dp_shard"],
-              reduce_dtype=None)  # the gradients reduced in the model's own dtype
+        fsdp2(model, mesh=dm["dp_replicate", "dp_shard"] if args.dp_replicate > 1 else dm["dp_shard"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     tokens, losses, times = load_corpus(args.data), [], []
     dp, dp_rank = args.dp_replicate * args.dp_shard, dist.get_rank() // args.tp

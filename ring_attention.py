@@ -110,7 +110,7 @@ def merge_textbook(out, lse, block_out, block_lse):
 
 # ---- the ring ------------------------------------------------------------------------------------
 
-class _Pass:
+class RingPass:
     """Send tensors to the next rank of the ring and receive the same shapes from the previous one,
     asynchronously (one batch, so no pair of neighbours can deadlock): start it, compute, wait()."""
 
@@ -138,7 +138,7 @@ class RingAttention(torch.autograd.Function):
         qs, outs, lses = q.to(wd).chunk(n, dim=2), [None] * n, [None] * n     # n x [B, H, c/n, D]
         kb, vb = k, v                                      # the block in hand travels in its own dtype
         for t, src, pairs in ring_schedule(cp, rank, layout, causal):
-            nxt = _Pass([kb, vb], group) if t < cp - 1 else None      # the next block moves while we compute
+            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next block moves while we compute
             ks, vs = kb.to(wd).chunk(n, dim=2), vb.to(wd).chunk(n, dim=2)
             for i, j, diagonal in pairs:
                 outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, diagonal))
@@ -160,7 +160,7 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=wd)
         dqs, kb, vb, acc = dq.chunk(n, dim=2), k, v, None               # dqs: views, += writes into dq
         for t, src, pairs in ring_schedule(cp, rank, ctx.layout, ctx.causal):
-            nxt = _Pass([kb, vb], group) if t < cp - 1 else None
+            nxt = RingPass([kb, vb], group) if t < cp - 1 else None
             ks, vs = kb.to(wd).chunk(n, dim=2), vb.to(wd).chunk(n, dim=2)
             dk, dv = torch.zeros_like(kb, dtype=wd), torch.zeros_like(vb, dtype=wd)  # my share of block src's
             for i, j, diagonal in pairs:
@@ -171,7 +171,7 @@ class RingAttention(torch.autograd.Function):
             if acc is not None:   # block src's accumulator arrived from the previous rank, who added its share
                 dk, dv = (a + mine for a, mine in zip(acc.wait(), (dk, dv)))
             # ... and goes on: the next rank holds block src next step, or owns it after the last step
-            acc = _Pass([dk, dv], group) if cp > 1 else None
+            acc = RingPass([dk, dv], group) if cp > 1 else None
             if nxt is not None:
                 kb, vb = nxt.wait()
         dk, dv = acc.wait() if acc is not None else (dk, dv)

@@ -6,6 +6,8 @@ side. The lesson itself is tensor_parallel.py (its docstring states the formulas
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from tensor_parallel import finish_grads, train_step
@@ -14,7 +16,8 @@ from tensor_parallel import finish_grads, train_step
 # ---- the formulas the demo and the tests measure against ----------------------------------------------
 
 def comm_formula(cfg, B: int, S: int, b: int, t: int, sp: bool) -> dict:
-    """{op: (calls, API bytes)} of one forward + backward (finish_grads apart), as in the docstring."""
+    """{op: (calls, API bytes)} of one forward + backward (finish_grads apart), as in tensor_parallel.py's
+    docstring."""
     n, act, loss = 4 * cfg.n_layers + 2, B * S * cfg.dim * b, 3 * B * S * max(b, 4)
     if t == 1:
         return {}
@@ -71,7 +74,7 @@ def time_float32(impls: dict, ref, batch, rounds: int, per_round: int, group, de
     """float32 train_step of each implementation (impls: {name: make(model)}) on a float32 copy of ref, timed
     in alternating rounds (instruments.time_side_by_side): one line of ms/step, tokens/s and the ratio."""
     from instruments import time_side_by_side
-    models = {k: make(ref.float()) for k, make in impls.items()}
+    models = {k: make(copy.deepcopy(ref).float()) for k, make in impls.items()}  # ref itself stays as it is
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
     med = time_side_by_side({k: lambda k=k: train_step(models[k], opts[k], *batch).item() for k in impls},
                             rounds, per_round, group, device)

@@ -12,7 +12,7 @@ import torch
 
 import expert_parallel
 import pipeline
-from mesh import DIMS, validate_mesh
+from mesh import DIMS, mesh_problems
 from model import CONFIGS, get_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -104,11 +104,7 @@ def check_args(args, world_size: int) -> None:
     small = [f"--{k.replace('_', '-')} {v}" for k, v in counts.items() if v < 1]
     if small:
         raise ValueError("invalid training layout:\n  - " + ", ".join(small) + " must be >= 1")
-    problems = []
-    try:  # the mesh's own check: the sizes multiply to the world size, ep divides data parallel
-        validate_mesh(dims, world_size, args.ep)
-    except ValueError as e:
-        problems.append(str(e))
+    problems = mesh_problems(dims, world_size, args.ep)  # the sizes multiply to the world, ep divides dp
     try:
         cfg = config_of(args)
     except ValueError as e:

@@ -52,12 +52,18 @@ def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root
 
 # ---- what a rank holds, and a measured run (the demos, the tests and the notebook call it) ----------
 
-def held_bytes(opt) -> dict:
-    """Model-state bytes a ZeroOptimizer's rank holds, by category (storage-based: views count once)."""
+def held_bytes(opt, units=None) -> dict:
+    """Model-state bytes a ZeroOptimizer's rank holds, by category (storage-based: views count once);
+    units: only these of opt.units (e.g. one process group's), with their optimizer state."""
+    from types import SimpleNamespace
+
     from instruments import model_state_bytes
-    masters = [u.master for u in opt.units if u.master.data_ptr() != u.shard.data_ptr()]  # a cast apart
-    grads = [u.master.grad for u in opt.units if u.master.grad is not None]  # reduced (stages 2-3: held)
-    ms = model_state_bytes([p for u in opt.units for p in u.params] + [u.shard for u in opt.units], opt.inner,
+    units = opt.units if units is None else units
+    mine = {id(q) for u in units for *_, q in u.pieces}
+    state = SimpleNamespace(state={q: s for q, s in opt.inner.state.items() if id(q) in mine})
+    masters = [u.master for u in units if u.master.data_ptr() != u.shard.data_ptr()]  # a cast apart
+    grads = [u.master.grad for u in units if u.master.grad is not None]  # reduced (stages 2-3: held)
+    ms = model_state_bytes([p for u in units for p in u.params] + [u.shard for u in units], state,
                            extra={"master": masters, "g": grads})
     ms["gradients"] += ms.pop("g")
     return ms
@@ -127,7 +133,8 @@ def one_process_check(state, model_name, steps, batch, seq, lr, param_dtype, dev
     from demo import all_agree, max_diff, single_process
     from mesh import print0
     from model import build_model
-    batches = [get_batch(load_corpus(), s, batch, seq, 0, device=device) for s in range(steps)]
+    tokens = load_corpus()
+    batches = [get_batch(tokens, s, batch, seq, 0, device=device) for s in range(steps)]
     ref = single_process(build_model(model_name, seed=0, device=device), batches, lr=lr, compute_dtype=param_dtype)
     err, tol = max_diff(state, ref["model"].state_dict()), (0.05 if param_dtype is None else 2.0) * lr * steps
     ok = all_agree(err < tol)

@@ -13,6 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+import references
+
 from ddp import MiB, BucketedDDP, NaiveDDP
 from demo import max_diff, single_process, snapshot
 from harness import Exercise, global_batches, reference_model, run_ranks, run_script
@@ -121,7 +123,7 @@ def _unused():
     for wd in (0.0, 0.1):
         for name in ("naive", "one", "many", "torch"):
             if name == "torch":
-                ddp = nn.parallel.DistributedDataParallel(Branchy(rank), find_unused_parameters=True)
+                ddp = references.ddp(Branchy(rank), None, find_unused_parameters=True)
             elif name == "naive":
                 ddp = NaiveDDP(Branchy(rank))
             else:
@@ -197,7 +199,7 @@ def _suite(dtype):
     out["naive"] = _train(NaiveDDP(build_model("tiny", seed=rank, dtype=dtype), dist.group.WORLD), rank, P,
                           batches, profile=True)
 
-    torch_ddp = nn.parallel.DistributedDataParallel(build_model("tiny", seed=rank, dtype=dtype))
+    torch_ddp = references.ddp(build_model("tiny", seed=rank, dtype=dtype), None)
     opt = torch.optim.AdamW(torch_ddp.parameters(), lr=LR)
     for batch in batches:
         torch_ddp(*_local(batch, rank, P)).backward()

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from demo import max_diff, single_process
 from harness import Exercise, global_batches, reference_model, run_ranks, run_script
-from instruments import CommCounter, model_state_bytes
+from instruments import CommCounter
+from zero_measure import held_bytes
 
 STEPS, B, S, LR = 3, 8, 16, 1e-2
 CLIP = 0.05  # well below the gradient norm of the first steps, so clipping really scales
@@ -197,17 +198,13 @@ def _experts(stage, clip=False, clip_group=None):
         g["units"].append(u)
     for ranks_, g in groups.items():  # per group: sizes, bytes of the last step, state at rest
         us = g.pop("units")
-        sub = type("Sub", (), {})()
-        sub.state = {q: opt.inner.state[q] for u in us for *_, q in u.pieces if q in opt.inner.state}
         g.update(numel=sum(u.N for u in us), k=sum(len(u.params) for u in us), P=len(ranks_),
                  root=sum(u.N for u in us if "tok_embeddings.weight" in u.names),
                  comm={e.op: 0 for e in c.events if e.group_ranks == ranks_},
-                 memory=model_state_bytes([p for u in us for p in u.params] + [u.shard for u in us], sub,
-                                          extra={"g": [u.master.grad for u in us if u.master.grad is not None]}))
+                 memory=held_bytes(opt, us))
         for e in c.events:
             if e.group_ranks == ranks_:
                 g["comm"][e.op] += e.api_bytes
-        g["memory"]["gradients"] += g["memory"].pop("g")
     opt.zero_grad()
     first = model.layers[0].mlp.first
     return dict(state=opt.full_state_dict(), groups=groups, first=first, n_local=model.layers[0].mlp.n_local,

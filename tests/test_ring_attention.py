@@ -26,9 +26,9 @@ def gather_sequence(shards, layout, dim=1):
 
 
 def full_attention(B, S, H, Hkv, D, causal, dtype, round_to=None):
-    """The reference: the same seeded batch (cm._inputs, seed 0 as cm.attention_case's default) through
+    """The reference: the same seeded batch (cm.seeded_inputs, seed 0 as cm.attention_case's default) through
     whole-sequence SDPA, in one process."""
-    q, k, v, dout = cm._inputs(B, S, H, Hkv, D, dtype, 0, round_to=round_to)
+    q, k, v, dout = cm.seeded_inputs(B, S, H, Hkv, D, dtype, 0, round_to=round_to)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)
     out.backward(dout)
