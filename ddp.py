@@ -307,14 +307,13 @@ def profile_buckets(model="small", bucket_mbs=(0, 1, 4, 16, 64), steps=4, batch=
     return out
 
 
-def _demo(argv=None) -> int:
-    """Naive, bucketed and PyTorch's own DDP (references.ddp) on the same batches."""
+def _demo(argv=None, reference=None) -> int:
+    """Naive, bucketed and PyTorch's own DDP (reference: references.ddp) on the same batches."""
     from data import get_batch, load_corpus
     from demo import all_agree, finish, max_diff, print_by_rank, single_process
     from instruments import ProfileSpans, overlap_fraction, sync, wire_bytes
     from mesh import Mesh, init_distributed, print0
     from model import build_model, get_config
-    from references import ddp
     ap = argparse.ArgumentParser(description="Naive, bucketed and PyTorch's DDP side by side on the shared model.")
     ap.add_argument("--model", default="small", help="tiny | small | medium | large (default small, ~10M)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps (after a warm-up and a profiled step)")
@@ -344,7 +343,7 @@ def _demo(argv=None) -> int:
     models = {"naive": NaiveDDP(build_model(cfg, seed=rank, device=device), mesh),
               f"bucketed {args.bucket_mb:g} MiB": BucketedDDP(build_model(cfg, seed=rank, device=device), mesh,
                                                               args.bucket_mb, args.first_bucket_mb),
-              "PyTorch DDP": ddp(build_model(cfg, seed=rank, device=device), mesh.group("dp"), **kw)}
+              "PyTorch DDP": reference(build_model(cfg, seed=rank, device=device), mesh.group("dp"), **kw)}
     names = list(models)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr) for k, m in models.items()}
     times, profs = {k: [] for k in names}, {k: ProfileSpans() for k in names}
@@ -391,6 +390,7 @@ def _demo(argv=None) -> int:
     return finish(ok)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
     from demo import main
-    main(_demo)
+    from references import ddp
+    main(lambda argv: _demo(argv, reference=ddp))

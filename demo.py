@@ -12,7 +12,7 @@
 (instruments.time_side_by_side times several step functions in alternating rounds.)
 
 PyTorch's own parallel wrappers (DDP, FSDP2, DTensor, pipelining) are never used here: references.py
-builds them on the same model and groups, and the demos and tests import it to compare with.
+builds them on the same model and groups; a lesson's `__main__` block hands one to its demo.
 """
 from __future__ import annotations
 

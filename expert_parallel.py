@@ -301,9 +301,9 @@ def sync_gradients(model, dp_group, edp_group, divide_by: int, tp_group=None) ->
 
 # ---- demo: torchrun --nproc_per_node 4 expert_parallel.py [--compare]   (or: python expert_parallel.py) ----
 
-def _demo(argv=None) -> int:
+def _demo(argv=None, reference=None) -> int:
     """The layer against the single-device MoE (dropless, then with a capacity) with its bytes against the
-    formula; then training against one process, and with --compare PyTorch's all-to-all beside ours.
+    formula; then training against one process, and with `reference` (PyTorch's all-to-all, --compare) beside ours.
     The measuring runs (layer_check, train_ep) are in ep_measure.py."""
     from ep_measure import layer_check, train_ep  # the companion imports this lesson: only here
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] + " (--tokens: per rank, layer check; "
@@ -342,9 +342,8 @@ def _demo(argv=None) -> int:
     batches = [get_batch(load_corpus(), s, args.batch, args.seq, device=device) for s in range(args.steps)]
     ref, runs = single_process(build_model(cfg, device=device), batches, keep_grads=True), {}
     contenders = [("ours", None)]
-    if args.compare:
-        from references import all_to_all
-        contenders.append(("PyTorch's all_to_all_single_autograd", all_to_all))
+    if args.compare and reference is not None:
+        contenders.append(("PyTorch's all_to_all_single_autograd", reference))
     for name, a2a in contenders:
         tl = Timeline(device)
         runs[name] = train_ep(cfg, ep, args.steps, args.batch, args.seq, a2a=a2a, device=device,
@@ -374,6 +373,7 @@ def _demo(argv=None) -> int:
     return finish(ok)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
     from demo import main
-    main(_demo)
+    from references import all_to_all
+    main(lambda argv: _demo(argv, reference=all_to_all))

@@ -333,7 +333,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
 
 # ---- the demo: torchrun --nproc_per_node 4 fsdp.py --stage 3 --compare ----------------------------
 
-def _demo(argv=None) -> int:
+def _demo(argv=None, reference=None) -> int:
     import argparse
     import os
 
@@ -377,10 +377,9 @@ def _demo(argv=None) -> int:
         lines.append(f"  MemTracker peak {res['peak'] * mib:.3f} MiB (model state + activations + temporaries)")
     print_by_rank("\n".join(lines))
     ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
-    if args.compare:  # PyTorch's FSDP2 beside a fresh copy of ours, in alternating rounds
-        from references import fsdp2
+    if args.compare and reference is not None:  # PyTorch's FSDP2 beside a fresh copy of ours, in alternating rounds
         ours, theirs = (build_model(args.model, seed=0, device=device) for _ in range(2))
-        fsdp2(theirs, param_dtype=pd, reshard_after_forward=not args.no_reshard)
+        reference(theirs, param_dtype=pd, reshard_after_forward=not args.no_reshard)
         runs = {"ours": (ours, shard_model(ours, args.stage, lr=args.lr, **kw)),
                 "FSDP2": (theirs, torch.optim.AdamW(theirs.parameters(), lr=args.lr))}
         x, y = get_batch(load_corpus(), 0, args.batch, args.seq, 0, dist.get_rank(), world, device=device)
@@ -398,6 +397,7 @@ def _demo(argv=None) -> int:
     return finish(ok)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
     from demo import main
-    main(_demo)
+    from references import fsdp2
+    main(lambda argv: _demo(argv, reference=fsdp2))

@@ -72,7 +72,7 @@ def hsdp_train(replicate: int, shard: int, **kwargs) -> dict:
 
 # ---- the demo: torchrun --nproc_per_node 4 hsdp.py [--replicate R] [--compare] -----------------------
 
-def _demo(argv=None) -> int:
+def _demo(argv=None, reference=None) -> int:
     import argparse
     import os
 
@@ -119,11 +119,10 @@ def _demo(argv=None) -> int:
 
     ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
     ok &= all_agree(not res["bytes_by_dim"]["other"])
-    if args.compare and S * R > 1:  # FSDP2's HSDP: fully_shard on a 2-D device mesh
-        from references import fsdp2, hsdp_mesh
+    if args.compare and reference is not None and S * R > 1:  # FSDP2's HSDP: fully_shard on a 2-D device mesh
         tokens = load_corpus()
         theirs = build_model(args.model, seed=0, device=device)
-        fsdp2(theirs, mesh=hsdp_mesh(device.type, R, S), param_dtype=pd)
+        reference(theirs, R, S, param_dtype=pd)
         opt = torch.optim.AdamW(theirs.parameters(), lr=args.lr)
         for s in range(args.steps):
             theirs(*get_batch(tokens, s, args.batch, args.seq, 0, dist.get_rank(), world, device=device)).backward()
@@ -135,6 +134,7 @@ def _demo(argv=None) -> int:
     return finish(ok)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
     from demo import main
-    main(_demo)
+    from references import hsdp2
+    main(lambda argv: _demo(argv, reference=hsdp2))

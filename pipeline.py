@@ -326,7 +326,7 @@ def timeline_ranks(configs, model: str = "small", n_layers: int = 8, batch: int 
 
 # ---- demo: torchrun --nproc_per_node 4 pipeline.py --schedule 1f1b [--compare] ----------------------
 
-def _demo(argv=None) -> int:
+def _demo(argv=None, reference=None) -> int:
     import argparse
     import os
 
@@ -340,7 +340,7 @@ def _demo(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="n_layers (default: 2 per chunk)")
     for name, default in [("microbatches", 8), ("batch", 8), ("seq", 32), ("steps", 2), ("dp", 1)]:
         ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--compare", action="store_true", help="also run torch.distributed.pipelining's schedule")
+    ap.add_argument("--compare", action="store_true", help="also run PyTorch's own schedule of the same name")
     args = ap.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     v = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
@@ -374,13 +374,13 @@ def _demo(argv=None) -> int:
               + "  ".join(f"{held_formula(name, p, m, r, v)}/{e[3]}" for r, e in enumerate(rows))
               + "   activation MB: " + " ".join(f"{e[4] / 2**20:.1f}" for e in rows), flush=True)
     ok = all_agree(ok)
-    if args.compare and args.dp == 1:  # PyTorch's schedule of the same name, side by side
-        from references import torch_pipelining
-        ok &= torch_pipelining(out, cfg, name, m, batches[0], device, mesh.group("pp"))
+    if args.compare and reference is not None and args.dp == 1:  # PyTorch's schedule, side by side
+        ok &= reference(out, cfg, name, m, batches[0], device, mesh.group("pp"))
     print0(f"loss matches the single-process model: {'ok' if ok else 'FAILED'} (max |diff| {diff:.1e})")
     return finish(ok)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
     from demo import main
-    main(_demo)
+    from references import torch_pipelining
+    main(lambda argv: _demo(argv, reference=torch_pipelining))

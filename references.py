@@ -6,14 +6,14 @@ test or a benchmark can put the two side by side: the same numbers, and the step
 
     lesson               PyTorch's own                                       here
     ddp.py               torch.nn.parallel.DistributedDataParallel             ddp
-    fsdp.py, hsdp.py     FSDP2: torch.distributed.fsdp.fully_shard            fsdp2 (mesh: HSDP)
+    fsdp.py, hsdp.py     FSDP2: torch.distributed.fsdp.fully_shard            fsdp2, hsdp2
     tensor_parallel.py   DTensor: tensor.parallel.parallelize_module          dtensor_tp
     pipeline.py          torch.distributed.pipelining's schedules              torch_pipelining
     expert_parallel.py   functional collectives' all_to_all_single_autograd  all_to_all
     train.py             fully_shard + parallelize_module on a device mesh     train_fsdp2_tp
 
-No strategy imports this module (a strategy never uses a wrapper): only the demos (ddp's always, the
-others for --compare, tensor_parallel's unless --no-compare) and the tests do. mesh.py and
+No strategy imports this module (a strategy never uses a wrapper): a lesson's `__main__` block imports
+the function it compares with and hands it to the lesson's demo; the tests import it too. mesh.py and
 ring_attention.py have no counterpart here: PyTorch's ring attention is experimental.
 """
 from __future__ import annotations
@@ -43,10 +43,11 @@ def fsdp2(model, *, mesh=None, param_dtype=None, reshard_after_forward=True):
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def hsdp_mesh(device_type: str, replicas: int, shards: int):
-    """The (replicate, shard) device mesh FSDP2 makes HSDP from; ranks as in hsdp.py (shard inner)."""
+def hsdp2(model, replicas: int, shards: int, *, param_dtype=None):
+    """FSDP2's HSDP: fsdp2 on a (replicate, shard) device mesh, ranks laid out as in hsdp.py (shard inner)."""
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(model.output.weight.device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    return fsdp2(model, mesh=mesh, param_dtype=param_dtype)
 
 
 def dtensor_tp(model, group_or_mesh, sp: bool = False):

@@ -326,8 +326,8 @@ def train_step(model, opt, x, y):
 
 # ---- demo: torchrun --nproc_per_node 2 tensor_parallel.py [--sp] ---------------------------------------
 
-def _demo(argv=None) -> int:
-    """Train by hand (and with PyTorch's DTensor TP, references.dtensor_tp) against one process in float64;
+def _demo(argv=None, reference=None) -> int:
+    """Train by hand (and with `reference`, PyTorch's DTensor TP: references.dtensor_tp) against one process in float64;
     count step 1's collectives against the formulas; time float32 steps side by side (tp_measure.py)."""
     import argparse
     import copy
@@ -352,10 +352,9 @@ def _demo(argv=None) -> int:
     device, group = init_distributed(), dist.group.WORLD
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
     impls = {"by hand": lambda m: apply_tensor_parallel(copy.deepcopy(m), group, sp)}
-    if not args.no_compare and cfg.n_kv_heads % t == 0:
-        from references import dtensor_tp
-        impls["DTensor"] = lambda m: dtensor_tp(copy.deepcopy(m), group, sp)
-    why = f": Colwise would cut {cfg.n_kv_heads} kv heads in {t}" if not args.no_compare else ""
+    if reference is not None and not args.no_compare and cfg.n_kv_heads % t == 0:
+        impls["DTensor"] = lambda m: reference(copy.deepcopy(m), group, sp)
+    why = f": Colwise would cut {cfg.n_kv_heads} kv heads in {t}" if reference and not args.no_compare else ""
     print0(f"tensor parallel: tp={t}, model {args.model}, batch {B}x{S}, sequence parallel {'on' if sp else 'off'}, "
            f"{dist.get_backend()} on {device}; PyTorch's DTensor TP " + ("beside it" if len(impls) > 1 else
                                                                          "left out" + why))
@@ -392,6 +391,7 @@ def _demo(argv=None) -> int:
     return finish(ok)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
     from demo import main
-    main(_demo)
+    from references import dtensor_tp
+    main(lambda argv: _demo(argv, reference=dtensor_tp))

@@ -402,18 +402,17 @@ def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
             for flags in layouts]
 
 
-def run(argv=None) -> int:
-    """torchrun entry point; --compare runs the same layout under PyTorch's own FSDP2 + DTensor TP
-    (references.train_fsdp2_tp) and prints both losses and step times."""
+def run(argv=None, compare=None) -> int:
+    """torchrun entry point. compare(args, device) -> (losses, seconds per step): the same layout under
+    PyTorch's own FSDP2 + DTensor TP (references.train_fsdp2_tp, handed in below __main__), for --compare."""
     args = parse_args(argv)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
     device = init_distributed()
     out = train(args, device)
-    if args.compare:
-        from references import train_fsdp2_tp
+    if args.compare and compare is not None:
         t_ours = statistics.median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]
                                    or out["tokens_per_s"])
-        theirs, step_time = train_fsdp2_tp(args, device)
+        theirs, step_time = compare(args, device)
         err = max(abs(a - b) for a, b in zip(out["losses"], theirs))
         if dist.get_rank() == 0:
             print(f"PyTorch FSDP2 + DTensor TP, same layout: max |loss diff| {err:.2e}; median step "
@@ -422,5 +421,6 @@ def run(argv=None) -> int:
     return finish(out.get("check_ok", True))
 
 
-if __name__ == "__main__":
-    main(run)
+if __name__ == "__main__":  # PyTorch's own version only here, handed to run as what --compare runs
+    from references import train_fsdp2_tp
+    main(lambda argv: run(argv, compare=train_fsdp2_tp))
