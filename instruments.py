@@ -348,7 +348,7 @@ def time_calls(owner, name: str):
     region, measured by wrapping it from outside, so the code measured records nothing. Yields the
     list each call's duration is appended to; the original is put back on exit.
 
-        with time_calls(_Pass, "wait") as waits:  attn(q, k, v)     # sum(waits): time blocked"""
+        with time_calls(RingPass, "wait") as waits:  attn(q, k, v)   # sum(waits): time blocked"""
     inner, spent = getattr(owner, name), []
 
     def timed(*args, **kwargs):
