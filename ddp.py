@@ -25,7 +25,8 @@ all-reduce, asynchronously, the moment its last gradient is ready, while backwar
 earlier layers. Big buckets: few calls, but the first starts late and a long tail is left after
 backward. Small buckets: an early start, but many calls, each paying a fixed latency. At the end of
 backward it waits for what is still in flight, so the loop is PyTorch's:
-`loss = model(x, y); loss.backward(); opt.step()`.
+`loss = model(x, y); loss.backward(); opt.step()`. `average_gradients` at the end is the same average
+without a wrapper, one flat all-reduce after backward: the later lessons call it where replicas agree.
 
 Tied, frozen and unused parameters
 ----------------------------------
@@ -55,18 +56,14 @@ views into their flat bucket avoid a second gradient-sized buffer: Ψ·b saved.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mesh import resolve_group
+from mesh import all_reduce_flat, resolve_group
 
 MiB = 1024 * 1024
 
@@ -142,7 +139,7 @@ class BucketedDDP(_Replicated):
 
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
-        _check_buckets(bucket_cap_mb, first_bucket_mb, reduce_dtype)
+        check_buckets(bucket_cap_mb, first_bucket_mb, reduce_dtype)
         super().__init__(module, group, compute_dtype)
         self.reduce_dtype = reduce_dtype
         self.buckets = self._make_buckets(bucket_cap_mb * MiB, min(first_bucket_mb, bucket_cap_mb) * MiB)
@@ -263,7 +260,7 @@ def _check_module(module, compute_dtype) -> None:
                          f"(or None for the parameters' dtype), got {compute_dtype!r}")
 
 
-def _check_buckets(bucket_cap_mb, first_bucket_mb, reduce_dtype) -> None:
+def check_buckets(bucket_cap_mb, first_bucket_mb, reduce_dtype) -> None:
     for name, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"{name} must be a number of MiB >= 0 (0 puts each parameter in its own "
@@ -273,124 +270,24 @@ def _check_buckets(bucket_cap_mb, first_bucket_mb, reduce_dtype) -> None:
                          f"dtype), got {reduce_dtype!r}")
 
 
-# ---- measuring from outside: the loop, and what the notebook plots --------------------------------
+# ---- the average, as every later lesson that keeps replicas calls it --------------------------------
 
-def train_step(model, opt, x, y, measure=None) -> float:
-    """One step; `measure` (e.g. instruments.ProfileSpans()) is entered around backward and the
-    gradient all-reduces (NaiveDDP is the only version that needs the extra call)."""
-    loss = model(x, y)
-    with measure or contextlib.nullcontext():
-        loss.backward()
-        if isinstance(model, NaiveDDP):
-            model.all_reduce_gradients()
-    opt.step()
-    opt.zero_grad(set_to_none=False)  # keep the gradients' storage: for BucketedDDP, the bucket views
-    return loss.item()
-
-
-def profile_buckets(model="small", bucket_mbs=(0, 1, 4, 16, 64), steps=4, batch=8, seq=32) -> dict:
-    """Per rank (run it under launch.run_ranks; for the notebook): for naive DDP and bucketed DDP at
-    each cap (first bucket = cap), the median step seconds and the spans of one more, profiled, step."""
-    from data import get_batch, load_corpus
-    from instruments import ProfileSpans, time_steps
-    from model import build_model
-    rank, P = dist.get_rank(), dist.get_world_size()
-    tokens = load_corpus()
-    batches = [get_batch(tokens, s, batch, seq, dp_rank=rank, dp_size=P) for s in range(steps + 2)]
-    out = {}
-    for mb in ["naive", *bucket_mbs]:
-        m = NaiveDDP(build_model(model)) if mb == "naive" else BucketedDDP(build_model(model), None, mb, mb)
-        opt, it, prof = torch.optim.AdamW(m.parameters(), lr=1e-3), iter(batches), ProfileSpans()
-        step_s = time_steps(lambda: train_step(m, opt, *next(it)), steps, warmup=1)
-        train_step(m, opt, *next(it), measure=prof)
-        out[mb] = dict(step_s=step_s, spans=prof.spans, n_buckets=len(m.params) if mb == "naive" else len(m.buckets))
-    return out
+@torch.no_grad()
+def average_gradients(params, group=None, divide_by: int | None = None) -> None:
+    """The data-parallel average in its plainest form, after backward: every gradient of `params`
+    summed over `group` in ONE flat all-reduce and divided by `divide_by` (default: the group's size).
+    A parameter without a gradient on this rank sends zeros (every rank must hand over the same sizes)
+    and receives the others' average. The lessons after this one call it where replicas of some
+    parameters must agree: a pipeline stage's data-parallel copies, expert weights over the ranks
+    holding the same experts (expert_parallel.sync_gradients)."""
+    group = resolve_group(group, "dp")
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    all_reduce_flat([p.grad for p in params], group, divide_by or dist.get_world_size(group))
 
 
-def _demo(argv=None, reference=None) -> int:
-    """Naive, bucketed and PyTorch's own DDP (reference: references.ddp) on the same batches."""
-    from data import get_batch, load_corpus
-    from demo import all_agree, finish, max_diff, print_by_rank, single_process
-    from instruments import ProfileSpans, overlap_fraction, sync, wire_bytes
-    from mesh import Mesh, init_distributed, print0
-    from model import build_model, get_config
-    ap = argparse.ArgumentParser(description="Naive, bucketed and PyTorch's DDP side by side on the shared model.")
-    ap.add_argument("--model", default="small", help="tiny | small | medium | large (default small, ~10M)")
-    ap.add_argument("--steps", type=int, default=6, help="timed steps (after a warm-up and a profiled step)")
-    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences), divisible by the world size")
-    ap.add_argument("--seq", type=int, default=64, help="sequence length")
-    ap.add_argument("--bucket-mb", type=float, default=25, help="bucket cap in MiB (0: one per parameter)")
-    ap.add_argument("--first-bucket-mb", type=float, default=1, help="the first bucket's cap in MiB")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    args = ap.parse_args(argv)
-    cfg = get_config(args.model)  # raises on an unknown name
-    P = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.batch < P or args.batch % P or args.steps < 1 or args.seq < 1:
-        raise ValueError(f"--batch {args.batch} must be a multiple of the world size {P}, and --steps "
-                         f"({args.steps}) and --seq ({args.seq}) at least 1")
-    _check_buckets(args.bucket_mb, args.first_bucket_mb, None)
-    device = init_distributed()  # everything above is arithmetic: bad input fails before any collective
-    rank, mesh = dist.get_rank(), Mesh(dp_shard=P)
-    tokens = load_corpus()
-    n = args.steps + 2  # step 0 warms up (PyTorch's DDP re-buckets after it), step 1 is profiled
-    batches = [get_batch(tokens, s, args.batch, args.seq, device=device) for s in range(n)]
-    local = [(x.chunk(P)[rank], y.chunk(P)[rank]) for x, y in batches]
-
-    # Each rank starts from its own initialisation (seed = rank): the wrappers' broadcast fixes it.
-    kw = dict(device_ids=[device]) if device.type == "cuda" else {}
-    if (args.bucket_mb, args.first_bucket_mb) != (25, 1):  # PyTorch keeps a 1 MiB first bucket only by default
-        kw["bucket_cap_mb"] = args.bucket_mb
-    models = {"naive": NaiveDDP(build_model(cfg, seed=rank, device=device), mesh),
-              f"bucketed {args.bucket_mb:g} MiB": BucketedDDP(build_model(cfg, seed=rank, device=device), mesh,
-                                                              args.bucket_mb, args.first_bucket_mb),
-              "PyTorch DDP": reference(build_model(cfg, seed=rank, device=device), mesh.group("dp"), **kw)}
-    names = list(models)
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr) for k, m in models.items()}
-    times, profs = {k: [] for k in names}, {k: ProfileSpans() for k in names}
-    for step, (x, y) in enumerate(local):
-        for k in names[step % 3:] + names[:step % 3]:  # rotate who goes first: none always runs on a cold cache
-            dist.barrier(group=mesh.group("dp"))
-            sync(device)
-            t = time.perf_counter()
-            train_step(models[k], opts[k], x, y, measure=profs[k] if step == 1 else None)
-            sync(device)
-            times[k].append(time.perf_counter() - t)
-
-    ref = single_process(build_model(cfg, seed=0, device=device), batches, lr=args.lr)["model"]
-    tol = 1e-4  # fp32: Adam turns rounding in near-zero gradients into ~1e-6 parameter noise
-    grad_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
-    print0(f"{P} rank(s), model {args.model} ({sum(p.numel() for p in ref.parameters()):,} parameters, gradient "
-           f"{grad_bytes / MiB:.2f} MiB), global batch {args.batch}x{args.seq}, {args.steps} timed steps\n"
-           f"rank {'':18s} {'step ms':>8s} {'all-reduces':>11s} {'MiB/step':>9s} {'ring MiB sent':>13s} "
-           f"{'1st starts':>10s} {'overlap':>8s} {'max|dp - 1 proc|':>17s}")
-    rows, ok = [], True
-    for k in names:
-        spans = [s for s in profs[k].spans if s["name"] == "all_reduce"]
-        bwd = next((s for s in profs[k].spans if s["name"] == "backward"), None)
-        first = (spans[0]["start"] - bwd["start"]) / (bwd["end"] - bwd["start"]) if bwd and spans else -1
-        sent = sum(s["bytes"] or 0 for s in spans)
-        diff = max_diff(models[k].module, ref)
-        ok &= diff < tol
-        rows.append(f"{rank:<4d} {k:18s} {1e3 * statistics.median(times[k][2:]):8.1f} {len(spans):11d} "
-                    f"{sent / MiB:9.3f} {wire_bytes('all_reduce', sent, P) / MiB:13.3f} "
-                    + (f"{'after':>10s}" if first > 1 else f"{100 * first:9.0f}%" if first >= 0 else f"{'-':>10s}")
-                    + f" {100 * overlap_fraction(profs[k].spans):7.0f}% {diff:17.2e}")
-    print_by_rank("\n".join(rows))
-    bucketed = models[names[1]]
-    ratio = statistics.median(t / b for t, b in zip(times[names[2]][2:], times[names[1]][2:]))
-    print0(f"1st starts: when the first all-reduce began, as a share of backward's compute; overlap: the share\n"
-           f"of all-reduce time inside backward (both from torch.profiler, one step)\n"
-           f"bucketed / PyTorch DDP throughput: {ratio:.2f}x (step by step, median)\n"
-           f"formula: Ψ·b = {grad_bytes / MiB:.3f} MiB of gradient per step, ring sends 2(P-1)/P of it = "
-           f"{wire_bytes('all_reduce', grad_bytes, P) / MiB:.3f} MiB per rank, plus {len(bucketed.params)} bytes "
-           f"of used flags in 1 all-reduce\n{len(bucketed.buckets)} buckets, in reverse parameter order (MiB): "
-           f"{[round(b.nbytes / MiB, 3) for b in bucketed.buckets][:8]}" + (" ..." if len(bucketed.buckets) > 8 else ""))
-    ok = all_agree(ok)
-    print0("all three match the single-process run" if ok else f"MISMATCH (tolerance {tol})")
-    return finish(ok)
-
-
-if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
-    from demo import main
-    from references import ddp
-    main(lambda argv: _demo(argv, reference=ddp))
+if __name__ == "__main__":  # the demo (naive, bucketed and PyTorch's DDP side by side) is in the package
+    from lab.ddp_demo import main
+    main()

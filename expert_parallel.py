@@ -47,21 +47,14 @@ optimizer bytes per element; ZeRO over edp_cp divides the sharded terms by n_e),
 """
 from __future__ import annotations
 
-import argparse
-import os
-import statistics
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import get_batch, load_corpus
-from demo import all_agree, finish, max_diff, print_by_rank, single_process
-from instruments import Timeline
-from mesh import all_gather_single, all_reduce_flat, init_distributed, print0
-from model import MoE, build_model, get_config, num_params
+from ddp import average_gradients
+from lab.model import MoE
+from mesh import all_gather_single, all_reduce_flat
 
 
 # ---- the differentiable all-to-all -----------------------------------------------------------
@@ -132,7 +125,7 @@ class ExpertParallelMoE(MoE):
         return out.view(shape)
 
     def dispatch_combine(self, x):                           # [T, H] -> [T, H]
-        T, k, El, ep = x.shape[0], self.top_k, self.n_local, self.ep
+        T, k, n_local, ep = x.shape[0], self.top_k, self.n_local, self.ep
         probs, weights, experts, _ = self.route(x)           # the reference router: [T,E], [T,k], [T,k]
         flat = experts.flatten()                             # [T·k] expert of assignment a = t·k + slot
         counts = torch.bincount(flat, minlength=self.n_experts)  # [E]
@@ -146,12 +139,12 @@ class ExpertParallelMoE(MoE):
         pos = torch.arange(T * k, device=x.device) - (counts.cumsum(0) - counts)[sorted_e]
         sel = order[pos < keep_send[sorted_e]]               # [N_send] kept, grouped by owner rank
         tok = torch.div(sel, k, rounding_mode="floor")       # their tokens
-        send = keep_send.view(ep, El).sum(1).tolist()        # rows to each rank
+        send = keep_send.view(ep, n_local).sum(1).tolist()        # rows to each rank
         recv = keep_recv.sum(1).tolist()                     # rows from each rank
 
         # dispatch: rows arrive grouped by source rank, then by my expert, in token order
         rows = self.all_to_all(x[tok], recv, send, self.ep_group)               # [N_recv, H]
-        row_expert = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(keep_recv.flatten())
+        row_expert = torch.arange(n_local, device=x.device).repeat(ep).repeat_interleave(keep_recv.flatten())
         perm = torch.argsort(row_expert, stable=True)        # expert-major: one matmul per expert
         ys = [self.expert(e, c) for e, c in enumerate(rows[perm].split(keep_recv.sum(0).tolist()))]
         y = torch.cat(ys)[torch.argsort(perm)]               # back to arrival order [N_recv, H]
@@ -180,11 +173,11 @@ class ExpertParallelMoE(MoE):
         keep_recv [ep, E/ep] (rows I get from each rank for each of my experts). Dropless: what I get
         from rank s IS what s counted. Capacity: the owner alone decides, from every sender's counts,
         and its verdict travels back to the sender. No rank ever guesses another rank's numbers."""
-        ep, El = self.ep, self.n_local
-        msg = torch.cat([counts.view(ep, El), counts.new_full((ep, 1), T)], 1)  # row j: for rank j, + my T
+        ep, n_local = self.ep, self.n_local
+        msg = torch.cat([counts.view(ep, n_local), counts.new_full((ep, 1), T)], 1)  # row j: for rank j, + my T
         got = _all_to_all(msg, [1] * ep, [1] * ep, self.ep_group)             # row s: from rank s
-        recv = got[:, :El]                                                      # [ep, El]
-        cap = self.capacity(int(got[:, El].sum()))           # C over the ep group's T_all tokens
+        recv = got[:, :n_local]                                                      # [ep, n_local]
+        cap = self.capacity(int(got[:, n_local].sum()))           # C over the ep group's T_all tokens
         if cap is None:
             return counts, recv
         before = recv.cumsum(0) - recv                       # assignments to e from lower ranks
@@ -287,93 +280,19 @@ def tp_partial_parameters(model) -> list:
 def sync_gradients(model, dp_group, edp_group, divide_by: int, tp_group=None) -> None:
     """Make every gradient the mean over the data-parallel ranks' losses: dense gradients summed over
     dp_group (dp × cp), expert gradients over edp_group ("edp", or "edp_cp" with cp), both divided by
-    divide_by = dp·cp (see the module doc for why experts too). tp_group: sum the tp-partial ones first."""
+    divide_by = dp·cp (see the module doc for why experts too) — lesson 1's average twice, on two groups.
+    tp_group: sum the tp-partial ones first."""
     expert = {id(p) for p in expert_parameters(model)}
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
-        if p.grad is None:  # every rank must hand the all-reduce the same sizes
+        if p.grad is None:  # every rank must hand the all-reduces the same sizes
             p.grad = torch.zeros_like(p)
     if tp_group is not None:
         all_reduce_flat([p.grad for p in tp_partial_parameters(model)], tp_group)
-    all_reduce_flat([p.grad for p in params if id(p) not in expert], dp_group, divide_by)
-    all_reduce_flat([p.grad for p in params if id(p) in expert], edp_group, divide_by)
+    average_gradients([p for p in params if id(p) not in expert], dp_group, divide_by)
+    average_gradients([p for p in params if id(p) in expert], edp_group, divide_by)
 
 
-# ---- demo: torchrun --nproc_per_node 4 expert_parallel.py [--compare]   (or: python expert_parallel.py) ----
-
-def _demo(argv=None, reference=None) -> int:
-    """The layer against the single-device MoE (dropless, then with a capacity) with its bytes against the
-    formula; then training against one process, and with `reference` (PyTorch's all-to-all, --compare) beside ours.
-    The measuring runs (layer_check, train_ep) are in ep_measure.py."""
-    from ep_measure import layer_check, train_ep  # the companion imports this lesson: only here
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0] + " (--tokens: per rank, layer check; "
-                                "--ep: training's, 0 = all ranks; --batch: global)")
-    for name, default in dict(experts=8, top_k=2, ep=0, tokens=64, batch=8, seq=32, steps=4).items():
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
-    p.add_argument("--capacity-factor", type=float, default=0.75)
-    p.add_argument("--compare", action="store_true", help="also train with PyTorch's autograd all-to-all")
-    args = p.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ep = args.ep or world
-    validate_ep(args.experts, args.top_k, ep, args.capacity_factor)  # all before any collective
-    if world % ep or min(args.tokens, args.batch, args.seq, args.steps) < 1 or args.batch % world:
-        raise ValueError(f"--ep must divide the world size {world}, --tokens, --batch, --seq, --steps be >= 1 "
-                         f"and --batch a multiple of {world}")
-    cfg, device = get_config("tiny", n_experts=args.experts, top_k=args.top_k), init_distributed()
-    rank, lines, ok = dist.get_rank(), [], True
-    print0(f"expert parallel: world {world}, E {cfg.n_experts}, top-{cfg.top_k}; layer check with ep = {world}, "
-           f"training with ep = {ep} ({cfg.n_experts // ep} experts per rank)")
-    for cf in (None, args.capacity_factor):
-        r = layer_check(replace(cfg, capacity_factor=cf), args.tokens, device=device)
-        name, bytes_ok = "dropless" if cf is None else f"capacity factor {cf}", r["bytes"] == r["want"]
-        ok &= r["err"] < 1e-9 and bytes_ok and r["all_dropped"] == r["ref_dropped"]
-        print0(f"[{name}] dropped {r['all_dropped']} of {world * r['assignments']} "
-               f"(single-device MoE: {r['ref_dropped']})")
-        lines.append(f"  rank {rank} [{name}]: max |error| vs single-device MoE (fp64) {r['err']:.1e}; "
-                     f"tokens per local expert {r['load']}; dropped {r['dropped']}/{r['assignments']}\n"
-                     f"      bytes sent per all-to-all (dispatch, combine, combine-bwd, dispatch-bwd) {r['bytes']}\n"
-                     f"      formula n_sent·H·b for the reference's routing {r['want']} "
-                     f"{'ok' if bytes_ok else 'MISMATCH'}; uniform routing T·k·H·b·(ep-1)/ep = "
-                     f"{r['assignments'] * cfg.dim * 8 * (world - 1) // world}")
-    print_by_rank("\n".join(lines))
-
-    # training: ep experts per group against ONE process on the same global batches — the losses, and
-    # step 1's gradients (a 2x error in the expert gradients hardly moves AdamW's losses: it shows here)
-    batches = [get_batch(load_corpus(), s, args.batch, args.seq, device=device) for s in range(args.steps)]
-    ref, runs = single_process(build_model(cfg, device=device), batches, keep_grads=True), {}
-    contenders = [("ours", None)]
-    if args.compare and reference is not None:
-        contenders.append(("PyTorch's all_to_all_single_autograd", reference))
-    for name, a2a in contenders:
-        tl = Timeline(device)
-        runs[name] = train_ep(cfg, ep, args.steps, args.batch, args.seq, a2a=a2a, device=device,
-                              trace=lambda s: tl.span("step"))
-        runs[name]["ms"] = 1e3 * statistics.median(s["end"] - s["start"] for s in tl.spans[1:] or tl.spans)
-    res, lo = runs["ours"], rank % ep * (cfg.n_experts // ep)
-    mine, experts = res["grads"], [n for n in res["grads"] if n.endswith(("mlp.w1", "mlp.w3", "mlp.w2"))]
-    want = {n: g[lo:lo + mine[n].shape[0]] if n in experts else g for n, g in ref["grads"][0].items()}
-    d_exp, d_all = max_diff(*({n: d[n] for n in experts} for d in (mine, want))), max_diff(mine, want)
-    ratio = (sum(mine[n].norm() ** 2 for n in experts) / sum(want[n].norm() ** 2 for n in experts)).sqrt().item()
-    print_by_rank(f"  rank {rank}: step-1 gradients vs one process: max |diff| {d_all:.1e} (experts {d_exp:.1e}); "
-                  f"expert gradient norm ours / one process = {ratio:.3f}")
-    n_all, n_exp = num_params(cfg), cfg.n_layers * 3 * cfg.n_experts * cfg.dim * cfg.ffn_dim
-    n_mine = sum(p.numel() for p in res["params"].values())
-    memory_ok = n_mine == n_all - n_exp * (ep - 1) // ep
-    ok &= d_all < 1e-6 and max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) < 1e-4 and memory_ok
-    print0(f"parameters per rank {n_mine:,} = all {n_all:,} - (1 - 1/ep) x experts {n_exp:,}: "
-           f"{'ok' if memory_ok else 'MISMATCH'}\ntraining {args.steps} steps, global batch {args.batch}x{args.seq}, "
-           f"dropless, AdamW:\n  one process losses {[round(v, 6) for v in ref['losses']]}")
-    for name, r in runs.items():
-        print0(f"  ep={ep} ({name}) losses {[round(v, 6) for v in r['losses']]}  max |diff| "
-               f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.1e}  step {r['ms']:.1f} ms")
-    if args.compare:
-        print0(f"  step time ours / PyTorch's: {res['ms'] / runs[name]['ms']:.2f}")
-    ok = all_agree(ok)
-    print0("expert parallel matches the single-device model:", "ok" if ok else "FAILED")
-    return finish(ok)
-
-
-if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
-    from demo import main
-    from references import all_to_all
-    main(lambda argv: _demo(argv, reference=all_to_all))
+if __name__ == "__main__":  # the demo (the layer against the single-device MoE, training, bytes) is in the package
+    from lab.expert_parallel_demo import main
+    main()

@@ -20,31 +20,290 @@ into its backward, which follows its forward at once (as FSDP2's root); with res
 every unit does: b_p·Ψ. Each step also all-reduces one int32 per parameter tensor, which parameters got
 a gradient on any rank (as DDP's find_unused_parameters), so one no rank used gets none.
 
-How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4): a unit's parameters are views of one flat
-buffer [N], N padded to a multiple of P, so a shard is one slice and a unit moves in one collective
-(FSDP's FlatParameter). The optimizer steps one 1-D piece per parameter (as FSDP2), so AdamW skips a
-parameter without gradient as in one process. Stages 2-3 reduce a unit once its backward is done, and
-at the end of backward every unit not reduced yet, in one order on every rank: a branch some ranks skip
-can neither hang nor skip a reduction. `with opt.accumulating():` defers the reduction over several
-backwards (FSDP §3.4). The loop stays as it was — opt = shard_model(model, stage), then
-loss.backward(); opt.step(); opt.zero_grad(). A unit's flat buffer, its slice and its collectives:
-flat_unit.py. The shards saved and loaded: checkpoint.py. The formulas as functions, the bytes a rank
-holds and the measured run the demo, tests and notebook use: zero_measure.py.
+How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of this file:
+  1. The flat parameter (FlatUnit): a unit's parameters are views of one flat buffer [N], N padded to
+     a multiple of P, so a shard is one slice [n] and a unit moves in one collective.
+  2. Stage 1, the sharded optimizer (ZeroOptimizer): each rank steps only its slice, one 1-D piece per
+     parameter (as FSDP2), so AdamW skips a parameter without gradient as in one process.
+  3. Stage 2, gradients reduce-scattered during backward, unit by unit (a hook marks the end of a
+     unit's backward); at the end of backward every unit not reduced yet, in one order on every rank:
+     a branch some ranks skip can neither hang nor skip a reduction. `with opt.accumulating():` defers
+     the reduction over several backwards (FSDP §3.4).
+  4. Stage 3, parameters gathered before a unit's forward and backward and freed after each.
+  5. shard_model(model, stage): cuts the model into units and returns the optimizer. The loop stays
+     loss.backward(); opt.step(); opt.zero_grad().
+  6. State dicts: full ({name: whole tensor}, loads into the plain model) and sharded (this rank's
+     slices and optimizer state, for resuming on the same layout) (FSDP §3.3).
+Hybrid sharding (hsdp.py) enters through one seam, shard_model's `after_reduce`.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
-from flat_unit import FlatUnit
-from mesh import collective_device, resolve_group
+from lab.model import Block
+from mesh import all_gather_single, collective_device, reduce_scatter_single, resolve_group
 
 
-# ---- stages 2-3: hooks that gather, free and reduce while forward and backward run ---------------
+# ---- 1. the flat parameter: a unit's parameters as views of one buffer, one slice per rank ---------
+
+class FlatUnit:
+    """One unit's parameters on one group as a flat buffer [N] (FSDP's FlatParameter); this rank keeps
+    the slice [r·n, (r+1)·n), n = N/P (stage 0: P = 1, the whole buffer). What it moves, in API bytes
+    (b_p compute bytes per element; b_m bytes of the master dtype gradients are reduced in: fp32, also
+    under a bf16 compute copy, float64 for a float64 model):
+
+        unshard  all-gather      [n] per rank -> [N]        b_p·N      (stage 3: before forward and backward)
+        publish  all-gather      my new slice -> [N]        b_p·N      (stages 1-2: after the step)
+        reduce   reduce-scatter  [N] gradients -> my [n]    b_m·N      (stages 1-3; stage 0 all-reduces [N])
+
+    buf     [N] compute dtype: the module's parameters are views of it (stage 3 frees it between uses)
+    shard   [n] compute dtype: my slice (a view of buf in stages 0-2; its own tensor in stage 3)
+    master  [n] the parameters' dtype (fp32): what the optimizer updates; the shard itself if no cast
+    pieces  [(i, a, b, piece)]: piece = master[a:b], my part of parameter i, the optimizer's parameter
+    """
+
+    def __init__(self, entries, stage, group, divide_by, after_reduce=None, param_dtype=None, init_fn=None):
+        # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
+        self.stage, self.group = stage, group
+        self.divide_by, self.after_reduce = divide_by, after_reduce  # how the optimizer finishes a reduction
+        self.group_size, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if stage > 0 else (1, 0)
+        self.aliases, self.shapes = [e[0] for e in entries], [tuple(e[2].shape) for e in entries]
+        self.names, self.numels = [a[0] for a in self.aliases], [math.prod(s) for s in self.shapes]
+        self.offsets = [0, *itertools.accumulate(self.numels)][:-1]  # of each parameter in buf
+        self.flat_numel = -(-sum(self.numels) // self.group_size) * self.group_size  # N: padded to P·n
+        self.shard_numel = self.flat_numel // self.group_size                         # n
+        master = _my_slice(self, entries, init_fn)  # [n], made from my part of each parameter only
+        self.dtype, same = param_dtype or master.dtype, param_dtype in (None, master.dtype)
+        self.buf = torch.empty(self.flat_numel, dtype=self.dtype, device=master.device)
+        if stage == 3:  # my slice lives apart from buf, which holds bytes only while gathered
+            self.shard = master if same else torch.empty_like(master, dtype=self.dtype)
+        else:           # my slice is a view of buf; with no cast the optimizer steps it in place
+            self.shard = self.buf[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+            master = self.shard.copy_(master) if same else master
+        self.master = nn.Parameter(master)
+        self.pieces = [(i, a, b, nn.Parameter(self.master.detach()[a:b])) for i, a, b in self.spans()]
+        self.params = [_repoint(e, view) for e, view in zip(entries, self.views(self.buf.data))]
+        self.used = torch.zeros(len(self.params), dtype=torch.int32, device=master.device)  # got a gradient here
+        self.gather_work, self.unreduced = None, False  # unreduced: a reduction deferred by accumulating()
+        self.publish()
+
+    def spans(self):
+        """[(i, a, b)]: parameter i covers [a, b) of my slice (parameters outside it are left out)."""
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        return [(i, max(o, lo) - lo, min(o + k, hi) - lo) for i, (o, k) in enumerate(zip(self.offsets, self.numels))
+                if max(o, lo) < min(o + k, hi)]
+
+    def views(self, flat):
+        """A flat [N] tensor as one view per parameter, in its shape."""
+        return [t.view(s) for t, s in zip(flat[:sum(self.numels)].split(self.numels), self.shapes)]
+
+    @torch.no_grad()
+    def publish(self):
+        """After the master slice changed (a step, a load): refresh every compute copy of it."""
+        if self.shard.data_ptr() != self.master.data_ptr():
+            self.shard.copy_(self.master)  # e.g. fp32 -> bf16
+        if self.stage in (1, 2):
+            all_gather_single(self.buf, self.shard, group=self.group)
+        if self.stage == 3:
+            self.free()  # a gathered copy would be stale: the next use gathers the new values
+
+    def unshard(self):
+        """Stage 3: start the all-gather of buf, [n] per rank -> [N], unless it is gathered already."""
+        if self.gather_work is None and self.buf.untyped_storage().size() == 0:
+            self.buf.untyped_storage().resize_(self.flat_numel * self.buf.element_size())
+            self.gather_work = all_gather_single(self.buf, self.shard, group=self.group, async_op=True)
+
+    def wait(self):
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+
+    def free(self):
+        self.wait()
+        self.buf.untyped_storage().resize_(0)  # every parameter view now has no bytes
+
+    def reduce(self):
+        """Pack the gradients into one [N] (zeros where a parameter has none: every rank hands over the
+        same sizes) and sum it over the group: stage 0 all-reduces it, the others reduce-scatter it to
+        my slice [n]. Returns (result, work, input)."""
+        g = torch.zeros(self.flat_numel, dtype=self.master.dtype, device=self.master.device)
+        for i, (p, view) in enumerate(zip(self.params, self.views(g))):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                self.used[i] = 1
+                if self.stage >= 2:
+                    p.grad = None  # stages 2-3 keep only the reduced slice
+        if self.stage == 0:
+            alone = dist.get_world_size(self.group) == 1  # a group of one: nothing to add
+            return g, None if alone else dist.all_reduce(g, group=self.group, async_op=True), g
+        out = g.new_empty(self.shard_numel)
+        return out, reduce_scatter_single(out, g, group=self.group, async_op=True), g
+
+
+def _my_slice(u, entries, init_fn):
+    """A new unit's master slice [n], made from my part of each parameter only: a meta-device model's
+    from init_fn, on the device our collectives use, in at least fp32 (a bf16 model gets an fp32 master)."""
+    p0, lo = entries[0][2], u.rank * u.shard_numel
+    master = torch.zeros(u.shard_numel, device=collective_device(u.group) if p0.is_meta else p0.device,
+                         dtype=torch.promote_types(p0.dtype, torch.float32) if p0.is_meta else p0.dtype)
+    for (i, a, b), off in [(s, u.offsets[s[0]]) for s in u.spans()]:
+        names, _, p = entries[i]
+        full = init_fn(names[0], p.shape) if p.is_meta else p.detach()
+        master[a:b] = full.reshape(-1)[lo + a - off:lo + b - off].to(master.device)
+    return master
+
+
+def _repoint(entry, view):
+    """Every holder of the parameter now holds `view` (of buf). `.data`-made views get their own version
+    counter, so refilling buf (stage 3) does not trip autograd's check on saved tensors."""
+    p = nn.Parameter(view)
+    for module, attr in entry[1]:
+        module._parameters[attr] = p
+    return p
+
+
+# ---- 2. stage 1: the optimizer that owns the shards (and finishes every stage's step) ----------------
+
+class ZeroOptimizer:
+    """Steps this rank's pieces with any torch.optim class once their gradients are reduced: at step()
+    for stages 0-1 (all-reduce; reduce-scatter), during backward for 2-3 (the hooks below). Stages 1-2
+    then all-gather the new parameters; stage 3 leaves that to the next forward."""
+
+    def __init__(self, module, units, optimizer_cls, stage, max_grad_norm=None, before_reduce=None, **optimizer_kw):
+        self.module, self.units, self.stage = module, units, stage  # module: for its frozen params and buffers
+        self.max_grad_norm, self.before_reduce = max_grad_norm, before_reduce
+        self.inner = optimizer_cls([q for u in units for *_, q in u.pieces], **optimizer_kw)
+        # Reductions run behind the rest of backward only on NCCL (its own CUDA stream); on gloo their CPU
+        # threads would compete with compute (measured slower when ranks share cores): wait at once.
+        self.async_reduce = all(dist.get_backend(u.group) == "nccl" for u in units)
+        self.pending, self.deferring, self.in_backward, self.reduced, self.grad_norm = [], False, False, False, None
+
+    param_groups = property(lambda self: self.inner.param_groups)  # what LR schedulers set
+
+    def zero_grad(self, set_to_none=True):
+        for u in self.units:
+            for p in u.params + [u.master] + [q for *_, q in u.pieces]:
+                p.grad = None
+            u.used.zero_()
+        self.reduced = self.in_backward = False
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backwards inside keep their full local gradients (stage 3 with reshard_after_forward=False also
+        keeps its units gathered); the next backward outside, or step(), reduces each unit once."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+
+    def reduce_unit(self, u):
+        if self.before_reduce is not None:
+            self.before_reduce(u.params)  # e.g. tensor parallel: sum partial gradients over tp first
+        out, work, g = u.reduce()
+        if work is not None and not self.async_reduce:
+            work.wait()
+        self.pending.append((u, work, out, g if self.async_reduce else None))  # NCCL: g in use until done
+        u.unreduced = False
+
+    def finish_reduction(self):
+        for u, work, out, _ in self.pending:
+            if work is not None:
+                work.wait()
+            if u.after_reduce is not None:
+                u.after_reduce(out)  # e.g. HSDP: the shard, summed over my shard group, now across replicas
+            out.div_(u.divide_by)  # gloo has no ReduceOp.AVG: sum, then divide
+            u.master.grad = out if u.master.grad is None else u.master.grad.add_(out)
+        self.pending.clear()
+        late = [n for u in self.units for n, p in zip(u.names, u.params) if self.stage >= 2 and p.grad is not None]
+        if late:  # stages 2-3 pack every gradient when they reduce: this one came after its unit's reduction
+            raise RuntimeError(f"the gradient of {late[0]} arrived after its unit was reduced: if it is used outside "
+                               f"its unit's forward, pass units= so that one unit encloses all its uses; if its "
+                               f"backward was deferred (zero bubble's W), run it inside opt.accumulating()")
+
+    @torch.no_grad()
+    def reduce_gradients(self):
+        """Reduce what is not reduced yet (stages 0-1: everything), then agree, with one all-reduce of an
+        int32 per parameter and group, which parameters got a gradient on any rank: the others get none."""
+        if self.reduced:
+            return
+        for u in [u for u in self.units if self.stage <= 1 or u.unreduced]:
+            self.reduce_unit(u)
+        self.finish_reduction()
+        by_group = {}
+        for u in self.units:  # one order on every rank
+            by_group.setdefault((u.group, u.after_reduce), []).append(u)
+        for (group, after_reduce), us in by_group.items():
+            used = torch.cat([u.used for u in us])
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(used, group=group)
+            if after_reduce is not None:
+                after_reduce(used)
+            for u, part in zip(us, used.split([len(u.params) for u in us])):
+                u.used.copy_(part)
+        for u in self.units:
+            used, g = u.used.tolist(), u.master.grad
+            for i, a, b, q in u.pieces:
+                q.grad = g[a:b] if used[i] and g is not None else None
+        self.reduced = True
+
+    @torch.no_grad()
+    def step(self):
+        self.reduce_gradients()
+        if self.max_grad_norm is not None:
+            self.clip_grad_norm_(self.max_grad_norm)
+        self.inner.step()
+        for u in self.units:
+            if self.stage <= 1:  # the reduced gradient lived for this step only
+                for *_, q in u.pieces:
+                    q.grad = None
+                u.master.grad = None
+            u.publish()  # my new compute slice; stages 1-2 gather the others', stage 3 drops a gathered copy
+        self.reduced = False
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, group=None, weight_of=None) -> torch.Tensor:
+        """Scale the gradients so their global L2 norm is at most max_norm (torch's formula). Each rank sums
+        its pieces' squares, weighted by weight_of(name) (e.g. 1/ranks holding a copy), and all-reduces the
+        sum over `group` — by default each unit's own group, whose ranks hold its gradient once (stage 0: no
+        all-reduce, every rank holds it all)."""
+        self.reduce_gradients()
+        sums = {}
+        for u in self.units:
+            s = sums.setdefault(group if group is not None else u.group if self.stage > 0 else None,
+                                torch.zeros((), dtype=torch.float64, device=u.master.device))
+            for i, _, _, q in [p for p in u.pieces if p[3].grad is not None]:
+                s += q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))
+        for g, s in sums.items():
+            if g is not None:
+                dist.all_reduce(s, group=g)
+        self.grad_norm = sum(sums.values()).sqrt()
+        for u in [u for u in self.units if u.master.grad is not None]:
+            u.master.grad.mul_((max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0).to(u.master.grad.dtype))
+        return self.grad_norm
+
+    # the state dicts (section 6)
+    def full_state_dict(self) -> dict:
+        return full_state_dict(self)
+
+    def load_full_state_dict(self, sd: dict) -> None:
+        load_full_state_dict(self, sd)
+
+    def shard_state_dict(self) -> dict:
+        return shard_state_dict(self)
+
+    def load_shard_state_dict(self, sd: dict) -> None:
+        load_shard_state_dict(self, sd)
+
+
+# ---- 3-4. stages 2-3: hooks that reduce (2) and gather and free (3) while forward and backward run ----
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once their gradients exist: the unit's backward
@@ -62,9 +321,9 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
-    """units [(module, [FlatUnit per group])]. Stage 3 gathers a unit (all its groups together) before
-    its forward and before its backward and frees it after each. Stages 2-3 reduce a unit when its
-    backward is done; at the end of backward every unit not reduced yet, in one order on every rank."""
+    """units [(module, [FlatUnit per group])]. Stage 2 reduces a unit when its backward is done; at the end
+    of backward every unit not reduced yet, in one order on every rank. Stage 3 also gathers a unit (all its
+    groups together) before its forward and before its backward, and frees it after each."""
     stage3, order, done = opt.stage == 3, [], set()  # order: units by first forward, for the prefetch
 
     def gather(i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
@@ -130,134 +389,11 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
         module.register_forward_hook(lambda m, args, out, i=i: post_forward(i, out))
 
 
-# ---- the optimizer that owns the shards ------------------------------------------------------------
+# ---- 5. the entry point ------------------------------------------------------------------------------
 
-class ZeroOptimizer:
-    """Steps this rank's pieces with any torch.optim class once their gradients are reduced: at step()
-    for stages 0-1 (all-reduce; reduce-scatter), during backward for 2-3. Stages 1-2 then all-gather the
-    new parameters; stage 3 leaves that to the next forward."""
-
-    def __init__(self, module, units, optimizer_cls, stage, max_grad_norm=None, before_reduce=None, **optimizer_kw):
-        self.module, self.units, self.stage = module, units, stage  # module: for its frozen params and buffers
-        self.max_grad_norm, self.before_reduce = max_grad_norm, before_reduce
-        self.inner = optimizer_cls([q for u in units for *_, q in u.pieces], **optimizer_kw)
-        # Reductions run behind the rest of backward only on NCCL (its own CUDA stream); on gloo their CPU
-        # threads would compete with compute (measured slower when ranks share cores): wait at once.
-        self.async_reduce = all(dist.get_backend(u.group) == "nccl" for u in units)
-        self.pending, self.deferring, self.in_backward, self.reduced, self.grad_norm = [], False, False, False, None
-
-    param_groups = property(lambda self: self.inner.param_groups)  # what LR schedulers set
-    full_state_dict, load_full_state_dict = checkpoint.full_state_dict, checkpoint.load_full_state_dict
-    shard_state_dict, load_shard_state_dict = checkpoint.shard_state_dict, checkpoint.load_shard_state_dict
-
-    def zero_grad(self, set_to_none=True):
-        for u in self.units:
-            for p in u.params + [u.master] + [q for *_, q in u.pieces]:
-                p.grad = None
-            u.used.zero_()
-        self.reduced = self.in_backward = False
-
-    @contextlib.contextmanager
-    def accumulating(self):
-        """Backwards inside keep their full local gradients (stage 3 with reshard_after_forward=False also
-        keeps its units gathered); the next backward outside, or step(), reduces each unit once."""
-        self.deferring = True
-        try:
-            yield
-        finally:
-            self.deferring = False
-
-    def reduce_unit(self, u):
-        if self.before_reduce is not None:
-            self.before_reduce(u.params)  # e.g. tensor parallel: sum partial gradients over tp first
-        out, work, g = u.reduce()
-        if work is not None and not self.async_reduce:
-            work.wait()
-        self.pending.append((u, work, out, g if self.async_reduce else None))  # NCCL: g in use until done
-        u.unreduced = False
-
-    def finish_reduction(self):
-        for u, work, out, _ in self.pending:
-            if work is not None:
-                work.wait()
-            if u.across is not None:
-                u.across(out)  # HSDP: the shard, summed over my shard group, now across replicas
-            out.div_(u.divide_by)  # gloo has no ReduceOp.AVG: sum, then divide
-            u.master.grad = out if u.master.grad is None else u.master.grad.add_(out)
-        self.pending.clear()
-        late = [n for u in self.units for n, p in zip(u.names, u.params) if self.stage >= 2 and p.grad is not None]
-        if late:  # stages 2-3 pack every gradient when they reduce: this one came after its unit's reduction
-            raise RuntimeError(f"the gradient of {late[0]} arrived after its unit was reduced: if it is used outside "
-                               f"its unit's forward, pass units= so that one unit encloses all its uses; if its "
-                               f"backward was deferred (zero bubble's W), run it inside opt.accumulating()")
-
-    @torch.no_grad()
-    def reduce_gradients(self):
-        """Reduce what is not reduced yet (stages 0-1: everything), then agree, with one all-reduce of an
-        int32 per parameter and group, which parameters got a gradient on any rank: the others get none."""
-        if self.reduced:
-            return
-        for u in [u for u in self.units if self.stage <= 1 or u.unreduced]:
-            self.reduce_unit(u)
-        self.finish_reduction()
-        groups = {}
-        for u in self.units:  # one order on every rank
-            groups.setdefault((u.group, u.across), []).append(u)
-        for (group, across), us in groups.items():
-            used = torch.cat([u.used for u in us])
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(used, group=group)
-            if across is not None:
-                across(used)
-            for u, part in zip(us, used.split([len(u.params) for u in us])):
-                u.used.copy_(part)
-        for u in self.units:
-            used, g = u.used.tolist(), u.master.grad
-            for i, a, b, q in u.pieces:
-                q.grad = g[a:b] if used[i] and g is not None else None
-        self.reduced = True
-
-    @torch.no_grad()
-    def step(self):
-        self.reduce_gradients()
-        if self.max_grad_norm is not None:
-            self.clip_grad_norm_(self.max_grad_norm)
-        self.inner.step()
-        for u in self.units:
-            if self.stage <= 1:  # the reduced gradient lived for this step only
-                for *_, q in u.pieces:
-                    q.grad = None
-                u.master.grad = None
-            u.publish()  # my new compute slice; stages 1-2 gather the others', stage 3 drops a gathered copy
-        self.reduced = False
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, group=None, weight_of=None) -> torch.Tensor:
-        """Scale the gradients so their global L2 norm is at most max_norm (torch's formula). Each rank sums
-        its pieces' squares, weighted by weight_of(name) (e.g. 1/ranks holding a copy), and all-reduces the
-        sum over `group` — by default each unit's own group, whose ranks hold its gradient once (stage 0: no
-        all-reduce, every rank holds it all)."""
-        self.reduce_gradients()
-        sums = {}
-        for u in self.units:
-            s = sums.setdefault(group if group is not None else u.group if self.stage > 0 else None,
-                                torch.zeros((), dtype=torch.float64, device=u.master.device))
-            for i, _, _, q in [p for p in u.pieces if p[3].grad is not None]:
-                s += q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))
-        for g, s in sums.items():
-            if g is not None:
-                dist.all_reduce(s, group=g)
-        self.grad_norm = sum(sums.values()).sqrt()
-        for u in [u for u in self.units if u.master.grad is not None]:
-            u.master.grad.mul_((max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0).to(u.master.grad.dtype))
-        return self.grad_norm
-
-
-# ---- the entry point ---------------------------------------------------------------------------------
-
-def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *, group=None, replicate_group=None,
-                units=None, param_dtype=None, reshard_after_forward=True, prefetch=True, max_grad_norm=None,
-                init_fn=None, groups_of=None, reduce_shard=None, divide_by=None, before_reduce=None,
+def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *, group=None, units=None,
+                param_dtype=None, reshard_after_forward=True, prefetch=True, max_grad_norm=None, init_fn=None,
+                groups_of=None, divide_by=None, after_reduce=None, before_reduce=None,
                 **optimizer_kwargs) -> ZeroOptimizer:
     """Shard `model` in place by ZeRO stage 0-3 and return the optimizer that owns the shards.
 
@@ -265,10 +401,9 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                    is the root unit. A parameter goes to the innermost unit containing every module that
                    holds it (a tied weight: the unit enclosing both uses); frozen ones stay whole.
     group          the ranks parameters are sharded over (stage 0: averaged over); default the world
-    divide_by      what summed gradients are divided by (default: the number of ranks they came from)
-    reduce_shard   reduce_shard(t) runs on each reduced gradient shard (and the used-flags) before the
-                   division: HSDP all-reduces across replicas (hsdp.py). replicate_group=R is short for
-                   reduce_shard=hsdp.across_replicas(R), divide_by=|group|·|R|.
+    divide_by      what summed gradients are divided by (default: the number of ranks in `group`)
+    after_reduce   after_reduce(t) runs on each reduced gradient shard and on the used-flags, before the
+                   division: hybrid sharding all-reduces them across replicas there (hsdp.py)
     groups_of      groups_of(name, param) -> None | (group, divide_by): parameters replicated over other
                    ranks (expert weights) get flat buffers of their own, sharded over that group
     before_reduce  before_reduce(params) runs right before a unit's gradients are packed (stages 0-1 at
@@ -276,20 +411,16 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
     param_dtype    compute dtype (bf16): master, optimizer state and gradient reduction stay fp32
     init_fn        init_fn(name, shape): values for a meta-device model (only my slice is made)
     """
-    from model import Block
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if stage == 0 and (replicate_group is not None or reduce_shard is not None):
-        raise ValueError("stage 0 already replicates everything: pass replicate_group only with stage 1, 2 or 3")
+    if stage == 0 and after_reduce is not None:
+        raise ValueError("stage 0 all-reduces every gradient over its group already: after_reduce (hybrid "
+                         "sharding's all-reduce across a replicate_group) goes with stage 1, 2 or 3")
     if param_dtype is not None and not param_dtype.is_floating_point:
         raise ValueError(f"param_dtype must be a floating dtype such as torch.bfloat16, got {param_dtype}")
     if init_fn is None and any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on the meta device: pass init_fn(name, shape) to materialise the shards")
     group = resolve_group(group)
-    if replicate_group is not None:
-        from hsdp import across_replicas  # lesson 3: the one all-reduce that makes sharding hybrid
-        reduce_shard = across_replicas(replicate_group)
-        divide_by = divide_by or dist.get_world_size(group) * dist.get_world_size(replicate_group)
     divide_by = divide_by or dist.get_world_size(group)
     units = (Block,) if units is None else units
     if isinstance(units, tuple) and all(isinstance(c, type) for c in units):
@@ -298,106 +429,99 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
         raise ValueError("units must be module classes or a list of submodules of the model")
     units = list(dict.fromkeys(units))  # each module once
 
-    held = {}  # every trainable parameter once: its names and every (module, attribute) holding it
+    trainable = {}  # every trainable parameter once: its names and every (module, attribute) holding it
     for mname, m in model.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
             if p is not None and p.requires_grad:
-                names, holders, _ = held.setdefault(id(p), ([], [], p))
+                names, holders, _ = trainable.setdefault(id(p), ([], [], p))
                 names.append(f"{mname}.{attr}" if mname else attr)
                 holders.append((m, attr))
     inside = [{id(m) for m in um.modules()} for um in units]
-    plan = {id(um): {} for um in [*units, model]}  # unit -> {(group, divide_by, across): entries}
-    for names, holders, p in held.values():
-        fits = [(len(s), k) for k, s in enumerate(inside) if {id(m) for m, _ in holders} <= s]
+    buffers_of = {id(um): {} for um in [*units, model]}  # unit -> {(group, divide_by, after_reduce): entries}
+    for names, holders, p in trainable.values():
+        enclosing = [(len(s), k) for k, s in enumerate(inside) if {id(m) for m, _ in holders} <= s]
         g = groups_of(names[0], p) if groups_of is not None else None
         if g is not None and not (isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], dist.ProcessGroup)
                                   and g[1] > 0 and dist.get_rank(g[0]) >= 0):
             raise ValueError(f"groups_of({names[0]!r}) must return None or (a process group holding this rank, "
                              f"divide_by > 0), got {g!r}")
-        key = (group, divide_by, reduce_shard) if g is None else (*g, None)
-        plan[id(units[min(fits)[1]] if fits else model)].setdefault(key, []).append((tuple(names), holders, p))
+        key = (group, divide_by, after_reduce) if g is None else (*g, None)
+        unit = units[min(enclosing)[1]] if enclosing else model
+        buffers_of[id(unit)].setdefault(key, []).append((tuple(names), holders, p))
     for mname, m in model.named_modules():  # frozen parameters stay whole on every rank
         for attr, p in m._parameters.items():
             if p is not None and not p.requires_grad and (p.is_meta or param_dtype is not None):
                 full = init_fn(f"{mname}.{attr}" if mname else attr, p.shape) if p.is_meta else p.detach()
                 m._parameters[attr] = nn.Parameter(full.to(collective_device(group), param_dtype or full.dtype), False)
 
-    made = [(um, [FlatUnit(e, stage, g, d, a, param_dtype, init_fn) for (g, d, a), e in plan[id(um)].items()])
-            for um in [*units, model] if plan[id(um)]]
-    opt = ZeroOptimizer(model, [u for _, us in made for u in us], optimizer_cls, stage, max_grad_norm, before_reduce,
-                        **optimizer_kwargs)
+    flat_units = [(um, [FlatUnit(entries, stage, g, d, a, param_dtype, init_fn)
+                        for (g, d, a), entries in buffers_of[id(um)].items()])
+                  for um in [*units, model] if buffers_of[id(um)]]
+    opt = ZeroOptimizer(model, [u for _, us in flat_units for u in us], optimizer_cls, stage, max_grad_norm,
+                        before_reduce, **optimizer_kwargs)
     if stage >= 2:
-        _add_hooks(opt, made, model, reshard_after_forward, prefetch)
+        _add_hooks(opt, flat_units, model, reshard_after_forward, prefetch)
     return opt
 
 
-# ---- the demo: torchrun --nproc_per_node 4 fsdp.py --stage 3 --compare ----------------------------
+# ---- 6. state dicts: full (the plain model's) and sharded (this rank's, for the same layout) ----------
+#
+#   full     {name: whole tensor}, the same on every rank, as the plain model's state_dict() has it (a tied
+#            weight under each of its names; frozen parameters and buffers too), so it loads with
+#            load_state_dict(strict=True) into an unsharded model. Making it all-gathers every unit's
+#            master slices: API bytes b_m·Ψ (b_m = 4 for fp32 masters); a ring sends (P-1)/P of it.
+#   sharded  this rank's master slices [n] and its optimizer's state: no collective at all, and it
+#            reloads only into the same layout (same P, same units) — what a resumed run needs.
+# Either load writes the master slices and then refreshes every compute copy (FlatUnit.publish):
+# stages 1-2 all-gather the new parameters, stage 3 drops any gathered copy, which would be stale.
 
-def _demo(argv=None, reference=None) -> int:
-    import argparse
-    import os
-
-    from data import get_batch, load_corpus
-    from demo import bytes_table, finish, max_diff, print_by_rank
-    from instruments import time_side_by_side
-    from mesh import init_distributed, print0
-    from model import build_model
-    from zero_measure import one_process_check, train_and_measure
-    dtypes = {"fp32": None, "bf16": torch.bfloat16}  # None: compute in the parameters' own fp32
-    ap = argparse.ArgumentParser(description="ZeRO stage 0-3 on the shared model, measured against the formulas")
-    ap.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8, help="global batch (a multiple of the number of ranks)")
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--param-dtype", default="fp32", choices=sorted(dtypes))
-    ap.add_argument("--no-reshard", action="store_true", help="keep units gathered from forward to backward")
-    ap.add_argument("--no-prefetch", action="store_true")
-    ap.add_argument("--peak", action="store_true", help="measure the last step's peak with MemTracker (slow)")
-    ap.add_argument("--compare", action="store_true", help="also time PyTorch's FSDP2 fully_shard, side by side")
-    args = ap.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.batch % world or args.steps < 1:  # arithmetic only: every rank says it, before any collective
-        raise ValueError(f"--batch {args.batch} must be a multiple of the {world} ranks and --steps at least 1: "
-                         f"try --batch {world * max(1, args.batch // world)} --steps {max(1, args.steps)}")
-    device = init_distributed()
-    pd, mib = dtypes[args.param_dtype], 1 / 2**20
-    kw = dict(param_dtype=pd, reshard_after_forward=not args.no_reshard, prefetch=not args.no_prefetch)
-    res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr, track_peak=args.peak,
-                            **kw)
-    print0(f"ZeRO stage {args.stage}, {world} ranks, model {args.model} (Ψ = {res['numel']:,} elements padded), "
-           f"compute {args.param_dtype}; losses {[round(x, 4) for x in res['losses']]}")
-    lines = [f"rank {dist.get_rank()}: model state at rest, MiB (measured | formula)"]
-    lines += [f"    {k:10s} {res['memory'][k] * mib:9.4f} | {v * mib:9.4f}" for k, v in res["memory_formula"].items()]
-    lines[-1] += f"   ({res['memory']['total'] / res['numel']:.2f} bytes per parameter)"
-    lines += ["  bytes per step, last step (API measured | formula; ring bytes this rank sent | formula)"]
-    lines += bytes_table(res["comm"], res["comm_formula"], world)
-    if res["peak"]:
-        lines.append(f"  MemTracker peak {res['peak'] * mib:.3f} MiB (model state + activations + temporaries)")
-    print_by_rank("\n".join(lines))
-    ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
-    if args.compare and reference is not None:  # PyTorch's FSDP2 beside a fresh copy of ours, in alternating rounds
-        ours, theirs = (build_model(args.model, seed=0, device=device) for _ in range(2))
-        reference(theirs, param_dtype=pd, reshard_after_forward=not args.no_reshard)
-        runs = {"ours": (ours, shard_model(ours, args.stage, lr=args.lr, **kw)),
-                "FSDP2": (theirs, torch.optim.AdamW(theirs.parameters(), lr=args.lr))}
-        x, y = get_batch(load_corpus(), 0, args.batch, args.seq, 0, dist.get_rank(), world, device=device)
-
-        def step(model, opt):
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-        t = time_side_by_side({k: lambda r=r: step(*r) for k, r in runs.items()}, rounds=args.steps, per_round=1,
-                              device=device)
-        same = max_diff({n: p.full_tensor() for n, p in theirs.named_parameters()}, runs["ours"][1].full_state_dict())
-        print0(f"PyTorch FSDP2 fully_shard: max |diff| to ours = {same:.2e}; step time ours {t['ours'] * 1e3:.1f} ms "
-               f"vs FSDP2 {t['FSDP2'] * 1e3:.1f} ms -> our throughput = {t['FSDP2'] / t['ours']:.2f}x FSDP2's")
-        del runs, ours, theirs  # FSDP2's state goes while the process group still exists
-    return finish(ok)
+def _unsharded(opt) -> dict:
+    """The module's frozen parameters and buffers: every rank keeps them whole."""
+    sharded = {n for u in opt.units for names in u.aliases for n in names}
+    return {k: v for k, v in opt.module.state_dict().items() if k not in sharded}
 
 
-if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
-    from demo import main
-    from references import fsdp2
-    main(lambda argv: _demo(argv, reference=fsdp2))
+@torch.no_grad()
+def full_state_dict(opt) -> dict:
+    """{name: whole tensor} on every rank: each parameter gathered from the master slices, under every
+    name the plain model's state_dict() has for it, and the frozen parameters and buffers."""
+    out = {k: v.detach().clone() for k, v in _unsharded(opt).items()}
+    for u in opt.units:
+        full = u.master.detach()  # stage 0: the whole buffer (its views are cloned below)
+        if opt.stage > 0:
+            full = full.new_empty(u.flat_numel)
+            all_gather_single(full, u.master.detach(), group=u.group)
+        out.update((n, v.clone()) for names, v in zip(u.aliases, u.views(full)) for n in names)
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(opt, sd: dict) -> None:
+    """Load a full state dict (the same on every rank): each rank takes its slices and refreshes its
+    compute copies (any gathered copy is dropped); frozen parameters and buffers are copied whole."""
+    for u in opt.units:
+        full = torch.cat([sd[name].reshape(-1).to(u.master) for name in u.names]
+                         + [u.master.new_zeros(u.flat_numel - sum(u.numels))])
+        u.master.copy_(full[u.rank * u.shard_numel:(u.rank + 1) * u.shard_numel])
+        u.publish()
+    for k, v in _unsharded(opt).items():
+        v.copy_(sd[k])
+
+
+def shard_state_dict(opt) -> dict:
+    """This rank's training state, for a checkpoint the same layout reloads: its master slices and the
+    inner optimizer's state (frozen parameters and buffers never change: they are not in it)."""
+    return copy.deepcopy(dict(masters=[u.master.detach() for u in opt.units], optimizer=opt.inner.state_dict()))
+
+
+@torch.no_grad()
+def load_shard_state_dict(opt, sd: dict) -> None:
+    for u, m in zip(opt.units, sd["masters"], strict=True):
+        u.master.copy_(m)
+        u.publish()  # compute copies refreshed; stage 3 drops any gathered (now stale) buffer
+    opt.inner.load_state_dict(sd["optimizer"])
+
+
+if __name__ == "__main__":  # the demo (stages 0-3 against the formulas, one process and FSDP2) is in the package
+    from lab.fsdp_demo import main
+    main()

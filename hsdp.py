@@ -9,8 +9,10 @@ FSDP", arXiv:2304.11277 §3.2, hybrid sharding)
 and runs fsdp.py's stage 3 *inside* each shard group. The R shard groups hold the same shards
 (replicas): once a unit's gradient is reduce-scattered inside its shard group, only that reduced
 slice, 1/S of the gradient, is all-reduced across the replicas, and the sum is divided by all S·R
-data-parallel ranks. Nothing is ever all-gathered across replicas. The lines that make sharding
-hybrid are `across_replicas` below: fsdp.shard_model applies it to every reduced shard.
+data-parallel ranks. Nothing is ever all-gathered across replicas. fsdp.py offers one seam for it,
+shard_model's `after_reduce`: a function run on every reduced gradient shard (and on the flags that say
+which parameters got a gradient) after the reduce-scatter and before the division. This file is what
+goes through that seam — `across_replicas` — and the one call that shards a model this way.
 
 Per step, API bytes (what is handed to the collective; Ψ elements, b_p parameter bytes, fp32
 gradients) and in brackets what one rank sends on a ring:
@@ -24,117 +26,39 @@ the big collectives on the fast links (ZeRO's formulas, Rajbhandari et al. 2020 
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
-from fsdp import shard_model
+from fsdp import ZeroOptimizer, shard_model
 from mesh import Mesh
-from zero_measure import one_process_check, train_and_measure
 
 
 def across_replicas(replicate_group):
-    """HSDP's one addition to ZeRO: a gradient shard [n], already summed over my shard group, is summed
-    across the replicas that hold the same shard (they differ only in the data they saw)."""
-    def all_reduce_shard(shard):
-        dist.all_reduce(shard, group=replicate_group)
-    return all_reduce_shard
+    """HSDP's one addition to ZeRO, for fsdp.shard_model's after_reduce: a gradient shard [n], already
+    summed over my shard group by the reduce-scatter, is summed across the replicas that hold the same
+    shard (they differ only in the data they saw). The used-flags [k] take the same road, so a parameter
+    that only another replica's data reached still gets its gradient here."""
+    def all_reduce_across(t):
+        dist.all_reduce(t, group=replicate_group)
+    return all_reduce_across
 
 
-def shard_hybrid(model, mesh: Mesh, **kwargs):
-    """Stage 3 over mesh's dp_shard group, replicas over dp_replicate: returns fsdp's ZeroOptimizer."""
-    S, R = mesh.size("dp_shard"), mesh.size("dp_replicate")
-    return shard_model(model, 3, group=mesh.group("dp_shard"), divide_by=S * R,
-                       reduce_shard=across_replicas(mesh.group("dp_replicate")) if R > 1 else None, **kwargs)
+def shard_hybrid(model, mesh: Mesh | None = None, *, stage: int = 3, shard_group=None, replicate_group=None,
+                 **kwargs) -> ZeroOptimizer:
+    """Shard `model` by ZeRO `stage` (HSDP: 3; 1 and 2 work alike) inside each shard group, replicas across
+    the replicate group; returns fsdp's ZeroOptimizer. The groups are mesh's dp_shard and dp_replicate, or
+    given (train.py shards over dp_shard × cp). The gradient sum is divided by all S·R ranks (divide_by
+    overrides it); other keywords go to fsdp.shard_model."""
+    if stage == 0:  # arithmetic: every rank raises alike, before any collective
+        raise ValueError("stage 0 already replicates everything: hybrid sharding (a replicate_group across "
+                         "shard groups) goes with stage 1, 2 or 3")
+    shard_group = shard_group if shard_group is not None else mesh.group("dp_shard")
+    replicate_group = replicate_group if replicate_group is not None else mesh.group("dp_replicate")
+    S, R = dist.get_world_size(shard_group), dist.get_world_size(replicate_group)
+    kwargs.setdefault("divide_by", S * R)
+    return shard_model(model, stage, group=shard_group,
+                       after_reduce=across_replicas(replicate_group) if R > 1 else None, **kwargs)
 
 
-# ---- a measured run (the demo and the tests call it) ---------------------------------------------
-
-def hsdp_train(replicate: int, shard: int, **kwargs) -> dict:
-    """A rank function: HSDP on a replicate x shard mesh; zero_measure.train_and_measure's result plus the
-    bytes measured on each mesh dimension and the formulas for them."""
-    mesh = Mesh(dp_replicate=replicate, dp_shard=shard)
-    res = train_and_measure(3, group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"), **kwargs)
-    shard_ranks, rep_ranks = tuple(mesh.ranks("dp_shard")), tuple(mesh.ranks("dp_replicate"))
-    by_dim = {"dp_shard": {}, "dp_replicate": {}, "other": {}}
-    for op, ranks, n in res["events"]:
-        dim = "dp_shard" if ranks == shard_ranks else "dp_replicate" if ranks == rep_ranks else "other"
-        by_dim[dim][op] = by_dim[dim].get(op, 0) + n
-    # train_and_measure's formula counts both dimensions' all-reduces together: the used-flags go over
-    # dp_shard, the gradient shards (and the flags again) across dp_replicate
-    f, flags = dict(res["comm_formula"]), 4 * res["n_params"] if shard > 1 else 0
-    rep = {"all_reduce": f.pop("all_reduce", 0) - flags} if replicate > 1 else {}
-    if flags:
-        f["all_reduce"] = flags
-    res.update(bytes_by_dim=by_dim, shard_ranks=shard_ranks, replicate_ranks=rep_ranks,
-               bytes_formula={"dp_shard": f, "dp_replicate": rep})
-    return res
-
-
-# ---- the demo: torchrun --nproc_per_node 4 hsdp.py [--replicate R] [--compare] -----------------------
-
-def _demo(argv=None, reference=None) -> int:
-    import argparse
-    import os
-
-    from data import get_batch, load_corpus
-    from demo import all_agree, finish, max_diff, print_by_rank
-    from instruments import wire_bytes
-    from mesh import init_distributed, print0
-    from model import build_model
-    ap = argparse.ArgumentParser(description="HSDP: ZeRO-3 within dp_shard, all-reduce across dp_replicate")
-    ap.add_argument("--replicate", type=int, default=None, help="replica groups (default 2, or 1 on an odd world)")
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--bf16", action="store_true", help="bf16 compute copies, fp32 master and reduction")
-    ap.add_argument("--compare", action="store_true", help="also train PyTorch's FSDP2 HSDP (a 2-D mesh)")
-    args = ap.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    R = args.replicate or (2 if world % 2 == 0 else 1)
-    if R < 1 or world % R or args.batch % world:  # arithmetic only: every rank says it, before any collective
-        raise ValueError(f"--replicate {R} must divide the {world} ranks, and --batch {args.batch} be a multiple "
-                         f"of them: try --replicate {2 if world % 2 == 0 else 1} --batch {world * 2}")
-    S, pd = world // R, torch.bfloat16 if args.bf16 else None
-    device = init_distributed()
-    res = hsdp_train(R, S, model_name=args.model, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
-                     param_dtype=pd)
-    print0(f"HSDP {R} replicas x {S} shards, model {args.model} (Ψ = {res['numel']:,} padded); "
-           f"losses {[round(x, 4) for x in res['losses']]}")
-    lines = [f"rank {dist.get_rank()}: shard group {list(res['shard_ranks'])}, "
-             f"replicate group {list(res['replicate_ranks'])}"]
-    for dim, size in (("dp_shard", S), ("dp_replicate", R)):
-        for op in sorted(set(res["bytes_by_dim"][dim]) | set(res["bytes_formula"][dim])):
-            got, want = res["bytes_by_dim"][dim].get(op, 0), res["bytes_formula"][dim].get(op, 0)
-            lines.append(f"    {dim:12s} {op:14s} API bytes {got:>9,} | formula {want:>9,}   "
-                         f"ring wire {wire_bytes(op, got, size):>10,.0f} | {wire_bytes(op, want, size):>10,.0f}")
-    if res["bytes_by_dim"]["other"]:
-        lines.append(f"    UNEXPECTED collectives on other groups: {res['bytes_by_dim']['other']}")
-    mem, form = res["memory"], res["memory_formula"]
-    lines.append("    model state bytes (measured | formula (b_p+b_g+K)Ψ/S): " + ", ".join(
-        f"{k} {mem[k]:,} | {form[k]:,.0f}" for k in ("parameters", "master", "gradients", "optimizer", "total"))
-        + " (optimizer: + AdamW's step counter per parameter piece)")
-    print_by_rank("\n".join(lines))
-
-    ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
-    ok &= all_agree(not res["bytes_by_dim"]["other"])
-    if args.compare and reference is not None and S * R > 1:  # FSDP2's HSDP: fully_shard on a 2-D device mesh
-        tokens = load_corpus()
-        theirs = build_model(args.model, seed=0, device=device)
-        reference(theirs, R, S, param_dtype=pd)
-        opt = torch.optim.AdamW(theirs.parameters(), lr=args.lr)
-        for s in range(args.steps):
-            theirs(*get_batch(tokens, s, args.batch, args.seq, 0, dist.get_rank(), world, device=device)).backward()
-            opt.step()
-            opt.zero_grad()
-        same = max_diff({n: p.full_tensor() for n, p in theirs.named_parameters()}, res["state"])
-        print0(f"PyTorch FSDP2 HSDP (fully_shard on a {R} x {S} mesh): max |diff| to ours = {same:.2e}")
-        del theirs, opt  # FSDP2's state goes while the process group still exists
-    return finish(ok)
-
-
-if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
-    from demo import main
-    from references import hsdp2
-    main(lambda argv: _demo(argv, reference=hsdp2))
+if __name__ == "__main__":  # the demo (bytes on each mesh dimension, one process, FSDP2's HSDP) is in the package
+    from lab.hsdp_demo import main
+    main()

@@ -27,7 +27,10 @@ a send's bytes are what goes on the wire; an all-to-all's API bytes, of which (c
     Ulysses, each way  B·c·(H + 2·H_kv)·D·b  +  B·c·H·D·b      (q, k, v there; the output back)
 Memory per rank: q, k, v, output O(S/cp) instead of O(S); the ring's scores one block at a time,
 [B, H, S/cp, S/cp] (zigzag: [B, H, S/2cp, S/2cp]) instead of [B, H, S, S].
-These formulas as functions and the measured forward + backward (the demo, tests, notebook): cp_measure.py.
+To train, each rank runs the model on its shard with the shard's absolute positions (shard_sequence,
+shard_positions) and this attention in every block's `attn.sdpa`; the parameter gradients are then
+averaged over the cp ranks like data parallel's (ddp.average_gradients): each rank's loss is the mean
+over its S/cp tokens, so the average of the ranks' gradients is the gradient of the global mean.
 """
 from __future__ import annotations
 
@@ -35,8 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-from mesh import all_reduce_flat
 
 LAYOUTS, METHODS = ("contiguous", "zigzag"), ("ring", "ulysses")
 
@@ -134,17 +135,18 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, causal):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        wd, scale, n = torch.promote_types(q.dtype, torch.float32), q.shape[-1] ** -0.5, len(chunk_ids(layout, cp, 0))
-        qs, outs, lses = q.to(wd).chunk(n, dim=2), [None] * n, [None] * n     # n x [B, H, c/n, D]
+        work_dtype, scale = torch.promote_types(q.dtype, torch.float32), q.shape[-1] ** -0.5  # fp32 at least
+        n = len(chunk_ids(layout, cp, 0))
+        qs, outs, lses = q.to(work_dtype).chunk(n, dim=2), [None] * n, [None] * n     # n x [B, H, c/n, D]
         kb, vb = k, v                                      # the block in hand travels in its own dtype
         for t, src, pairs in ring_schedule(cp, rank, layout, causal):
             nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next block moves while we compute
-            ks, vs = kb.to(wd).chunk(n, dim=2), vb.to(wd).chunk(n, dim=2)
+            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)
             for i, j, diagonal in pairs:
                 outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, diagonal))
             if nxt is not None:
                 kb, vb = nxt.wait()
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)     # [B, H, c, D] in wd, [B, H, c]
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)     # [B, H, c, D] in work_dtype, [B, H, c]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout, ctx.causal = group, layout, causal
         return out.to(q.dtype)
@@ -153,16 +155,17 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp, rank, group = dist.get_world_size(ctx.group), dist.get_rank(ctx.group), ctx.group
-        wd, scale, n = out.dtype, q.shape[-1] ** -0.5, len(chunk_ids(ctx.layout, cp, 0))
-        do = dout.to(wd)
+        work_dtype, scale, n = out.dtype, q.shape[-1] ** -0.5, len(chunk_ids(ctx.layout, cp, 0))
+        do = dout.to(work_dtype)
         delta = (do * out).sum(-1)                                      # rowsum(dO ∘ O) [B, H, c]
-        qs, dos, lses, deltas = (x.chunk(n, dim=2) for x in (q.to(wd), do, lse, delta))
-        dq = torch.zeros_like(q, dtype=wd)
+        qs, dos, lses, deltas = (x.chunk(n, dim=2) for x in (q.to(work_dtype), do, lse, delta))
+        dq = torch.zeros_like(q, dtype=work_dtype)
         dqs, kb, vb, acc = dq.chunk(n, dim=2), k, v, None               # dqs: views, += writes into dq
         for t, src, pairs in ring_schedule(cp, rank, ctx.layout, ctx.causal):
             nxt = RingPass([kb, vb], group) if t < cp - 1 else None
-            ks, vs = kb.to(wd).chunk(n, dim=2), vb.to(wd).chunk(n, dim=2)
-            dk, dv = torch.zeros_like(kb, dtype=wd), torch.zeros_like(vb, dtype=wd)  # my share of block src's
+            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)
+            # my share of block src's gradients
+            dk, dv = torch.zeros_like(kb, dtype=work_dtype), torch.zeros_like(vb, dtype=work_dtype)
             for i, j, diagonal in pairs:
                 g_q, g_k, g_v = block_backward(qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i], scale, diagonal)
                 dqs[i].add_(g_q)
@@ -254,8 +257,8 @@ def check_layout(seq_len: int, cp: int, layout: str) -> None:
         raise ValueError(f"layout {layout!r} unknown: choose one of {LAYOUTS}")
     n = cp if layout == "contiguous" else 2 * cp
     if seq_len % n:
-        raise ValueError(f"sequence length {seq_len} is not divisible by {n} ({layout} layout, cp={cp} needs "
-                         f"{'cp' if n == cp else '2·cp'} equal chunks): use a multiple of {n}")
+        raise ValueError(f"sequence length {seq_len} is not divisible by {n} (the {layout} layout cuts it into "
+                         f"{'cp' if n == cp else '2*cp'} = {n} equal chunks): use a multiple of {n}")
 
 
 class ContextParallelAttention(nn.Module):
@@ -292,104 +295,6 @@ def shard_positions(seq_len: int, cp: int, rank: int, layout: str) -> torch.Tens
     return shard_sequence(torch.arange(seq_len), cp, rank, layout, dim=0)
 
 
-def train_cp(cfg, batches, group, method="ring", layout="zigzag", lr=1e-3, seed=0, device=None):
-    """Train the shared model, each rank holding S/cp tokens of every sequence. Returns the global
-    losses and the trained model (every rank's parameters stay the same)."""
-    from model import build_model, get_config
-    cfg = get_config(cfg) if isinstance(cfg, str) else cfg
-    cp, rank, S = dist.get_world_size(group), dist.get_rank(group), batches[0][0].shape[1]
-    pos, losses = shard_positions(S, cp, rank, layout).to(device), []    # (checks S, before any collective)
-    model = build_model(cfg, seed=seed, device=device)
-    for blk in model.layers:        # (its forward checks the heads, before any collective)
-        blk.attn.sdpa = ContextParallelAttention(group, method, layout)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for x, y in batches:
-        x, y = (shard_sequence(t, cp, rank, layout).to(device) for t in (x, y))       # [B, S/cp]
-        # The global loss is the mean of the ranks' means (equal token counts): backpropagate loss/cp, sum the
-        # gradients (and loss) over cp: lesson 1's all-reduce. The ring's backward already sent dk, dv home.
-        loss = model(x, y, positions=pos) / cp
-        loss.backward()
-        total = loss.detach().clone()
-        all_reduce_flat([p.grad for p in model.parameters()] + [total], group)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total.item())
-    return losses, model
-
-
-# ---- demo: torchrun --nproc_per_node 4 ring_attention.py ------------------------------------------------
-
-def _demo(argv=None) -> int:
-    """One table: every method per rank against PyTorch's SDPA on all of S on one rank (error, FLOPs, memory,
-    waits, time, bytes against the formula), and the tiny model trained on cp ranks against one process."""
-    import argparse
-    import os
-
-    from cp_measure import attention_case, ring_bytes, ulysses_bytes   # the measurement, apart from the lesson
-    from data import get_batch, load_corpus
-    from demo import all_agree, finish, single_process
-    from mesh import init_distributed, print0
-    from model import build_model
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in [("batch", 1), ("seq", 512), ("heads", 8), ("kv-heads", 4), ("head-dim", 32), ("repeats", 3),
-                          ("model-steps", 3), ("q-scale", 1.0)]:
-        ap.add_argument(f"--{name}", type=type(default), default=default)
-    ap.add_argument("--no-causal", action="store_true")
-    a = ap.parse_args(argv)
-    cp, B, H, Hkv, D = int(os.environ.get("WORLD_SIZE", "1")), a.batch, a.heads, a.kv_heads, a.head_dim
-    check_layout(a.seq, cp, "zigzag")                           # arithmetic, before any collective
-    if H % Hkv or a.repeats < 1:
-        raise ValueError(f"--heads {H} must be a multiple of --kv-heads {Hkv}, --repeats at least 1")
-    device, rank, world = init_distributed(), dist.get_rank(), dist.group.WORLD
-    alone = [dist.new_group([r]) for r in range(cp)][rank]     # a "ring" of one: the same kernel on all of S
-    U = 2 if cp >= 4 and cp % 2 == 0 else 1                    # ring x Ulysses: R = cp/2 rings of U = 2
-    ring, uly = ring_ulysses_groups([list(range(cp))], U) if U > 1 else (None, None)
-    shape = dict(B=B, S=a.seq, H=H, Hkv=Hkv, D=D, causal=not a.no_causal, dtype=torch.float32, device=device,
-                 q_scale=a.q_scale, repeats=a.repeats, memory=True)
-    ref = attention_case(**shape, method="ulysses", layout="contiguous", group=alone)    # SDPA, all of S
-    rows = [("PyTorch SDPA, 1 rank", "ulysses", "contiguous", 1, 1, alone, None),   # name, method, layout,
-            ("ring kernel, 1 rank", "ring", "contiguous", 1, 1, alone, None),       # cp, Ulysses size U,
-            ("ring contiguous", "ring", "contiguous", cp, 1, world, None),          # group, ring group
-            ("ring zigzag", "ring", "zigzag", cp, 1, world, None),
-            ("ulysses contiguous", "ulysses", "contiguous", cp, cp, world, None),
-            (f"ring {cp // U} x ulysses {U} zigzag", "ulysses", "zigzag", cp, U, uly, ring)][:5 + (U > 1)]
-    w = 6 * max(cp, 4) + 1
-    print0(f"cp={cp} ranks, B={B} S={a.seq} heads={H} kv_heads={Hkv} head_dim={D} {'full' if a.no_causal else 'causal'}"
-           f" fp32, q x {a.q_scale:g}, {device}\n{'':26s}{'rel. err':>9s}  {'fwd MFLOP per rank':{w}s}"
-           f"{'peak MiB per rank':{w}s}{'waits ms per rank':{w}s}{'ms':>6s}  bytes/layer fwd+bwd (formula)")
-    ok = True
-    for name, method, layout, n, u, group, ring_group in rows:
-        if H % u:
-            print0(f"  ({name} skipped: {H} heads are not divisible by {u})")
-            continue
-        res = ref if group is alone and method == "ulysses" else attention_case(
-            **shape, method=method, layout=layout, group=group, ring_group=ring_group)
-        err = torch.stack([(res[x] - shard_sequence(ref[x], n, rank % n, layout, dim=2)).abs().max() / ref[x].abs().max()
-                           for x in ("out", "dq", "dk", "dv")]).max()
-        every = [torch.tensor([err, res["flops"][0] / 1e6, res["peak_bytes"] / 2**20, res["wait"] * 1e3,
-                               res["time"]], device=device) for _ in range(cp)]   # [5] per rank: all-gathered
-        dist.all_gather(every, every[rank].clone())
-        err, (flops, peak, wait, ms) = torch.stack(every)[:, 0].max().item(), torch.stack(every)[:, 1:].T.tolist()
-        hkv, c = Hkv if Hkv % u == 0 else H, a.seq // n     # (Ulysses repeats kv heads it cannot split)
-        formula = sum(ring_bytes(B, u * c, hkv // u, D, n // u, 4)) + 2 * ulysses_bytes(B, c, H, Hkv, D, u, 4)
-        ok &= err < 1e-4 and sum(res["bytes"]) == formula
-        cells = [" ".join(f"{x:.{p}f}" for x in xs) if show else "-"     # SDPA's matmuls: not counted on CPU
-                 for xs, p, show in ((flops, 1, method == "ring" or u < n), (peak, 2, True), (wait, 1, u < n))]
-        print0(f"  {name:26s}{err:7.1e}  " + "".join(f"{x:{w}s}" for x in cells)
-               + f"{max(ms) * 1e3:6.1f}  {sum(res['bytes']):,d} ({formula:,d})")
-    batches = [get_batch(load_corpus(), s, 2, 32, device=device) for s in range(a.model_steps)]
-    want = single_process(build_model("tiny", device=device), batches)["losses"]
-    for method, layout in [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag")][:2 + (4 % cp == 0)]:
-        losses, _ = train_cp("tiny", batches, world, method, layout, device=device)
-        diff = max(abs(x - y) for x, y in zip(losses, want))
-        ok &= diff < 1e-5
-        print0(f"  {'train ' + method + ' ' + layout:26s}{diff:7.1e}  (tiny model, {a.model_steps} steps: "
-               "max |loss - one process's|)")
-    ok = all_agree(ok)
-    print0("all checks", "ok" if ok else "FAILED")
-    return finish(ok)
-
-
-if __name__ == "__main__":
-    from demo import main
-    main(_demo)
+if __name__ == "__main__":  # the demo (every method against SDPA, bytes, FLOPs, memory, waits) is in the package
+    from lab.ring_attention_demo import main
+    main()

@@ -33,13 +33,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mesh import all_gather_single, all_reduce_flat, reduce_scatter_single, resolve_group
-from model import IGNORE, Attention, RMSNorm, SwiGLU
+from lab.model import IGNORE, Attention, RMSNorm, SwiGLU
 
 
 # ---- the conjugate operators f and g --------------------------------------------------------------
-
-_size = dist.get_world_size
-
 
 def _all_reduce(x, group):
     x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: not on autograd's tensor
@@ -49,14 +46,14 @@ def _all_reduce(x, group):
 
 def _gather_seq(x, group):                                 # [B, S/t, H] -> [B, S, H]
     xs = x.transpose(0, 1).contiguous()                    # [S/t, B, H]: collectives concatenate dim 0
-    out = xs.new_empty((_size(group) * xs.shape[0],) + xs.shape[1:])
+    out = xs.new_empty((dist.get_world_size(group) * xs.shape[0],) + xs.shape[1:])
     all_gather_single(out, xs, group=group)
     return out.transpose(0, 1).contiguous()  # contiguous: q, k, v then save ONE input, not a copy each
 
 
 def _reduce_scatter_seq(x, group):                         # [B, S, H] partial -> [B, S/t, H] summed
     xs = x.transpose(0, 1).contiguous()                    # [S, B, H]
-    out = xs.new_empty((xs.shape[0] // _size(group),) + xs.shape[1:])
+    out = xs.new_empty((xs.shape[0] // dist.get_world_size(group),) + xs.shape[1:])
     reduce_scatter_single(out, xs, group=group)
     return out.transpose(0, 1)
 
@@ -67,11 +64,11 @@ class _Conjugate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, fwd, bwd):
         ctx.group, ctx.bwd = group, bwd
-        return fwd(x, group) if _size(group) > 1 else x
+        return fwd(x, group) if dist.get_world_size(group) > 1 else x
 
     @staticmethod
     def backward(ctx, grad):
-        return (ctx.bwd(grad, ctx.group) if _size(ctx.group) > 1 else grad), None, None, None
+        return (ctx.bwd(grad, ctx.group) if dist.get_world_size(ctx.group) > 1 else grad), None, None, None
 
 
 def _identity(x, group):
@@ -139,12 +136,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, weight, group, sequence_parallel=False):
         super().__init__()
-        t, r, V = _size(group), dist.get_rank(group), weight.shape[0]
+        t, r, V = dist.get_world_size(group), dist.get_rank(group), weight.shape[0]
         self.start, self.end = r * V // t, (r + 1) * V // t
         self.weight, self.group, self.sp = _shard(weight, 0, self.start, self.end), group, sequence_parallel
 
     def forward(self, tokens):                                           # [B, S], the same on every rank
-        t = _size(self.group)
+        t = dist.get_world_size(self.group)
         if self.sp and tokens.shape[1] % t:  # every rank sees the same tokens: all raise, none hangs
             raise ValueError(f"sequence parallel splits the sequence over tp={t} ranks, but the "
                              f"sequence length is {tokens.shape[1]}: use a multiple of {t}")
@@ -159,7 +156,7 @@ class ParallelAttention(Attention):
 
     def __init__(self, attn: Attention, cfg, group, sp: bool):
         nn.Module.__init__(self)
-        t, r, hd = _size(group), dist.get_rank(group), attn.head_dim
+        t, r, hd = dist.get_world_size(group), dist.get_rank(group), attn.head_dim
         self.head_dim, self.sdpa, self.group, self.sp = hd, attn.sdpa, group, sp
         # my query heads [r·hq, (r+1)·hq); my kv heads [j, j + hkv): split like the queries if t divides
         # n_kv, else kv head j is replicated on the t/n_kv ranks whose query heads read it (slot j)
@@ -172,7 +169,7 @@ class ParallelAttention(Attention):
         self.wo = RowParallelLinear(attn.wo.weight, group, q_rows, sequence_parallel=sp)
 
     def forward(self, x, cos, sin):                            # x [B, S, H] or [B, S/t, H] (SP)
-        S = x.shape[1] * (_size(self.group) if self.sp else 1)
+        S = x.shape[1] * (dist.get_world_size(self.group) if self.sp else 1)
         if cos.shape[0] != S:  # shapes every rank shares: all raise, before the all-gather
             raise ValueError(f"rotary positions cover {cos.shape[0]} tokens but attention sees {S}: under "
                              f"sequence parallel a pipeline stage's input holds S/tp tokens; give the stage "
@@ -186,7 +183,7 @@ class ParallelSwiGLU(SwiGLU):
 
     def __init__(self, mlp: SwiGLU, group, sp: bool):
         nn.Module.__init__(self)
-        f, r = mlp.w1.weight.shape[0] // _size(group), dist.get_rank(group)
+        f, r = mlp.w1.weight.shape[0] // dist.get_world_size(group), dist.get_rank(group)
         self.w1, self.w3 = (ColumnParallelLinear(w.weight, group, (r * f, r * f + f), input_op=None)
                             for w in (mlp.w1, mlp.w3))
         self.w2 = RowParallelLinear(mlp.w2.weight, group, (r * f, r * f + f), sequence_parallel=sp)
@@ -205,7 +202,7 @@ class VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, divide_by):
         z = logits.to(torch.promote_types(logits.dtype, torch.float32))      # [N, V/t]
-        m, t = z.max(dim=-1).values, _size(group)                            # [N]
+        m, t = z.max(dim=-1).values, dist.get_world_size(group)                            # [N]
         if t > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)             # 1: the max over all V
         z = z - m[:, None]                            # a constant per row: the softmax does not change
@@ -253,7 +250,8 @@ def check_divisible(cfg, t: int) -> None:
     for what, n in sizes:
         if n % t:  # (the hidden size n_heads·head_dim divides whenever n_heads does)
             ok = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
-            raise ValueError(f"tp={t} does not divide {what}={n}: choose tp from {ok} or change {what.split()[0]}")
+            raise ValueError(f"tp={t} does not divide the model's {what}={n}: choose tp from {ok} or change "
+                             f"{what.split()[0]}")
     if cfg.n_kv_heads % t and t % cfg.n_kv_heads:
         raise ValueError(f"tp={t} and n_kv_heads={cfg.n_kv_heads}: one must divide the other "
                          f"(split the kv heads, or replicate each on tp/n_kv ranks)")
@@ -265,7 +263,7 @@ def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = F
     (whatever of embedding, layers, norm and head it has). Sets model.tp_group, model.sequence_parallel (a
     pipeline stage then sends [b, S/t, H]) and model.tp_partial_grads = {parameter name: (slot, n_slots)}."""
     group = resolve_group(mesh_or_group, "tp")
-    t, cfg, sp = _size(group), model.cfg, sequence_parallel
+    t, cfg, sp = dist.get_world_size(group), model.cfg, sequence_parallel
     check_divisible(cfg, t)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, group, sp)
@@ -303,7 +301,7 @@ def finish_grads(model, params=None) -> None:
     named = dict(model.named_parameters())
     wanted = None if params is None else {id(p) for p in params}
     names = [n for n in partial if wanted is None or id(named[n]) in wanted]
-    if not names or group is None or _size(group) == 1:
+    if not names or group is None or dist.get_world_size(group) == 1:
         return
     bufs = [named[n].new_zeros((partial[n][1],) + named[n].shape) for n in names]
     for n, buf in zip(names, bufs):
@@ -324,74 +322,6 @@ def train_step(model, opt, x, y):
     return loss.detach()
 
 
-# ---- demo: torchrun --nproc_per_node 2 tensor_parallel.py [--sp] ---------------------------------------
-
-def _demo(argv=None, reference=None) -> int:
-    """Train by hand (and with `reference`, PyTorch's DTensor TP: references.dtensor_tp) against one process in float64;
-    count step 1's collectives against the formulas; time float32 steps side by side (tp_measure.py)."""
-    import argparse
-    import copy
-    import os
-
-    import tp_measure
-    from data import get_batch, load_corpus
-    from demo import all_agree, finish, print_by_rank, single_process
-    from mesh import init_distributed, print0
-    from model import build_model, get_config
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="small", help="tiny | small | ...")
-    for name, default in [("batch", 4), ("seq", 128), ("steps", 3), ("timed", 5), ("rounds", 3)]:
-        ap.add_argument(f"--{name}", type=int, default=default)  # steps: checked; timed x rounds: timed
-    ap.add_argument("--sp", action="store_true", help="sequence parallel")
-    ap.add_argument("--no-compare", action="store_true", help="leave PyTorch's DTensor TP out")
-    args = ap.parse_args(argv)
-    t, cfg, sp, B, S = int(os.environ.get("WORLD_SIZE", "1")), get_config(args.model), args.sp, args.batch, args.seq
-    check_divisible(cfg, t)                                     # arithmetic, before any collective
-    if sp and S % t:
-        raise ValueError(f"--sp splits the sequence over tp={t} ranks: --seq {S} must be a multiple of {t}")
-    device, group = init_distributed(), dist.group.WORLD
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
-    impls = {"by hand": lambda m: apply_tensor_parallel(copy.deepcopy(m), group, sp)}
-    if reference is not None and not args.no_compare and cfg.n_kv_heads % t == 0:
-        impls["DTensor"] = lambda m: reference(copy.deepcopy(m), group, sp)
-    why = f": Colwise would cut {cfg.n_kv_heads} kv heads in {t}" if reference and not args.no_compare else ""
-    print0(f"tensor parallel: tp={t}, model {args.model}, batch {B}x{S}, sequence parallel {'on' if sp else 'off'}, "
-           f"{dist.get_backend()} on {device}; PyTorch's DTensor TP " + ("beside it" if len(impls) > 1 else
-                                                                         "left out" + why))
-    batches = [get_batch(load_corpus(), s, B, S, device=device) for s in range(args.steps)]
-
-    def err(mine, full, p):   # my tensor (a DTensor's: the whole) against my slice of the one-process one
-        mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
-        return (mine.detach() - full_slice(full, p)).abs().max().item()
-
-    # Training in float64 against one process: losses, step 1's gradients, final parameters
-    ref = build_model(cfg, seed=0, dtype=torch.float64, device=device)
-    one, ok, counted = single_process(ref, batches, lr=1e-3, keep_grads=True), True, {}
-    print0(f"{args.steps} AdamW steps in float64; collectives of step 1 (L={cfg.n_layers} layers; one [B,S,H] = "
-           f"{B * S * cfg.dim * 8:,d} bytes):")
-    for name, make in impls.items():
-        m = make(ref)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        loss, counted[name] = tp_measure.counted_step(m, *batches[0])   # forward, backward, finish_grads
-        off = [n for n, p in m.named_parameters() if err(p.grad, one["grads"][0][n], p) > 1e-10]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses = [loss.item()] + [train_step(m, opt, x, y).item() for x, y in batches[1:]]
-        dl = max(abs(a - b) for a, b in zip(losses, one["losses"]))
-        dp = max(err(p, dict(one["model"].named_parameters())[n], p) for n, p in m.named_parameters())
-        print0(f"{name:8s} vs one process: max |diff| loss {dl:.1e}, parameters {dp:.1e}\n"
-               + tp_measure.phase_lines(name, counted[name]))
-        print_by_rank(f"  rank {dist.get_rank()}: gradients of step 1 that differ: {', '.join(off) or 'none'}")
-        ok &= dl < 1e-10 and dp < 1e-10 and not off
-    formulas_ok, text = tp_measure.check_formulas(counted["by hand"], cfg, B, S, t, sp)   # SP: the same ring bytes
-    print0(text)
-    print0(tp_measure.time_float32(impls, ref, batches[0], args.rounds, args.timed, group, device, sp))
-    ok = all_agree(ok and formulas_ok)
-    print0("all checks", "ok" if ok else "FAILED")
-    return finish(ok)
-
-
-if __name__ == "__main__":  # PyTorch's own version only here, handed to the demo as what it compares with
-    from demo import main
-    from references import dtensor_tp
-    main(lambda argv: _demo(argv, reference=dtensor_tp))
+if __name__ == "__main__":  # the demo (float64 against one process and DTensor, bytes, timing) is in the package
+    from lab.tensor_parallel_demo import main
+    main()

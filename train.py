@@ -28,9 +28,10 @@ The order the lessons are applied in (each sees the model the one before left):
                       group; under tp each tp rank takes 1/tp of the (replicated) tokens, so a token
                       goes to the experts once, not tp times
   5. checkpointing    each block's forward recomputed in backward, inside ZeRO-3's gather hooks
-  6. ZeRO / HSDP      fsdp.shard_model, last: it flattens, shards and reduces exactly the parameters
-                      the steps above left on this rank — dense ones over dp_shard×cp (replicas
-                      across dp_replicate), expert ones over edp_cp (every copy of my experts)
+  6. ZeRO / HSDP      fsdp.shard_model (stage 0) or hsdp.shard_hybrid (stages 1-3), last: it flattens,
+                      shards and reduces exactly the parameters the steps above left on this rank —
+                      dense ones over dp_shard×cp (replicas across dp_replicate), expert ones over
+                      edp_cp (every copy of my experts)
 
 Gradients. Dense: Σ over dp·cp ranks, ÷ dp·cp. Experts: the backward all-to-all already summed the
 ep group's contributions on the expert's owner, so Σ over edp_cp, ÷ dp·cp too (÷ |edp_cp| = dp·cp/ep
@@ -57,18 +58,21 @@ slice, Ψ'_E of them expert weights; B' = B/dp rows; m micro-batches; S' = S/cp 
 Model state per rank (ZeRO-3, K bytes of optimizer state per element): (b_p + b_g + K)·(Ψ' − Ψ'_E)/
 (dp_shard·cp) + (b_p + b_g + K)·Ψ'_E/(dp·cp/ep), plus the norm weights every tp rank keeps whole.
 
-    --check    afterwards rank 0 trains the model in ONE process (demo.single_process) and compares
+This file is the composition and its command line: `parse_args` and `check_args` (every invalid
+layout named from the arguments alone, by the lessons' own checks, before any collective), `Trainer`
+(this rank's part of the model, one step, checkpoints) and `train` (the loop). What measures it —
+time, bytes, memory per step, the per-step lines, --check and --compare — attaches from outside
+(lab/train_demo.py, which `python train.py` and `torchrun ... train.py` run):
+    --check    afterwards rank 0 trains the model in ONE process (lab.baseline.single_process) and compares
     --compare  afterwards the same layout under PyTorch's FSDP2 + DTensor TP, losses and step times
 """
 from __future__ import annotations
 
-import contextlib
+import argparse
 import json
 import math
 import os
-import resource
-import statistics
-import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -76,21 +80,185 @@ from torch.utils.checkpoint import checkpoint
 
 import expert_parallel
 import fsdp
+import hsdp
 import pipeline
 import ring_attention
 import tensor_parallel
-from data import IGNORE, get_batch, load_corpus
-from demo import finish, main, single_process
-from instruments import peak_memory_bytes
-from mesh import DIMS, Mesh, init_distributed
-from model import build_model, flops_per_token, init_tensor, num_params
-from train_cli import CP_LAYOUT, check_args, config_of, layout_of, parse_args, store_dtype  # noqa: F401  (tests use them from here)
-from zero_measure import held_bytes  # the model state a rank holds, each step
+from lab.data import IGNORE, get_batch, load_corpus
+from lab.model import CONFIGS, build_model, get_config, init_tensor
+from mesh import DIMS, Mesh, mesh_problems
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, from the vendors' data sheets
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+CP_LAYOUT = "zigzag"  # how context parallel splits a sequence (ring_attention.py): balanced causal work
 
 
-# ---- the command line is train_cli.py: every flag, and every invalid layout named before any collective --
+# ---- the command line ------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Capstone: every strategy composed by mesh sizes, with the same "
+                                            "losses as one process on every layout.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    arg = p.add_argument
+    for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
+        arg(f"--{dim}", type=int, default=1)
+    arg("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+        help="how the data-parallel ranks shard (default: 3 when dp-shard > 1, else 0)")
+    arg("--sequence-parallel", action="store_true",
+        help="with --tp: norms and residuals on S/tp tokens (all-gather/reduce-scatter for all-reduce)")
+    arg("--cp-method", choices=["ring", "ulysses"], default="ring",
+        help="context parallel by passing k/v blocks around a ring, or by all-to-all to head shards")
+    arg("--cp-ulysses", type=int, default=None,
+        help="with --cp-method ulysses: Ulysses over this many of the cp ranks, a ring over the rest "
+             "(default: all cp ranks, no ring)")
+    arg("--schedule", choices=sorted(pipeline.SCHEDULES), default="1f1b")
+    arg("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
+    arg("--microbatches", type=int, default=None,
+        help="micro-batches per step (default: pp; without pp they accumulate gradients)")
+    arg("--model", choices=sorted(CONFIGS), default="tiny")
+    arg("--layers", type=int, default=None, help="override the model's number of layers")
+    arg("--experts", type=int, default=0, help="0: dense MLP")
+    arg("--top-k", type=int, default=2)
+    arg("--global-batch-size", type=int, default=8, help="sequences per optimizer step")
+    for name, default in [("seq-len", 32), ("steps", 10), ("warmup", 2), ("seed", 0)]:
+        arg(f"--{name}", type=int, default=default)
+    arg("--pad-share", type=float, default=0.0,
+        help="pad up to this share of each sequence (its targets count nowhere): uneven tokens per rank")
+    arg("--lr", type=float, default=1e-3)
+    arg("--dtype", choices=sorted(DTYPES), default="float32",
+        help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
+    arg("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    arg("--data", default=None, help="a text file (default: the built-in corpus)")
+    arg("--activation-checkpointing", choices=["none", "full"], default="none")
+    arg("--log-file", default=None, help="append one JSON object per step")
+    arg("--save", default=None, help="directory to write a checkpoint to at the end")
+    arg("--stop-at", type=int, default=None,
+        help="stop after this step (the schedule still runs to --steps): an interrupted run")
+    arg("--resume", default=None, help="directory of a checkpoint to continue from")
+    arg("--check", action="store_true",
+        help="afterwards, train the same model in ONE process on rank 0 and compare the losses")
+    arg("--compare", action="store_true",
+        help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
+    arg("--quiet", action="store_true", help="no per-step lines")
+    args = p.parse_args(argv)
+    if args.zero_stage is None:
+        args.zero_stage = 3 if args.dp_shard > 1 else 0
+    if args.microbatches is None:
+        args.microbatches = args.pp
+    if args.cp_ulysses is None:
+        args.cp_ulysses = args.cp if args.cp_method == "ulysses" else 1
+    return args
+
+
+def store_dtype(args) -> torch.dtype:
+    """The dtype parameters are stored in (bf16 runs compute in bf16 from fp32 master weights)."""
+    return torch.float64 if args.dtype == "float64" else torch.float32
+
+
+def config_of(args):
+    layers = {} if args.layers is None else dict(n_layers=args.layers)
+    return get_config(args.model, n_experts=args.experts, top_k=args.top_k, **layers)
+
+
+def layout_of(args) -> dict:
+    """What a checkpoint must agree on to be resumed."""
+    return {k: getattr(args, k) for k in DIMS + ("ep", "zero_stage", "model", "layers", "experts", "top_k", "dtype",
+                                                  "sequence_parallel", "virtual_stages")}
+
+
+def _divisors(n: int, limit: int = 64) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def check_args(args, world_size: int) -> None:
+    """Every invalid combination, found from the arguments alone — so every rank finds the same problems
+    before any collective. Each lesson's own check judges its dimension; what only the composition can
+    get wrong is checked here. Raises one ValueError listing what is wrong and what is valid."""
+    dims = {d: getattr(args, d) for d in DIMS}
+    counts = dict(dims, ep=args.ep, microbatches=args.microbatches, global_batch_size=args.global_batch_size,
+                  seq_len=args.seq_len, steps=args.steps, virtual_stages=args.virtual_stages,
+                  cp_ulysses=args.cp_ulysses, layers=args.layers or 1)
+    small = [f"--{k.replace('_', '-')} {v}" for k, v in counts.items() if v < 1]
+    if small:
+        raise ValueError("invalid training layout:\n  - " + ", ".join(small) + " must be >= 1")
+    problems = mesh_problems(dims, world_size, args.ep)  # the sizes multiply to the world, ep divides dp
+    try:
+        cfg = config_of(args)
+    except ValueError as e:
+        raise ValueError(f"invalid training layout:\n  - {e}") from None
+    tp, cp, pp, m, u = args.tp, args.cp, args.pp, args.microbatches, args.cp_ulysses
+    dp = args.dp_replicate * args.dp_shard
+
+    def lesson(check, *check_args, hint=""):  # a lesson's own check: its message, plus the flag to change
+        try:
+            check(*check_args)
+        except ValueError as e:
+            problems.append(f"{e}{hint}")
+
+    lesson(tensor_parallel.check_divisible, cfg, tp)
+    if args.global_batch_size % (dp * m):
+        problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel size "
+                        f"{dp} times --microbatches {m}: use a multiple of {dp * m}")
+    if pp > 1 or args.virtual_stages > 1:  # schedule, micro-batches, layers per stage (the batch: just above)
+        lesson(pipeline.validate, pp, m, cfg.n_layers, m, args.schedule, args.virtual_stages)
+    if cp > 1:
+        lesson(ring_attention.check_layout, args.seq_len, cp, CP_LAYOUT, hint=" (--seq-len)")
+    if u > 1 and (args.cp_method != "ulysses" or cp % u):
+        problems.append(f"--cp-ulysses {u} needs --cp-method ulysses and must divide --cp {cp}: "
+                        f"choose from {_divisors(cp)}")
+    elif u > 1:  # Ulysses splits each tp rank's query heads over u cp ranks
+        heads = cfg.n_heads // tp
+        lesson(ring_attention.check_ulysses, heads, u,
+               hint=f" (train.py's Ulysses splits each tp rank's {heads} query heads over {u} ranks: choose "
+                    f"--cp-ulysses from {[d for d in _divisors(cp) if heads % d == 0]}, or --cp-method ring)")
+    if args.seq_len > cfg.max_seq_len:
+        problems.append(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    if args.sequence_parallel and tp > 1 and (args.seq_len // cp) % tp:
+        problems.append(f"--sequence-parallel splits each rank's {args.seq_len // cp} tokens over tp={tp}: "
+                        f"use a --seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
+    if args.ep > 1 and not args.experts:
+        problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
+    if args.experts:
+        lesson(expert_parallel.validate_ep, args.experts, args.top_k, args.ep)
+    if args.zero_stage > 0 and dp * cp == 1:
+        problems.append(f"--zero-stage {args.zero_stage} shards over data-parallel (and cp) ranks, but there "
+                        f"is only one: use --zero-stage 0 or --dp-shard > 1")
+    if not 0.0 <= args.pad_share < 1.0:
+        problems.append(f"--pad-share {args.pad_share} must be in [0, 1)")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        problems.append(f"--stop-at {args.stop_at} must be between 1 and --steps {args.steps}")
+    if args.data is not None and not os.path.isfile(args.data):
+        problems.append(f"--data {args.data!r} does not exist: give an existing text file or leave it out")
+    elif args.data is not None and os.path.getsize(args.data) < args.seq_len + 1:
+        problems.append(f"--data {args.data!r} holds {os.path.getsize(args.data)} bytes (byte tokens), fewer than "
+                        f"--seq-len + 1 = {args.seq_len + 1}: give a text of at least {args.seq_len + 1} bytes "
+                        f"or a shorter --seq-len")
+    if args.resume is not None:
+        problems += _resume_problems(args, world_size)
+    if args.compare and (pp > 1 or cp > 1 or args.experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
+        problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
+                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
+    if problems:
+        raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
+
+
+def _resume_problems(args, world_size) -> list[str]:
+    meta = os.path.join(args.resume, "meta.json")
+    if not os.path.isfile(meta):
+        return [f"--resume {args.resume!r} holds no checkpoint (meta.json missing)"]
+    with open(meta) as f:
+        saved = json.load(f)
+    problems, last = [], args.stop_at or args.steps
+    if saved["step"] >= last:
+        problems.append(f"--resume {args.resume!r} already holds step {saved['step']}, and this run stops at step "
+                        f"{last}: nothing is left to train; raise --steps or resume an earlier checkpoint")
+    if saved["layout"] != layout_of(args):
+        problems.append(f"--resume {args.resume!r} was written with {saved['layout']}; resume with the same "
+                        f"sizes, stage, model and dtype (got {layout_of(args)})")
+    missing = [r for r in range(world_size) if not os.path.isfile(os.path.join(args.resume, f"rank{r}.pt"))]
+    if missing:  # found here, by every rank alike: not by one rank while the others wait
+        problems.append(f"--resume {args.resume!r} lacks the shards of ranks {missing}")
+    return problems
+
 
 def lr_at(step: int, args) -> float:
     """Linear warm-up to --lr over --warmup steps, then cosine decay to 10% at --steps (step from 1)."""
@@ -117,14 +285,14 @@ class Trainer:
 
         # 1. pipeline split: this rank's layers (v chunks), named as in the whole model
         if args.pp > 1:
-            self.pg = pipeline.PipeGroup.from_ranks(mesh.ranks("pp"))
-            self.actions = pipeline.SCHEDULES[args.schedule](args.pp, self.m, args.virtual_stages)[self.pg.r]
-            model = pipeline.Stage(cfg, self.pg.r, args.pp, args.seed, device, store, v=args.virtual_stages)
+            self.pipe = pipeline.PipeGroup.from_ranks(mesh.ranks("pp"))
+            self.actions = pipeline.SCHEDULES[args.schedule](args.pp, self.m, args.virtual_stages)[self.pipe.r]
+            model = pipeline.Stage(cfg, self.pipe.r, args.pp, args.seed, device, store, v=args.virtual_stages)
         else:
-            self.pg = None
+            self.pipe = None
             model = build_model(cfg, seed=args.seed, dtype=store, device="meta" if self.meta else device)
         full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        blocks = list(model.layers.values() if self.pg is not None else model.layers)
+        blocks = list(model.layers.values() if self.pipe is not None else model.layers)
         # 2. tensor parallel: my slice of every weight (the MoE MLPs are left to expert parallel)
         if self.tp > 1:
             tensor_parallel.apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sp)
@@ -138,8 +306,9 @@ class Trainer:
             method = "ulysses" if u > 1 else "ring"
             for block in blocks:
                 block.attn.sdpa = ring_attention.ContextParallelAttention(group, method, CP_LAYOUT, ring_group=ring)
-            self.positions = ring_attention.shard_positions(args.seq_len, self.cp, mesh.rank("cp"), CP_LAYOUT).to(device)
-        if self.pg is not None:  # the runner calls the stage without positions (and under sequence
+            self.positions = ring_attention.shard_positions(args.seq_len, self.cp, mesh.rank("cp"), CP_LAYOUT)
+            self.positions = self.positions.to(device)
+        if self.pipe is not None:  # the runner calls the stage without positions (and under sequence
             # parallel a stage's input holds S/tp tokens: it needs those of all S)
             model.positions = self.positions if self.cp > 1 else torch.arange(args.seq_len, device=device)
         # 4. expert parallel: a MoE dispatches each token once (under tp: each tp rank 1/tp of them)
@@ -159,8 +328,7 @@ class Trainer:
         self.copies = {n: self._copies(model, n, p, expert_names) for n, p in model.named_parameters()}
         # 6. ZeRO / HSDP, last: dense parameters over dp_shard x cp (replicas across dp_replicate),
         #    expert weights over edp_cp (every copy of my experts), all gradients divided by dp·cp
-        z, dpcp = args.zero_stage, self.dp * self.cp
-        named = dict(model.named_parameters())
+        named, dp_cp = dict(model.named_parameters()), self.dp * self.cp
 
         def init_fn(name, shape):  # my tp slice (or my experts) of the parameter's initial value
             full, p = init_tensor(cfg, name, full_shapes[name], args.seed), named[name]
@@ -168,18 +336,23 @@ class Trainer:
             return full.narrow(sl[0], sl[1], sl[2] - sl[1]) if sl else full
 
         def groups_of(name, p):
-            return (mesh.group("edp_cp"), dpcp) if name in expert_names else None
+            return (mesh.group("edp_cp"), dp_cp) if name in expert_names else None
 
         partial_grads = self.tp > 1 and bool(getattr(model, "tp_partial_grads", None))
-        self.opt = fsdp.shard_model(
-            model, z, torch.optim.AdamW, group=mesh.group("dp_shard_cp" if z > 0 else "dp_cp"),
-            replicate_group=mesh.group("dp_replicate") if z > 0 and mesh.size("dp_replicate") > 1 else None,
-            divide_by=dpcp, groups_of=groups_of if expert_names else None,
-            units=None if self.pg is None else _pipeline_units(model),
-            reshard_after_forward=self.pg is None,  # a pipeline keeps units gathered over its micro-batches
-            before_reduce=(lambda params: tensor_parallel.finish_grads(model, params)) if partial_grads else None,
-            param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
-            init_fn=init_fn if self.meta else None, lr=args.lr)
+        def before_reduce(params):  # tp's partial gradients summed, unit by unit, right before ZeRO reduces them
+            tensor_parallel.finish_grads(model, params)
+
+        zero = dict(divide_by=dp_cp, groups_of=groups_of if expert_names else None,
+                    units=None if self.pipe is None else _pipeline_units(model),
+                    reshard_after_forward=self.pipe is None,  # a pipeline keeps units gathered over its micro-batches
+                    before_reduce=before_reduce if partial_grads else None,
+                    param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
+                    init_fn=init_fn if self.meta else None, lr=args.lr)
+        if args.zero_stage == 0:  # every dense gradient all-reduced over dp x cp
+            self.opt = fsdp.shard_model(model, 0, torch.optim.AdamW, group=mesh.group("dp_cp"), **zero)
+        else:                     # sharded over dp_shard x cp, replicas across dp_replicate (HSDP when > 1)
+            self.opt = hsdp.shard_hybrid(model, stage=args.zero_stage, shard_group=mesh.group("dp_shard_cp"),
+                                         replicate_group=mesh.group("dp_replicate"), **zero)
         self.model, self.loss_fn = model, getattr(model, "loss_fn", None)  # a pipeline: its last stage only
         self.grad_norm = None
 
@@ -214,8 +387,10 @@ class Trainer:
 
     def step(self, step: int, tokens) -> torch.Tensor:
         """Forward, backward, reduction, clipping, AdamW. Returns this rank's share of the global loss
-        (summed over the ranks of one tp group's rank 0, it is the global loss)."""
+        (summed over the ranks of one tp group's rank 0, it is the global loss). The gradients are
+        cleared when the next step begins, so between steps they can be read (and measured)."""
         a, model, m = self.args, self.model, self.m
+        self.opt.zero_grad(set_to_none=True)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step + 1, a)
         x, y, counted = self.batch(step, tokens)
@@ -224,10 +399,10 @@ class Trainer:
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         # Several backwards per step (micro-batches, a pipeline): ZeRO reduces once, after the last one
         # (and zero bubble's deferred W); one backward: ZeRO-2/3 reduce unit by unit during it.
-        several = self.pg is not None or m > 1
-        with self.opt.accumulating() if several else contextlib.nullcontext():
-            if self.pg is not None:
-                out = pipeline.pipeline_step(model, self.actions, self.pg, x, y, m)
+        several = self.pipe is not None or m > 1
+        with self.opt.accumulating() if several else nullcontext():
+            if self.pipe is not None:
+                out = pipeline.pipeline_step(model, self.actions, self.pipe, x, y, m)
                 loss += sum(v.double() for v in (out["loss"], out["aux"]) if v is not None)
             else:
                 for xm, ym in zip(x.chunk(m), y.chunk(m)):  # gradient accumulation
@@ -239,8 +414,6 @@ class Trainer:
             self.grad_norm = self.opt.clip_grad_norm_(a.grad_clip, group=dist.group.WORLD,
                                                       weight_of=lambda n: 1.0 / self.copies[n])
         self.opt.step()
-        self.state = held_bytes(self.opt)  # model state held between steps (gradients included)
-        self.opt.zero_grad(set_to_none=True)
         return loss / (self.dp * self.cp)
 
     def global_loss(self, share: torch.Tensor) -> float:
@@ -288,139 +461,31 @@ def _pipeline_units(stage):
 
 # ---- the loop ------------------------------------------------------------------------------------------
 
-def _peak_memory(device) -> int:
-    """CUDA allocator peak on a GPU; the process's peak resident set size on CPU."""
-    return peak_memory_bytes(device) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def _peak_flops(device) -> float | None:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-
-
-def train(args, device=None, verbose: bool = True) -> dict:
-    """Train on every rank of an initialised process group; returns (on every rank) the global losses
-    per step and this rank's measurements."""
-    from instruments import CommCounter, sync
+def train(args, device=None, observer=None) -> dict:
+    """Train on every rank of an initialised process group; returns (on every rank) the global loss of
+    each step and the first step (after --resume). `observer` attaches measurement from outside
+    (lab.train_demo.StepMeter): observer.begin(trainer, start) once, observer.around(trainer, step)
+    entered around each step's computation, observer.after(trainer, step, loss) once its loss is known."""
     device = device or torch.device("cpu")
     check_args(args, dist.get_world_size())                    # every rank, before any collective
     mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
     tokens = load_corpus(args.data)
     trainer = Trainer(args, mesh, device)
     start = trainer.load(args.resume) if args.resume else 0
-    rank0, world, cuda = dist.get_rank() == 0, dist.get_world_size(), device.type == "cuda"
-    fpt, peak = flops_per_token(trainer.cfg, args.seq_len), _peak_flops(device) if args.dtype == "bfloat16" else None
-    if verbose and rank0:
-        print(f"train.py: {mesh}, zero stage {args.zero_stage}, model {args.model} ({num_params(trainer.cfg):,} "
-              f"parameters), {args.dtype}, global batch {args.global_batch_size}x{args.seq_len}, {device}"
-              + (f", resuming after step {start}" if start else ""), flush=True)
-    out = dict(losses=[], tokens_per_s=[], comm_bytes=[], peak_memory_bytes=[], grad_norms=[], start=start)
-    last = args.stop_at or args.steps
-    comm = CommCounter()
+    if observer is not None:
+        observer.begin(trainer, start)
+    losses, last = [], args.stop_at or args.steps
     for s in range(start, last):
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        sync(device)
-        t0 = time.perf_counter()
-        comm.reset()
-        with comm if world > 1 else contextlib.nullcontext():  # one process has nothing to count
+        with observer.around(trainer, s) if observer is not None else nullcontext():
             share = trainer.step(s, tokens)
-        sync(device)
-        tps = args.global_batch_size * args.seq_len / (time.perf_counter() - t0)
-        loss, lr, mem, nbytes = trainer.global_loss(share), lr_at(s + 1, args), _peak_memory(device), comm.bytes()
-        wire = comm.wire_bytes()
-        mfu = fpt * tps / (peak * world) if peak else None
-        norm = None if trainer.grad_norm is None else float(trainer.grad_norm)
-        for k, v in [("losses", loss), ("tokens_per_s", tps), ("comm_bytes", nbytes), ("peak_memory_bytes", mem),
-                     ("grad_norms", norm)]:
-            out[k].append(v)
-        if rank0 and verbose and not args.quiet:
-            print(f"step {s + 1:4d}  loss {loss:.6f}  lr {lr:.2e}  {tps:10.0f} tokens/s"
-                  + (f"  MFU {mfu:5.1%}" if mfu is not None else "")
-                  + f"  peak mem {mem / 2**20:7.1f} MiB  comm {nbytes / 2**20:.3f} MiB (ring {wire / 2**20:.3f}, rank 0)",
-                  flush=True)
-        if rank0 and args.log_file:
-            with open(args.log_file, "a") as f:
-                f.write(json.dumps(dict(step=s + 1, loss=loss, lr=lr, tokens_per_s=tps, peak_memory_bytes=mem,
-                                        comm_bytes=nbytes, mfu=mfu)) + "\n")
-    state = getattr(trainer, "state", None) or held_bytes(trainer.opt)
-    if rank0 and verbose:
-        print("model state on rank 0 after a step: " + ", ".join(f"{k} {v / 2**10:.1f} KiB" for k, v in state.items()),
-              flush=True)
-    out.update(comm_summary=comm.summary(), comm_events=[(e.op, e.group_ranks, e.api_bytes) for e in comm.events],
-               state_bytes=state, coords=dict(mesh.coords), meta_init=trainer.meta,
-               zero_units=[(u.N, u.names[0], dist.get_world_size(u.group), len(u.params)) for u in trainer.opt.units])
+        losses.append(trainer.global_loss(share))
+        if observer is not None:
+            observer.after(trainer, s, losses[-1])
     if args.save:
         trainer.save(args.save, last)
-    if args.check:
-        ok = True
-        if rank0:
-            want = reference_losses(args, range(start, last), device)
-            err = max(abs(a - b) for a, b in zip(out["losses"], want))
-            tol = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}[args.dtype]
-            ok = err < tol
-            print(f"losses vs the single-process run: max |diff| {err:.2e} (tolerance {tol}) -> "
-                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
-        from demo import all_agree
-        out["check_ok"] = all_agree(ok)
-    return out
+    return dict(losses=losses, start=start)
 
 
-# ---- the single-process reference ------------------------------------------------------------------------
-
-def reference_losses(args, steps: range = None, device=None) -> list[float]:
-    """model.py's model in ONE process on the whole global batch (demo.single_process): AdamW, torch's
-    own clip_grad_norm_, the same learning rate (bf16 runs are compared with fp32). With experts and
-    m > 1 micro-batches it accumulates over the same micro-batches a parallel run makes — micro-batch
-    i gathers the i-th rows of every data-parallel rank — since the aux loss is per forward."""
-    steps = steps or range(args.steps)
-    model = build_model(config_of(args), seed=args.seed, device=device,
-                        dtype=store_dtype(args))
-    tokens = load_corpus(args.data)
-    batches = [get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, pad_share=args.pad_share,
-                         device=device or "cpu") for s in range(steps.stop)]
-    dp, m = args.dp_replicate * args.dp_shard, args.microbatches
-
-    def loss_fn(model, batch):
-        x, y = batch
-        if not args.experts or m == 1:
-            return model(x, y)
-        model.loss_fn.divide_by = max(int((y != IGNORE).sum()), 1) / m   # Σ CE over micro-batch / (counted/m)
-        rows = torch.arange(len(x)).view(dp, m, -1).transpose(0, 1).reshape(m, -1)  # [m, rows of mb i]
-        loss = sum(model(x[r], y[r]) for r in rows) / m
-        model.loss_fn.divide_by = None
-        return loss
-    out = single_process(model, batches, lr=args.lr, lr_at=lambda s: lr_at(s, args),
-                         clip=args.grad_clip or None, loss_fn=loss_fn)
-    return out["losses"][steps.start:]
-
-
-def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
-    """A rank function (launch.run_ranks): train each layout in turn on the same ranks; every layout's
-    flags are `common + layout`. Returns each layout's result on this rank."""
-    return [dict(train(parse_args([*common, *flags, "--quiet"]), verbose=False), flags=" ".join(flags))
-            for flags in layouts]
-
-
-def run(argv=None, compare=None) -> int:
-    """torchrun entry point. compare(args, device) -> (losses, seconds per step): the same layout under
-    PyTorch's own FSDP2 + DTensor TP (references.train_fsdp2_tp, handed in below __main__), for --compare."""
-    args = parse_args(argv)
-    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
-    device = init_distributed()
-    out = train(args, device)
-    if args.compare and compare is not None:
-        t_ours = statistics.median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]
-                                   or out["tokens_per_s"])
-        theirs, step_time = compare(args, device)
-        err = max(abs(a - b) for a, b in zip(out["losses"], theirs))
-        if dist.get_rank() == 0:
-            print(f"PyTorch FSDP2 + DTensor TP, same layout: max |loss diff| {err:.2e}; median step "
-                  f"{t_ours * 1e3:.1f} ms (ours) vs {step_time * 1e3:.1f} ms (PyTorch) -> our throughput "
-                  f"{step_time / t_ours:.2f}x PyTorch's", flush=True)
-    return finish(out.get("check_ok", True))
-
-
-if __name__ == "__main__":  # PyTorch's own version only here, handed to run as what --compare runs
-    from references import train_fsdp2_tp
-    main(lambda argv: run(argv, compare=train_fsdp2_tp))
+if __name__ == "__main__":  # measured, printed, --check and --compare: the capstone's runner in the package
+    from lab.train_demo import main
+    main()

@@ -1,4 +1,4 @@
-"""Test helpers: ranks from launch.py, the single-process reference (demo.py), and running a lesson
+"""Test helpers: ranks from lab/launch.py, the single-process reference (lab/baseline.py), and running a lesson
 — or a README exercise — the way a learner does."""
 from __future__ import annotations
 
@@ -12,27 +12,27 @@ from typing import Callable
 
 import torch
 
-from demo import single_process  # noqa: F401  (the one single-process reference loop)
-from launch import RankError, run_ranks  # noqa: F401  (re-exported for the tests)
+from lab.baseline import single_process  # noqa: F401  (the one single-process reference loop)
+from lab.launch import RankError, run_ranks  # noqa: F401  (re-exported for the tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def reference_model(cfg="tiny", seed: int = 0, dtype=torch.float32):
     """The same model every parallel run starts from, in one process."""
-    from model import build_model
+    from lab.model import build_model
     return build_model(cfg, seed=seed, dtype=dtype)
 
 
 def train_reference(model, batches, lr: float = 1e-3, optimizer_cls=torch.optim.AdamW, **opt_kwargs):
-    """(losses, trained copy) of demo.single_process — kept for the older tests' call form."""
+    """(losses, trained copy) of lab.baseline.single_process — kept for the older tests' call form."""
     out = single_process(model, batches, lr=lr, optimizer=optimizer_cls, **opt_kwargs)
     return out["losses"], out["model"]
 
 
 def global_batches(n_steps: int, global_batch: int, seq_len: int, seed: int = 0, **kw):
     """The first n_steps global batches of the built-in corpus."""
-    from data import get_batch, load_corpus
+    from lab.data import get_batch, load_corpus
     tokens = load_corpus()
     return [get_batch(tokens, s, global_batch, seq_len, seed, **kw) for s in range(n_steps)]
 
@@ -100,7 +100,7 @@ def run_exercise(ex: Exercise) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for name in os.listdir(ROOT):
             src = os.path.join(ROOT, name)
-            if name.endswith((".py", ".ini")) or name == "tests":
+            if name.endswith((".py", ".ini")) or name in ("tests", "lab"):
                 (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(tmp, name))
         for file, old, new in ex.edits:
             path = os.path.join(tmp, file)

@@ -1,6 +1,6 @@
 """Awkward models under data parallel (issue 12): each case is trained with NaiveDDP and BucketedDDP
 (one bucket for all; one bucket per parameter) on 2 and 4 ranks in float64, and compared with ONE
-process (demo.single_process) on the same global batches: every step's gradients (None exactly where
+process (lab.baseline.single_process) on the same global batches: every step's gradients (None exactly where
 one process has None) and the final parameters, to 1e-12.
 
     tied            the output head IS the embedding's weight (one Parameter, two uses)
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp import BucketedDDP, NaiveDDP
-from demo import max_diff, single_process, snapshot
+from lab.baseline import max_diff, single_process, snapshot
 from harness import run_ranks
 
 V, D, STEPS, BATCH, SEQ, LR, WD = 13, 8, 3, 8, 5, 1e-2, 0.1

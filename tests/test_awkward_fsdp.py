@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from demo import max_diff, single_process
-from model import Block, build_model, get_config
+from lab.baseline import max_diff, single_process
+from lab.model import Block, build_model, get_config
 
 STEPS, B, S, LR, TOL = 3, 8, 16, 1e-2, 1e-10
 CASES = ("tied", "frozen", "branch", "unused", "twice", "eval", "two_forwards", "two_backwards", "load")
@@ -62,7 +62,7 @@ def build(case, seed=0):
 def batches(case, P):
     """Per step: (x, y, use, x2, y2) global tensors; `use` marks branch rows: step 0 rank 0's rows,
     step 1 no row at all, step 2 the last rank's rows."""
-    from data import get_batch, load_corpus
+    from lab.data import get_batch, load_corpus
     tokens, out = load_corpus(), []
     for s in range(STEPS):
         use = torch.zeros(B, dtype=torch.bool)
@@ -96,11 +96,10 @@ def _local(batch, r, P):
 def run_case(case, config, mesh):
     """One (case, config) on this rank: global losses, full state, logits seen on the way."""
     from fsdp import shard_model
+    from hsdp import shard_hybrid
     P, r = dist.get_world_size(), dist.get_rank()
     model, kw = build(case), dict(CONFIGS[config])
-    if kw.pop("hsdp", False):
-        kw.update(group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"))
-    opt = shard_model(model, lr=LR, **kw)
+    opt = shard_hybrid(model, mesh, lr=LR, **kw) if kw.pop("hsdp", False) else shard_model(model, lr=LR, **kw)
     out, ex = dict(losses=[], evals=[]), eval_tokens()
     for batch in batches(case, P):
         loss = loss_fn(case, model, _local(batch, r, P))

@@ -13,14 +13,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-import references
+from lab import references
 
 from ddp import MiB, BucketedDDP, NaiveDDP
-from demo import max_diff, single_process, snapshot
+from lab.baseline import max_diff, single_process, snapshot
 from harness import Exercise, global_batches, reference_model, run_ranks, run_script
-from instruments import CommCounter, ProfileSpans, overlap_fraction
+from lab.instruments import CommCounter, ProfileSpans, overlap_fraction
 from mesh import Mesh
-from model import build_model
+from lab.model import build_model
 
 STEPS, B, S, LR = 3, 8, 16, 1e-3
 K = 2  # micro-batches for no_sync

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from harness import Exercise, global_batches, reference_model, run_ranks, run_script, single_process
-from instruments import CommCounter
+from lab.instruments import CommCounter
 from mesh import Mesh
-from model import get_config, num_params
+from lab.model import get_config, num_params
 
-from ep_measure import train_ep
+from lab.expert_parallel_demo import train_ep
 from expert_parallel import expert_parameters, parallelize_experts, sync_gradients, tp_partial_parameters
 
 TOKENS = 24  # tokens per token-holding slot in the layer checks

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from demo import max_diff, single_process
+from lab.baseline import max_diff, single_process
 from harness import Exercise, global_batches, reference_model, run_ranks, run_script
-from instruments import CommCounter
-from zero_measure import held_bytes
+from lab.instruments import CommCounter
+from lab.fsdp_demo import held_bytes
 
 STEPS, B, S, LR = 3, 8, 16, 1e-2
 CLIP = 0.05  # well below the gradient norm of the first steps, so clipping really scales
@@ -43,7 +43,7 @@ def reference(dtype=torch.float32, steps=STEPS, **kw):
 # ---- what the ranks run ----------------------------------------------------------------------------
 
 def _loop(model, opt, steps=STEPS, dtype=None):
-    from data import get_batch, load_corpus
+    from lab.data import get_batch, load_corpus
     tokens, r, P = load_corpus(), dist.get_rank(), dist.get_world_size()
     for s in range(steps):
         model(*get_batch(tokens, s, B, S, 0, r, P)).backward()
@@ -53,8 +53,8 @@ def _loop(model, opt, steps=STEPS, dtype=None):
 
 def _fsdp2_state(param_dtype=None):
     """PyTorch's FSDP2 fully_shard (each Block, then the root) on the same model and data."""
-    from model import build_model
-    from references import fsdp2
+    from lab.model import build_model
+    from lab.references import fsdp2
     model = build_model("tiny", seed=0)
     fsdp2(model, param_dtype=param_dtype)
     _loop(model, torch.optim.AdamW(model.parameters(), lr=LR))
@@ -76,9 +76,9 @@ def _mse(net, batch):
 def _checkpoint(stage, **kw):
     """Train 2 steps, save this rank's shards; a model built from another seed (and gathered by an
     evaluation) loads them; one more step on each must agree to the bit."""
-    from data import get_batch, load_corpus
+    from lab.data import get_batch, load_corpus
     from fsdp import shard_model
-    from model import build_model
+    from lab.model import build_model
     tokens, r, P = load_corpus(), dist.get_rank(), dist.get_world_size()
 
     def step(model, opt, s):
@@ -103,8 +103,8 @@ def _checkpoint(stage, **kw):
 def _run_p2():
     """Everything measured on 2 ranks."""
     from fsdp import shard_model
-    from zero_measure import train_and_measure
-    from model import Attention, SwiGLU, build_model
+    from lab.fsdp_demo import train_and_measure
+    from lab.model import Attention, SwiGLU, build_model
     kw = dict(steps=STEPS, batch=B, seq=S, lr=LR)
     out = {f"stage{s}": train_and_measure(s, **kw) for s in range(4)}
     out["stage3_keep"] = train_and_measure(3, reshard_after_forward=False, **kw)
@@ -153,7 +153,7 @@ def _run_p2():
     # Bad input: one ValueError on every rank, before any collective.
     errors = []
     with CommCounter() as c:
-        for bad in (dict(stage=4), dict(stage=0, replicate_group=dist.group.WORLD),
+        for bad in (dict(stage=4), dict(stage=0, after_reduce=lambda t: None),
                     dict(stage=3, param_dtype=torch.int64), dict(stage=3, units=[torch.nn.Linear(2, 2)]),
                     dict(stage=1, groups_of=lambda n, p: (dist.group.WORLD, 0)),
                     dict(stage=2, groups_of=lambda n, p: "experts")):
@@ -173,11 +173,11 @@ def _experts(stage, clip=False, clip_group=None):
     """Issue 14: a mixture of experts with ep = 2 on 4 ranks (dp = 4, edp = 2). Dense parameters are
     sharded over the 4 ranks, each rank's experts over the 2 ranks holding the same ones (edp); the
     all-to-all already summed expert gradients over the ep group, so both divide by dp = 4."""
-    from data import get_batch, load_corpus
+    from lab.data import get_batch, load_corpus
     from expert_parallel import parallelize_experts
     from fsdp import shard_model
     from mesh import Mesh
-    from model import build_model, get_config
+    from lab.model import build_model, get_config
     P, r = dist.get_world_size(), dist.get_rank()
     mesh = Mesh(dp_shard=P, ep=2)
     model = parallelize_experts(build_model(get_config("tiny", n_experts=4), seed=0, dtype=torch.float64), mesh)
@@ -198,8 +198,8 @@ def _experts(stage, clip=False, clip_group=None):
         g["units"].append(u)
     for ranks_, g in groups.items():  # per group: sizes, bytes of the last step, state at rest
         us = g.pop("units")
-        g.update(numel=sum(u.N for u in us), k=sum(len(u.params) for u in us), P=len(ranks_),
-                 root=sum(u.N for u in us if "tok_embeddings.weight" in u.names),
+        g.update(numel=sum(u.flat_numel for u in us), k=sum(len(u.params) for u in us), P=len(ranks_),
+                 root=sum(u.flat_numel for u in us if "tok_embeddings.weight" in u.names),
                  comm={e.op: 0 for e in c.events if e.group_ranks == ranks_},
                  memory=held_bytes(opt, us))
         for e in c.events:
@@ -215,10 +215,10 @@ def _tp_partial(stage, hook=True):
     """Issue 14: gradients that must be summed over another group before the reduction. 4 ranks as
     dp 2 x "tp" 2: both tp ranks hold the whole model and the same rows, but each takes the loss of
     half the positions, so each holds a partial gradient; before_reduce sums them over tp."""
-    from data import get_batch, load_corpus
+    from lab.data import get_batch, load_corpus
     from fsdp import shard_model
     from mesh import Mesh, all_reduce_flat
-    from model import build_model
+    from lab.model import build_model
     mesh = Mesh(dp_shard=2, tp=2)
     tp, d, t = mesh.group("tp"), mesh.rank("dp_shard"), mesh.rank("tp")
     model = build_model("tiny", seed=0, dtype=torch.float64)
@@ -238,13 +238,13 @@ def _tp_partial(stage, hook=True):
 
 def _clip_over_world(stage):
     """HSDP 2 x 2 with clipping over the whole world: each element is held by 2 replicas (weight 1/2)."""
-    from data import get_batch, load_corpus
-    from fsdp import shard_model
+    from lab.data import get_batch, load_corpus
+    from hsdp import shard_hybrid
     from mesh import Mesh
-    from model import build_model
+    from lab.model import build_model
     mesh, r, P = Mesh(dp_replicate=2, dp_shard=2), dist.get_rank(), dist.get_world_size()
     model, tokens = build_model("tiny", seed=0, dtype=torch.float64), load_corpus()
-    opt = shard_model(model, stage, group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"), lr=LR)
+    opt = shard_hybrid(model, mesh, stage=stage, lr=LR)
     norms = []
     for s in range(STEPS):
         model(*get_batch(tokens, s, B, S, 0, r, P)).backward()
@@ -255,7 +255,7 @@ def _clip_over_world(stage):
 
 
 def _run_p4():
-    from zero_measure import train_and_measure
+    from lab.fsdp_demo import train_and_measure
     kw = dict(steps=STEPS, batch=B, seq=S, lr=LR, dtype=torch.float64)
     out = {f"fp64_{s}": train_and_measure(s, **kw) for s in range(4)}
     out["bf16_3"] = train_and_measure(3, param_dtype=torch.bfloat16, steps=1, batch=B, seq=S, lr=LR)
@@ -427,8 +427,8 @@ def test_accumulating_reduces_once_per_step(p2):
 def test_experts_sharded_over_their_own_group(p4):
     """groups_of: expert weights in flat buffers of their own over edp (2 ranks), dense over dp (4);
     float64 equal to one process at every stage; per group, bytes and state equal the formulas."""
-    from zero_measure import zero_comm_formula, zero_state_formula
-    from model import build_model, get_config
+    from lab.fsdp_demo import zero_comm_formula, zero_state_formula
+    from lab.model import build_model, get_config
     cfg = get_config("tiny", n_experts=4)
     ref = single_process(build_model(cfg, seed=0, dtype=torch.float64), global_batches(STEPS, B, S), lr=LR)
     ref_state = ref["model"].state_dict()
@@ -458,7 +458,7 @@ def test_clip_norm_over_the_ranks_that_hold_every_parameter(p4):
         assert _err(out["state"], ref_state) < 1e-10, s
     # experts: over the world every element is held once; over each unit's own group (the default)
     # the experts of the other ep rank are missing from the norm
-    from model import build_model, get_config
+    from lab.model import build_model, get_config
     ref = single_process(build_model(get_config("tiny", n_experts=4), seed=0, dtype=torch.float64),
                          global_batches(STEPS, B, S), lr=LR, clip=CLIP)
     assert abs(p4[0]["experts_clip"]["world"]["norm"] - ref["norms"][-1]) < 1e-10

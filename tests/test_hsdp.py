@@ -4,14 +4,15 @@ models run as HSDP too: tests/test_awkward_fsdp.py.)"""
 import torch
 import torch.distributed as dist
 
-from demo import max_diff
+from lab.baseline import max_diff
 from harness import Exercise, run_script
 from test_fsdp import B, CLIP, LR, S, STEPS, ranks, reference
 
 
 def run():
     """On 4 ranks, inside test_fsdp.ranks(4)."""
-    from hsdp import hsdp_train, shard_hybrid
+    from hsdp import shard_hybrid
+    from lab.hsdp_demo import hsdp_train
     from mesh import Mesh
     kw = dict(steps=STEPS, batch=B, seq=S, lr=LR)
     out = dict(fp64=hsdp_train(2, 2, dtype=torch.float64, **kw),
@@ -20,8 +21,8 @@ def run():
                keep=hsdp_train(2, 2, reshard_after_forward=False, dtype=torch.float64, **kw),
                r4=hsdp_train(4, 1, dtype=torch.float64, **kw))
     # shard_hybrid, the lesson's own entry point, on the same mesh and data
-    from data import get_batch, load_corpus
-    from model import build_model
+    from lab.data import get_batch, load_corpus
+    from lab.model import build_model
     model, tokens = build_model("tiny", seed=0, dtype=torch.float64), load_corpus()
     opt = shard_hybrid(model, Mesh(dp_replicate=2, dp_shard=2), lr=LR)
     for s in range(STEPS):

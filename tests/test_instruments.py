@@ -5,7 +5,7 @@ import torch.distributed._functional_collectives as funcol
 
 from harness import run_ranks
 from mesh import all_gather_single, reduce_scatter_single
-from instruments import CommCounter, Timeline, memory_tracker, model_state_bytes, wire_bytes
+from lab.instruments import CommCounter, Timeline, memory_tracker, model_state_bytes, wire_bytes
 
 K = 7  # an odd element count: a count off by one element shows
 

@@ -70,7 +70,7 @@ def test_bad_mesh_raises_without_processes(bad, msg):
 
 
 def _bad_mesh_on_every_rank():
-    from instruments import CommCounter
+    from lab.instruments import CommCounter
     with CommCounter() as c:
         try:
             Mesh(dp_shard=3)

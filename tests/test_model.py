@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data import get_batch, load_corpus
-from model import (CONFIGS, apply_rope, build_model, flops_per_token, get_config,
+from lab.data import get_batch, load_corpus
+from lab.model import (CONFIGS, apply_rope, build_model, flops_per_token, get_config,
                    init_tensor, num_params, rope_cos_sin)
 
 
@@ -68,7 +68,7 @@ def test_float64_matches_float32_closely():
 
 def test_gqa_attention_equals_repeated_kv():
     q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
-    from model import SDPA
+    from lab.model import SDPA
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     torch.testing.assert_close(SDPA()(q, k, v), want)
 

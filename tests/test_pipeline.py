@@ -1,5 +1,5 @@
-"""Pipeline parallel: schedules (pipeline_schedules.py) checked and played as data against their formulas, then real
-runs (pipeline.py: every schedule, p = 2 and 4, several m, float64) checked against one process."""
+"""Pipeline parallel (pipeline.py): schedules checked and played as data against their formulas, then real
+runs (every schedule, p = 2 and 4, several m, float64) checked against one process."""
 import re
 from fractions import Fraction
 
@@ -7,15 +7,14 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from demo import single_process
+from lab.baseline import single_process
 from harness import Exercise, global_batches, reference_model, run_ranks, run_script
-from instruments import CommCounter
+from lab.instruments import CommCounter
 from mesh import Mesh
-from model import get_config
-from pipeline import (DeferWeightGrads, PipeGroup, Stage, one_f_one_b_plain, pipeline_step, split_layers, train,
-                      weight_grads)
-from pipeline_schedules import (COMPUTE, SCHEDULES, Action, _by_ticks, check_schedule, held_formula, idle_formula, interleaved,
-                       simulate, validate)
+from lab.model import get_config
+from lab.pipeline_demo import held_formula, idle_formula, train
+from pipeline import (COMPUTE, SCHEDULES, Action, DeferWeightGrads, PipeGroup, Stage, _by_ticks, check_schedule,
+                      interleaved, one_f_one_b_plain, pipeline_step, simulate, split_layers, validate, weight_grads)
 
 B, S, LR = 8, 16, 1e-3
 # (schedule, m, v) per pipeline size: m < p, m = p and m > p where the schedule allows it
@@ -77,9 +76,9 @@ def test_zb_h1_order_is_pytorchs_zero_bubble_with_one_stage_per_rank():
 
 
 def test_schedules_demo_prints_the_formulas_beside_the_simulation(capsys):
-    """`python pipeline_schedules.py` (in this process): every schedule's bubble and peak held, simulated = formula."""
-    import pipeline_schedules
-    assert pipeline_schedules._demo(["--p", "4", "--m", "8", "--times", "1", "2", "1", "--transfers"]) == 0
+    """`python pipeline.py --simulate` (in this process): every schedule's bubble and peak held, simulated = formula."""
+    from lab.pipeline_demo import demo
+    assert demo(["--simulate", "--p", "4", "--m", "8", "--times", "1", "2", "1", "--transfers"]) == 0
     out = capsys.readouterr().out
     bubbles = re.findall(r"simulated (\S+), formula (\S+)\n", out)
     held = re.findall(r"held at the peak per rank: simulated ([\d ]*\d), formula ([\d ]*\d)", out)
@@ -192,12 +191,12 @@ def _moe_cfg():
 def _rank_runs(p, layers, configs, batches, extras=False):
     """Every configuration in one spawned group (spawning costs seconds)."""
     cfg, out = get_config("tiny", n_layers=layers), {}
-    pg = PipeGroup.from_ranks(list(range(p)))
+    pipe = PipeGroup.from_ranks(list(range(p)))
     for name, m, v in configs:
         with CommCounter() as c:
             if name == "plain":   # the control-flow 1F1B, one step
-                stage = Stage(cfg, pg.r, p, dtype=torch.float64)
-                loss = one_f_one_b_plain(stage, pg, *batches[0], m)
+                stage = Stage(cfg, pipe.r, p, dtype=torch.float64)
+                loss = one_f_one_b_plain(stage, pipe, *batches[0], m)
                 res = dict(losses=[None if loss is None else loss.item()], peak_held=None,
                            grads={n: q.grad.clone() for n, q in stage.named_parameters()})
             else:
@@ -207,8 +206,8 @@ def _rank_runs(p, layers, configs, batches, extras=False):
     if p == 2:   # MoE stages: the aux loss of each micro-batch in its backward
         x, y = batches[0]
         for name, m in [("1f1b", 2), ("zb", 4)]:
-            stage = Stage(_moe_cfg(), pg.r, p, dtype=torch.float64)
-            res = pipeline_step(stage, SCHEDULES[name](p, m)[pg.r], pg, x, y, m)
+            stage = Stage(_moe_cfg(), pipe.r, p, dtype=torch.float64)
+            res = pipeline_step(stage, SCHEDULES[name](p, m)[pipe.r], pipe, x, y, m)
             out[("moe", name, m)] = dict(loss=res["loss"], aux=res["aux"],
                                          grads={n: q.grad for n, q in stage.named_parameters()})
         # the split on tensor-parallel linears (Column/RowParallelLinear call F.linear)
@@ -245,8 +244,8 @@ def _zero3(cfg, batches, name):
     calls the stage; inside opt.accumulating() a unit reduces once per step, after its last W; AdamW."""
     from fsdp import shard_model
     mesh = Mesh(pp=2, dp_shard=2)
-    pg = PipeGroup.from_ranks(mesh.ranks("pp"))
-    stage = Stage(cfg, pg.r, 2, dtype=torch.float64)
+    pipe = PipeGroup.from_ranks(mesh.ranks("pp"))
+    stage = Stage(cfg, pipe.r, 2, dtype=torch.float64)
     units = list(stage.layers.values()) + [u for u in (stage.tok_embeddings, getattr(stage, "norm", None),
                                                         getattr(stage, "output", None)) if u is not None]
     opt = shard_model(stage, 3, torch.optim.AdamW, group=mesh.group("dp_shard"), units=units, lr=LR)
@@ -255,7 +254,7 @@ def _zero3(cfg, batches, name):
         b = x.shape[0] // 2
         sl = slice(mesh.rank("dp_shard") * b, (mesh.rank("dp_shard") + 1) * b)
         with opt.accumulating():   # one reduction per unit and step, after its last (deferred) W
-            res = pipeline_step(stage, SCHEDULES[name](2, 2)[pg.r], pg, x[sl], y[sl], 2)
+            res = pipeline_step(stage, SCHEDULES[name](2, 2)[pipe.r], pipe, x[sl], y[sl], 2)
         opt.step()
         opt.zero_grad()
         out.append(None if res["loss"] is None else res["loss"].item())

@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import cp_measure as cm
+from lab import ring_attention_demo as cp_demo
 import ring_attention as ra
-from demo import single_process
+from lab.baseline import single_process
 from harness import Exercise, global_batches, run_ranks, run_script
-from instruments import CommCounter
-from model import build_model
+from lab.instruments import CommCounter
+from lab.model import build_model
 
 B, S, H, HKV, D = 2, 32, 4, 2, 8
 F64 = torch.float64
@@ -26,9 +26,9 @@ def gather_sequence(shards, layout, dim=1):
 
 
 def full_attention(B, S, H, Hkv, D, causal, dtype, round_to=None):
-    """The reference: the same seeded batch (cm.seeded_inputs, seed 0 as cm.attention_case's default) through
+    """The reference: the same seeded batch (cp_demo.seeded_inputs, seed 0 as cp_demo.attention_case's default) through
     whole-sequence SDPA, in one process."""
-    q, k, v, dout = cm.seeded_inputs(B, S, H, Hkv, D, dtype, 0, round_to=round_to)
+    q, k, v, dout = cp_demo.seeded_inputs(B, S, H, Hkv, D, dtype, 0, round_to=round_to)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hkv)
     out.backward(dout)
@@ -64,20 +64,20 @@ def _rank(cases, train_configs):
     for case in cases:
         case = dict(case)
         hybrid = case.pop("U", None)
-        results.append(cm.attention_case(group=rings[1] if hybrid else world, ring_group=rings[0] if hybrid else None,
+        results.append(cp_demo.attention_case(group=rings[1] if hybrid else world, ring_group=rings[0] if hybrid else None,
                                          **case))
     # peak attention memory (MemTracker, forward + backward): cp ranks against one rank on all of S
     alone = [dist.new_group([r]) for r in range(cp)][dist.get_rank()]
     mem = dict(S=128, B=1, H=4, Hkv=2, D=16, causal=True, dtype=torch.float32, memory=True)
-    memory = {layout: cm.attention_case(layout=layout, **mem)["peak_bytes"] for layout in ra.LAYOUTS}
-    memory["one rank"] = cm.attention_case(group=alone, layout="contiguous", **mem)["peak_bytes"]
+    memory = {layout: cp_demo.attention_case(layout=layout, **mem)["peak_bytes"] for layout in ra.LAYOUTS}
+    memory["one rank"] = cp_demo.attention_case(group=alone, layout="contiguous", **mem)["peak_bytes"]
     bad = [  # Ulysses with 3 heads on cp = 2 or 4 ranks; zigzag with 5 local tokens (5·cp % 2·cp); training on
         # sequences of 9·cp tokens with zigzag; an unknown method; a Ulysses size that does not divide cp
         lambda: ra.ContextParallelAttention(world, "ulysses", "contiguous")(
             torch.zeros(1, 3, 4, 8), torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8)),
         lambda: ra.ContextParallelAttention(world, "ring", "zigzag")(
             torch.zeros(1, 4, 5, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8)),
-        lambda: ra.train_cp("tiny", [(torch.zeros(2, 9 * cp, dtype=torch.long),) * 2], world, "ring", "zigzag"),
+        lambda: cp_demo.train_cp("tiny", [(torch.zeros(2, 9 * cp, dtype=torch.long),) * 2], world, "ring", "zigzag"),
         lambda: ra.ContextParallelAttention(world, "rings", "zigzag"),
         lambda: ra.ring_ulysses_groups([list(range(cp))], 3),
     ]
@@ -90,7 +90,7 @@ def _rank(cases, train_configs):
             except ValueError as e:
                 errors.append((str(e), c.calls()))
     batches = global_batches(3, 2, 32, seed=0)
-    trained = [ra.train_cp("tiny", batches, world, method, layout) for method, layout in train_configs]
+    trained = [cp_demo.train_cp("tiny", batches, world, method, layout) for method, layout in train_configs]
     return results, errors, memory, [(losses, {n: p.detach() for n, p in m.named_parameters()})
                                      for losses, m in trained]
 
@@ -122,14 +122,14 @@ def test_attention_equals_sdpa_bytes_flops_memory_errors(cp):
         R, hk = cp // U, hkv if hkv % U == 0 else H                     # kv heads after repeating
         for rank, r in enumerate(res):
             fwd, bwd = r["bytes"]
-            ring = cm.ring_bytes(B, U * c, hk // U, D, R, b)   # (cp−1)·2·c·d_kv·b, + cp·2·c·d_kv·4 back
-            uly = cm.ulysses_bytes(B, c, H, hkv, D, U, b)        # formula: c·(H + 2·H_kv)·D·b + c·H·D·b each way
+            ring = cp_demo.ring_bytes(B, U * c, hk // U, D, R, b)   # (cp−1)·2·c·d_kv·b, + cp·2·c·d_kv·4 back
+            uly = cp_demo.ulysses_bytes(B, c, H, hkv, D, U, b)        # formula: c·(H + 2·H_kv)·D·b + c·H·D·b each way
             assert (fwd, bwd) == (ring[0] + uly, ring[1] + uly), (case, fwd, bwd)
             assert r["calls"][0].get("send", {}).get("calls", 0) == 2 * (R - 1)
             assert r["calls"][1].get("send", {}).get("calls", 0) == (2 * (R - 1) + 2 * R if R > 1 else 0)
             assert r["calls"][0].get("all_to_all", {}).get("calls", 0) == (2 if U > 1 else 0)
             if R > 1:   # FlopCounterMode's matmul FLOPs = arithmetic on the ring's schedule
-                want = cm.schedule_work(R, rank // U, case["layout"], case["causal"], B, H // U, U * c, D)
+                want = cp_demo.schedule_work(R, rank // U, case["layout"], case["causal"], B, H // U, U * c, D)
                 assert r["flops"] == (want["fwd"], want["bwd"]), (case, rank, r["flops"], want)
         if case["method"] == "ring":
             flops = [r["flops"][0] for r in res]
@@ -183,13 +183,13 @@ def test_schedule_layouts_and_merge():
                     pos = ra.shard_positions(48, cp, r, layout)
                     keys = torch.arange(48)
                     visible = keys[None, :] <= pos[:, None] if causal else torch.ones(len(pos), 48, dtype=torch.bool)
-                    want = cm.schedule_work(cp, r, layout, causal, 1, 1, 48 // cp, 1)["scores"]
+                    want = cp_demo.schedule_work(cp, r, layout, causal, 1, 1, 48 // cp, 1)["scores"]
                     assert int(seen.sum()) == int(visible.sum()) == want
     # the contiguous split gives rank r (r + 1/2)·c² useful scores, zigzag the same to every rank
     c = 64 // 4
-    assert [cm.schedule_work(4, r, "contiguous", True, 1, 1, c, 1)["scores"] for r in range(4)] == \
+    assert [cp_demo.schedule_work(4, r, "contiguous", True, 1, 1, c, 1)["scores"] for r in range(4)] == \
         [r * c * c + c * (c + 1) // 2 for r in range(4)]
-    assert len({cm.schedule_work(4, r, "zigzag", True, 1, 1, c, 1)["scores"] for r in range(4)}) == 1
+    assert len({cp_demo.schedule_work(4, r, "zigzag", True, 1, 1, c, 1)["scores"] for r in range(4)}) == 1
     with pytest.raises(ValueError, match="not divisible by 8.*multiple of 8"):
         ra.shard_sequence(torch.zeros(1, 12), 4, 0, "zigzag")
     # the logsigmoid merge equals the textbook's running-max form, scores near 0 and far past exp's range

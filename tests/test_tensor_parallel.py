@@ -1,4 +1,4 @@
-"""tensor_parallel.py: equal to one process (demo.single_process), the collectives Megatron predicts,
+"""tensor_parallel.py: equal to one process (lab.baseline.single_process), the collectives Megatron predicts,
 sequence parallel at the same wire bytes, the vocab-parallel loss, partial gradients found by name
 (as ZeRO needs them), a sequence-parallel pipeline split, clear errors; and the README's exercises."""
 import copy
@@ -9,11 +9,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tensor_parallel as tp
-import tp_measure
-from demo import single_process
+from lab import tensor_parallel_demo as tp_demo
+from lab.baseline import single_process
 from harness import Exercise, global_batches, run_ranks, run_script
-from instruments import CommCounter
-from model import IGNORE, CrossEntropy, build_model, get_config
+from lab.instruments import CommCounter
+from lab.model import IGNORE, CrossEntropy, build_model, get_config
 
 B, S = 2, 16
 F64 = torch.float64
@@ -167,7 +167,7 @@ def _errors():
             except ValueError as e:
                 errors[key] = (str(e), c.calls())
     # a mixture of experts' MLP stays whole (expert parallel splits its tokens): its width need not divide
-    from model import MoE
+    from lab.model import MoE
     moe = tp.apply_tensor_parallel(build_model(get_config("tiny", n_experts=4, ffn_dim=66)), None)
     errors["moe_kept"] = all(isinstance(b.mlp, MoE) for b in moe.layers)
     return errors
@@ -222,7 +222,7 @@ def test_matches_single_process_and_counts_collectives(t):
             assert r["loss"] < tol and r["grads"] < tol, ((dtype, sp, L), r)
             b = 8 if dtype == F64 else 4
             c = get_config("tiny", n_layers=L)
-            want = tp_measure.comm_formula(c, B, S, b, t, sp)  # Megatron: 4L + 2 activation collectives, 3 for the loss
+            want = tp_demo.comm_formula(c, B, S, b, t, sp)  # Megatron: 4L + 2 activation collectives, 3 for the loss
             for op, (calls, nbytes) in want.items():
                 got = (r["fwd"].calls(op) + r["bwd"].calls(op), r["fwd"].bytes(op) + r["bwd"].bytes(op))
                 assert got == (calls, nbytes), ((dtype, sp, L), op, got)
@@ -236,7 +236,7 @@ def test_matches_single_process_and_counts_collectives(t):
                 plain["fwd"].wire_bytes() + plain["bwd"].wire_bytes(), rel=1e-12)
             assert r["loss_value"] == pytest.approx(plain["loss_value"], abs=1e-12 if b == 8 else 1e-6)
             # finish_grads: replicated kv heads (zero-padded to n_kv slots) + SP norm weights, one call
-            n = tp_measure.partial_formula(c, t, sp)
+            n = tp_demo.partial_formula(c, t, sp)
             assert (r["fin"].calls("all_reduce"), r["fin"].bytes("all_reduce")) == ((1 if n else 0), n * b)
         # every matmul weight is split t ways, kv projections min(t, n_kv) ways; norms replicated
         H, kv_rows = cfg.dim, max(cfg.n_kv_heads // t, 1) * cfg.head_dim

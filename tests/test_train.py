@@ -1,6 +1,6 @@
 """train.py: every layout trains to the single-process losses; checkpoints; invalid input.
 
-The reference is train.reference_losses: model.py's model in ONE process (demo.single_process:
+The reference is lab.train_demo.reference_losses: model.py's model in ONE process (lab.baseline.single_process:
 torch.optim.AdamW, torch's clip_grad_norm_, the same warm-up/cosine learning rate) on the same global
 batches. Each run_ranks call trains MANY layouts of one world size in turn (train.run_layouts). The
 parity matrix covers every pair of dimensions — ZeRO 0-3, HSDP, tp, sequence parallel, cp (ring,
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from harness import Exercise, run_ranks
-from train import check_args, lr_at, parse_args, reference_losses, run_layouts
+from lab.train_demo import reference_losses, run_layouts
+from train import check_args, lr_at, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, B, S = 10, 8, 16
@@ -56,9 +57,9 @@ def test_lr_schedule_and_defaults():
 
 def test_clipping_is_active_in_the_reference():
     """The reference clips on some steps and not on others, so the parity runs test the global norm."""
-    from data import get_batch, load_corpus
-    from demo import single_process
-    from model import build_model
+    from lab.data import get_batch, load_corpus
+    from lab.baseline import single_process
+    from lab.model import build_model
     args, tokens = parse_args(COMMON), load_corpus()
     out = single_process(build_model("tiny", dtype=torch.float64), [get_batch(tokens, s, B, S) for s in range(STEPS)],
                          lr=args.lr, lr_at=lambda s: lr_at(s, args), clip=args.grad_clip)
@@ -93,9 +94,9 @@ def test_world_1_and_every_dimension_alone_on_2_ranks():
 def _check_bytes_and_memory(by):
     """Rank 0's last step against the formulas (API bytes; float64 = 8 bytes per element).
     Every layout also all-reduces one float64 for the global gradient norm (+8 bytes)."""
-    from zero_measure import zero_comm_formula, zero_state_formula
-    from model import get_config
-    from cp_measure import ring_bytes
+    from lab.fsdp_demo import zero_comm_formula, zero_state_formula
+    from lab.model import get_config
+    from lab.ring_attention_demo import ring_bytes
     cfg, b = get_config("tiny"), 8
     L, H, P = cfg.n_layers, cfg.dim, 2
     for z in range(4):
@@ -165,8 +166,8 @@ def test_combinations_on_4_ranks():
 
 def _check_composed_bytes(by):
     """A composition's bytes are the sum of its lessons' (rank 0, last step, float64 API bytes)."""
-    from zero_measure import zero_comm_formula
-    from model import get_config
+    from lab.fsdp_demo import zero_comm_formula
+    from lab.model import get_config
     cfg, b = get_config("tiny"), 8
     L, H, Bl = cfg.n_layers, cfg.dim, B // 2
     # dp_shard 2 x tp 2: ZeRO-3 on this rank's tp slice + tp's all-reduces on the local batch B/2
@@ -188,7 +189,7 @@ def _check_composed_bytes(by):
         assert got["send"] == got["recv"] == Bl * S * H * b, got
     # experts under ZeRO 2 and 3: dense units sharded over dp_shard (4 ranks), expert units over edp_cp
     # (dp/ep = 2 ranks); each part moves and holds what the ZeRO formulas give for its own group
-    from zero_measure import zero_state_formula
+    from lab.fsdp_demo import zero_state_formula
     for z in (2, 3):
         lay = by[" ".join(MOE + ["--dp-shard", "4", "--ep", "2", "--zero-stage", str(z)])]
         parts = {}  # group size -> padded elements of the units sharded over it
@@ -222,8 +223,8 @@ def test_8_ranks():
 def test_token_weighted_loss_differs_from_a_mean_of_means():
     """With padding, ranks hold different numbers of counted tokens: the global token-weighted mean
     (what one process computes, and train.py) differs from the mean of the ranks' mean losses."""
-    from data import get_batch, load_corpus
-    from model import build_model
+    from lab.data import get_batch, load_corpus
+    from lab.model import build_model
     model = build_model("tiny", dtype=torch.float64)
     x, y = get_batch(load_corpus(), 0, B, S, pad_share=0.6)
     counted = (y != -100).sum(1)
@@ -296,7 +297,7 @@ INVALID = [
     (["--dp-shard", "2", "--experts", "3", "--ep", "2"], 2, "not divisible by ep=2"),
     (["--data", "/no/such/file.txt"], 1, "does not exist"),
     (["--pp", "3"], 3, "layers cannot fill 3 stages"),
-    (["--cp", "2", "--seq-len", "6"], 2, "not divisible by 2*cp"),
+    (["--cp", "2", "--seq-len", "6"], 2, "cuts it into 2*cp = 4 equal chunks"),
     (["--cp", "4", "--cp-method", "ulysses", "--seq-len", "16", "--model", "small"], 4, "query heads over 4 ranks"),
     (["--ep", "2", "--dp-shard", "2"], 2, "needs a mixture-of-experts"),
     (["--tp", "2", "--sequence-parallel", "--seq-len", "9"], 2, "--sequence-parallel splits"),
@@ -324,14 +325,14 @@ def test_data_too_short_is_named(tmp_path):
 
 def _run_exit_codes(cases):
     """Rank function: train.run on each invalid command line: the ValueError it raises on every rank
-    (demo.main turns it into one line and exit code 2) — raised before any collective."""
-    import train
-    from instruments import CommCounter
+    (lab.launch.main turns it into one line and exit code 2) — raised before any collective."""
+    from lab import train_demo
+    from lab.instruments import CommCounter
     out = []
     for flags in cases:
         with CommCounter() as c:
             try:
-                train.run(flags)
+                train_demo.run(flags)
                 out.append((None, c.calls()))
             except ValueError as e:
                 out.append((str(e), c.calls()))
@@ -347,7 +348,7 @@ def test_every_invalid_layout_fails_on_every_rank_before_any_collective():
 
 def _torchrun(n, flags, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    from mesh import free_port  # not torchrun's default port: other jobs may hold it
+    from lab.launch import free_port  # not torchrun's default port: other jobs may hold it
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
                            "--master_port", str(free_port()), os.path.join(ROOT, "train.py")] + flags,
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)

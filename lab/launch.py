@@ -1,6 +1,9 @@
-"""Start N ranks from Python — for tests and notebooks (torchrun does this for scripts).
+"""How a run starts and ends: N ranks from Python (tests, notebooks), and a torchrun entry point's end.
 
     results = run_ranks(fn, world_size, *args, timeout=60)   # [fn's return value on each rank]
+    run_in_turn((fn, args), ...)                             # several rank functions, one spawn
+    main(fn)        a demo's entry point: fn(argv) -> exit code; bad input is one line per rank, exit 2
+    finish(ok)      the one clean end of a run on every rank (barrier, groups torn down)
 
 - Ranks are spawned processes on gloo (CPU); every call gets a fresh free port.
 - An exception on any rank fails the call with *that* rank's traceback.
@@ -11,16 +14,25 @@ child processes), and its return value picklable (tensors are).
 """
 from __future__ import annotations
 
+import datetime
 import io
 import multiprocessing as mp
 import os
 import queue
+import socket
+import sys
 import time
 import traceback
 
 import torch
+import torch.distributed as dist
 
-from mesh import free_port
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the rendezvous of a new group of ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class RankError(RuntimeError):
@@ -28,17 +40,12 @@ class RankError(RuntimeError):
 
 
 def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout):
-    import sys
-
-    import torch.distributed as dist
-
-    from mesh import init_distributed
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), COURSE_TIMEOUT=str(collective_timeout))
     torch.set_num_threads(1)  # N ranks share 2 cores: one thread each avoids thrashing
     try:
-        init_distributed("gloo")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout))
         out = fn(*args, **kwargs)
         # Serialise here: tensors put on a queue travel as shared memory that vanishes when
         # this process exits, before the parent may have read them.
@@ -59,7 +66,7 @@ def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout
     results.join_thread()  # the report is in the pipe before the process goes
     sys.stdout.flush()
     sys.stderr.flush()
-    # Leave without interpreter finalisation, as demo.main does (see there): a gloo thread of a
+    # Leave without interpreter finalisation, as main does (see there): a gloo thread of a
     # group still referenced by fn's objects must never meet a finalising interpreter.
     os._exit(0)
 
@@ -113,3 +120,54 @@ def _run_once(fn, world_size, args, kwargs, timeout):
                 p.kill()
                 p.join()
     return [got[r] for r in range(world_size)]
+
+
+def run_in_turn(*calls):
+    """[fn(*args) for (fn, args) in calls] on every rank: several measurements, one spawn of ranks."""
+    return [fn(*args) for fn, args in calls]
+
+
+# ---- a torchrun entry point's one clean end --------------------------------------------------------
+
+def finish(ok: bool = True) -> int:
+    """End a run the same way on every rank: wait until every rank is done, then tear the process
+    groups down. Returns the exit code (0 if ok). `main` then leaves the process (see there)."""
+    if dist.is_initialized():
+        dist.barrier()  # after it no rank has a collective in flight: nothing is torn down under a peer
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def main(fn, argv=None) -> None:
+    """Run a demo, `fn(argv) -> exit code`, as a lesson's `__main__`, and leave the process.
+
+    Bad input raises ValueError on every rank alike, before any collective (each lesson checks its
+    arguments by arithmetic first): it is printed as one line per rank, not a traceback, and the
+    run exits with code 2. Under torchrun a rank lingers a moment before exiting, so that torchrun
+    (which stops every rank once one has exited) does not cut the slower ranks off before they say it.
+
+    Why the process is left with os._exit: a process group's backend threads (gloo's) live as long
+    as the group object, and a model wrapper whose hooks refer back to it keeps it alive until the
+    interpreter itself shuts down. A backend thread that then drops the last reference to a Python
+    object (a tensor's wrapper, a future's callback) must take the GIL from a finalising
+    interpreter, which ends the thread in a way C++ cannot unwind: `terminate called without an
+    active exception`, SIGABRT, in a few runs out of a hundred. After `finish` every collective is
+    done, so nothing is lost by skipping finalisation — and no backend thread can meet it.
+    """
+    try:
+        code = fn(argv)
+    except ValueError as e:
+        print(f"[rank {os.environ.get('RANK', '0')}] error: {e}", file=sys.stderr, flush=True)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            time.sleep(3)
+        code = 2
+    except SystemExit as e:  # argparse's --help and usage errors
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - a crash: report it, and still leave without finalisation
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

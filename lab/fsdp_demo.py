@@ -1,6 +1,10 @@
-"""ZeRO measured (fsdp.py, hsdp.py): the formulas for the model-state bytes a rank holds and the bytes
-it hands to each collective per step, and one training run that measures both. The demos, the tests
-and the notebook compare the one with the other; the lesson itself is fsdp.py.
+"""fsdp.py's demo and measurements: the ZeRO formulas for the model-state bytes a rank holds and the
+bytes it hands to each collective per step, the bytes a ZeroOptimizer's rank holds (`held_bytes`), one
+training run that measures both (`train_and_measure`, also hsdp_demo's and the zero_memory notebook's),
+and the demo that prints them side by side, checks the parameters against one process and, with
+--compare, against PyTorch's FSDP2 `fully_shard`.
+
+    torchrun --nproc_per_node 4 fsdp.py --stage 3 [--param-dtype bf16] [--no-reshard] [--compare]
 
 Bytes per rank, for Ψ elements sharded over P ranks, b_p bytes per parameter, b_g per gradient and
 K per element of optimizer state and fp32 master (Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054
@@ -11,13 +15,25 @@ reduce-scatters 4Ψ; plus one int32 per parameter tensor (which parameters got a
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
+import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+import hsdp
 from fsdp import shard_model
-from mesh import collective_device, resolve_group
+from lab import references
+from lab.baseline import max_diff, single_process
+from lab.data import get_batch, load_corpus
+from lab.instruments import CommCounter, memory_tracker, model_state_bytes, time_side_by_side
+from lab.launch import finish, main as run_main
+from lab.model import build_model, get_config, init_tensor
+from lab.report import all_agree, bytes_table, print0, print_by_rank
+from mesh import collective_device, init_distributed, resolve_group
 
 
 # ---- the formulas the measurements are compared with ---------------------------------------------
@@ -55,9 +71,6 @@ def zero_comm_formula(stage: int, numel: int, P: int, param_bytes: int = 4, root
 def held_bytes(opt, units=None) -> dict:
     """Model-state bytes a ZeroOptimizer's rank holds, by category (storage-based: views count once);
     units: only these of opt.units (e.g. one process group's), with their optimizer state."""
-    from types import SimpleNamespace
-
-    from instruments import model_state_bytes
     units = opt.units if units is None else units
     mine = {id(q) for u in units for *_, q in u.pieces}
     state = SimpleNamespace(state={q: s for q, s in opt.inner.state.items() if id(q) in mine})
@@ -73,19 +86,18 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
                       meta=False, seed=0, dtype=torch.float32, track_peak=False, microbatches=1, **shard_kwargs):
     """Shard the shared model, train `steps` global batches with AdamW (microbatches > 1: that many backwards
     inside opt.accumulating() per step); return the full parameters, the losses and what the last step
-    measured (bytes by collective; model state at rest; MemTracker's peak if track_peak) beside the formulas."""
-    import warnings
-
-    from data import get_batch, load_corpus
-    from instruments import CommCounter, memory_tracker
-    from model import build_model, get_config, init_tensor
+    measured (bytes by collective; model state at rest; MemTracker's peak if track_peak) beside the formulas.
+    replicate_group: hybrid sharding (hsdp.shard_hybrid) with `group` as the shard group."""
     cfg, group, device = get_config(model_name), resolve_group(group), collective_device(group)
     P, R = dist.get_world_size(group), dist.get_world_size(replicate_group) if replicate_group is not None else 1
     dp_rank = dist.get_rank(group) + P * (dist.get_rank(replicate_group) if R > 1 else 0)  # replica-major
     model = build_model(cfg, seed, dtype, device="meta" if meta else device)
-    opt = shard_model(model, stage, group=group, replicate_group=replicate_group if R > 1 else None, lr=lr,
-                      init_fn=(lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None,
-                      **shard_kwargs)
+    init_fn = (lambda name, shape: init_tensor(cfg, name, shape, seed)) if meta else None
+    if R > 1:
+        opt = hsdp.shard_hybrid(model, stage=stage, shard_group=group, replicate_group=replicate_group, lr=lr,
+                                init_fn=init_fn, **shard_kwargs)
+    else:
+        opt = shard_model(model, stage, group=group, lr=lr, init_fn=init_fn, **shard_kwargs)
     tokens, losses, peak, m = load_corpus(), [], None, microbatches
     for s in range(steps):
         x, y = get_batch(tokens, s, batch, seq, seed, dp_rank, P * R, device=device)
@@ -104,8 +116,8 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
         opt.zero_grad()
         dist.all_reduce(loss := loss.double())  # the global batch's loss, for printing (outside the counter)
         losses.append(loss.item() / (P * R))
-    numel, k, root = sum(u.N for u in opt.units), sum(len(u.params) for u in opt.units), opt.units[-1]
-    root_numel = root.N if "tok_embeddings.weight" in root.names else 0
+    numel, k, root = sum(u.flat_numel for u in opt.units), sum(len(u.params) for u in opt.units), opt.units[-1]
+    root_numel = root.flat_numel if "tok_embeddings.weight" in root.names else 0
     pb, gb, mb = root.buf.element_size(), root.master.element_size(), 0 if root.dtype == root.master.dtype else 4
     rs = shard_kwargs.get("reshard_after_forward", True)
     return dict(state={k: v.cpu() for k, v in opt.full_state_dict().items()}, losses=losses, peak=peak, stage=stage,
@@ -129,10 +141,6 @@ def one_process_check(state, model_name, steps, batch, seq, lr, param_dtype, dev
     """Full parameters after `steps` against the single-process run on the same global batches, printed.
     Adam turns rounding-level gradient differences into up to a whole step (lr) on elements whose gradient
     is ~0: fp32 within 5% of a step per step, bf16 compute within 2 steps."""
-    from data import get_batch, load_corpus
-    from demo import all_agree, max_diff, single_process
-    from mesh import print0
-    from model import build_model
     tokens = load_corpus()
     batches = [get_batch(tokens, s, batch, seq, 0, device=device) for s in range(steps)]
     ref = single_process(build_model(model_name, seed=0, device=device), batches, lr=lr, compute_dtype=param_dtype)
@@ -141,3 +149,64 @@ def one_process_check(state, model_name, steps, batch, seq, lr, param_dtype, dev
     print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
            f"{'ok' if ok else 'MISMATCH'}")
     return ok
+
+
+# ---- the demo: torchrun --nproc_per_node 4 fsdp.py --stage 3 --compare ----------------------------
+
+def demo(argv=None, reference=references.fsdp2) -> int:
+    dtypes = {"fp32": None, "bf16": torch.bfloat16}  # None: compute in the parameters' own fp32
+    ap = argparse.ArgumentParser(description="ZeRO stage 0-3 on the shared model, measured against the formulas")
+    ap.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (a multiple of the number of ranks)")
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--param-dtype", default="fp32", choices=sorted(dtypes))
+    ap.add_argument("--no-reshard", action="store_true", help="keep units gathered from forward to backward")
+    ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--peak", action="store_true", help="measure the last step's peak with MemTracker (slow)")
+    ap.add_argument("--compare", action="store_true", help="also time PyTorch's FSDP2 fully_shard, side by side")
+    args = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.batch % world or args.steps < 1:  # arithmetic only: every rank says it, before any collective
+        raise ValueError(f"--batch {args.batch} must be a multiple of the {world} ranks and --steps at least 1: "
+                         f"try --batch {world * max(1, args.batch // world)} --steps {max(1, args.steps)}")
+    device = init_distributed()
+    pd, mib = dtypes[args.param_dtype], 1 / 2**20
+    kw = dict(param_dtype=pd, reshard_after_forward=not args.no_reshard, prefetch=not args.no_prefetch)
+    res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr, track_peak=args.peak,
+                            **kw)
+    print0(f"ZeRO stage {args.stage}, {world} ranks, model {args.model} (Ψ = {res['numel']:,} elements padded), "
+           f"compute {args.param_dtype}; losses {[round(x, 4) for x in res['losses']]}")
+    lines = [f"rank {dist.get_rank()}: model state at rest, MiB (measured | formula)"]
+    lines += [f"    {k:10s} {res['memory'][k] * mib:9.4f} | {v * mib:9.4f}" for k, v in res["memory_formula"].items()]
+    lines[-1] += f"   ({res['memory']['total'] / res['numel']:.2f} bytes per parameter)"
+    lines += ["  bytes per step, last step (API measured | formula; ring bytes this rank sent | formula)"]
+    lines += bytes_table(res["comm"], res["comm_formula"], world)
+    if res["peak"]:
+        lines.append(f"  MemTracker peak {res['peak'] * mib:.3f} MiB (model state + activations + temporaries)")
+    print_by_rank("\n".join(lines))
+    ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
+    if args.compare and reference is not None:  # PyTorch's FSDP2 beside a fresh copy of ours, in alternating rounds
+        ours, theirs = (build_model(args.model, seed=0, device=device) for _ in range(2))
+        reference(theirs, param_dtype=pd, reshard_after_forward=not args.no_reshard)
+        runs = {"ours": (ours, shard_model(ours, args.stage, lr=args.lr, **kw)),
+                "FSDP2": (theirs, torch.optim.AdamW(theirs.parameters(), lr=args.lr))}
+        x, y = get_batch(load_corpus(), 0, args.batch, args.seq, 0, dist.get_rank(), world, device=device)
+
+        def step(model, opt):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        t = time_side_by_side({k: lambda r=r: step(*r) for k, r in runs.items()}, rounds=args.steps, per_round=1,
+                              device=device)
+        same = max_diff({n: p.full_tensor() for n, p in theirs.named_parameters()}, runs["ours"][1].full_state_dict())
+        print0(f"PyTorch FSDP2 fully_shard: max |diff| to ours = {same:.2e}; step time ours {t['ours'] * 1e3:.1f} ms "
+               f"vs FSDP2 {t['FSDP2'] * 1e3:.1f} ms -> our throughput = {t['FSDP2'] / t['ours']:.2f}x FSDP2's")
+        del runs, ours, theirs  # FSDP2's state goes while the process group still exists
+    return finish(ok)
+
+
+def main(argv=None) -> None:
+    run_main(demo, argv)

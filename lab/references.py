@@ -12,8 +12,8 @@ test or a benchmark can put the two side by side: the same numbers, and the step
     expert_parallel.py   functional collectives' all_to_all_single_autograd  all_to_all
     train.py             fully_shard + parallelize_module on a device mesh     train_fsdp2_tp
 
-No strategy imports this module (a strategy never uses a wrapper): a lesson's `__main__` block imports
-the function it compares with and hands it to the lesson's demo; the tests import it too. mesh.py and
+No strategy imports this module (a strategy never uses a wrapper): each lesson's demo in this package
+takes the function it compares with as its `reference`; the tests import it too. mesh.py and
 ring_attention.py have no counterpart here: PyTorch's ring attention is experimental.
 """
 from __future__ import annotations
@@ -89,26 +89,26 @@ def torch_pipelining(out, cfg, name, m, batch, device, group) -> bool:
     out: what pipeline.train returned on this rank (its PipeGroup, Stage and actions)."""
     import torch.distributed.pipelining as pl
 
-    from demo import all_agree, max_diff, snapshot
-    from instruments import time_side_by_side
-    from mesh import print0
-    from model import CrossEntropy
+    from lab.baseline import max_diff, snapshot
+    from lab.instruments import time_side_by_side
+    from lab.model import CrossEntropy
+    from lab.report import all_agree, print0
     from pipeline import Stage, pipeline_step
-    (x, y), pg, v = (t.to(device) for t in batch), out["pg"], out["stage"].v
-    p, b, n = pg.p, x.shape[0] // m, pg.p * v
+    (x, y), pipe, v = (t.to(device) for t in batch), out["pipe"], out["stage"].v
+    p, b, n = pipe.p, x.shape[0] // m, pipe.p * v
     if name == "1f1b" and m < p:  # the schedule allows it, PyTorch's implementation does not
         print0(f"  torch.distributed.pipelining {PIPELINING[name]} needs m >= p: nothing to compare with")
         return True
-    ours, chunks = Stage(cfg, pg.r, p, 0, device, v=v), [Stage(cfg, c * p + pg.r, n, 0, device) for c in range(v)]
+    ours, chunks = Stage(cfg, pipe.r, p, 0, device, v=v), [Stage(cfg, c * p + pipe.r, n, 0, device) for c in range(v)]
     act = torch.empty(b, x.shape[1], cfg.dim, device=device, requires_grad=True)  # a boundary's [b, S, H]
     logits = torch.empty(b, x.shape[1], cfg.vocab_size, device=device)
     stages = [pl.PipelineStage(ch, s, n, device, group=group, input_args=(x[:b],) if s == 0 else (act,),
                                output_args=(logits,) if s == n - 1 else (act,))
-              for s, ch in ((c * p + pg.r, ch) for c, ch in enumerate(chunks))]
+              for s, ch in ((c * p + pipe.r, ch) for c, ch in enumerate(chunks))]
     sched = getattr(pl, PIPELINING[name])(stages if name in ("interleaved", "zb") else stages[0], m,
                                           loss_fn=CrossEntropy())
-    steps = dict(ours=lambda: pipeline_step(ours, out["actions"], pg, x, y, m),  # every rank passes the loss
-                 theirs=lambda: sched.step(*((x,) if pg.r == 0 else ()), target=y if pg.r == p - 1 else None))
+    steps = dict(ours=lambda: pipeline_step(ours, out["actions"], pipe, x, y, m),  # every rank passes the loss
+                 theirs=lambda: sched.step(*((x,) if pipe.r == 0 else ()), target=y if pipe.r == p - 1 else None))
     for f in steps.values():  # one step each: the gradients must agree
         f()
     diff = max_diff(snapshot(ours, grads=True), {k: q.grad for ch in chunks for k, q in ch.named_parameters()})
@@ -125,10 +125,9 @@ def train_fsdp2_tp(args, device):
     the same model, batches, AdamW, learning-rate schedule and clipping. Returns (losses, seconds per step)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from data import get_batch, load_corpus
-    from model import build_model
-    from train import lr_at
-    from train_cli import config_of, store_dtype
+    from lab.data import get_batch, load_corpus
+    from lab.model import build_model
+    from train import config_of, lr_at, store_dtype
     shape = (args.dp_replicate, args.dp_shard, args.tp)  # the same row-major order as mesh.py
     dm = init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     model = build_model(config_of(args), seed=args.seed, device=device, dtype=store_dtype(args))

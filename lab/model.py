@@ -265,14 +265,22 @@ class Transformer(nn.Module):
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.tok_embeddings(tokens)                                   # [B, S, H]
+        h = self.blocks(self.tok_embeddings(tokens), self.layers, positions)  # [B, S, H]
+        out = self.head(h, targets)
+        return out if targets is None else out + self.aux_loss()
+
+    def blocks(self, h, layers, positions):
+        """h [B, S, H] through `layers`, with the rotary angles of `positions` [S] computed once.
+        (A pipeline stage runs its own layers through this, model.forward's middle.)"""
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
-        for layer in self.layers:
+        for layer in layers:
             h = layer(h, cos, sin)
-        logits = self.output(self.norm(h))                                # [B, S, V]
-        if targets is None:
-            return logits
-        return self.loss_fn(logits, targets) + self.aux_loss()
+        return h
+
+    def head(self, h, targets=None):
+        """h [B, S, H] -> logits [B, S, V] (final norm, output head), or their loss against targets."""
+        logits = self.output(self.norm(h))
+        return logits if targets is None else self.loss_fn(logits, targets)
 
     def aux_loss(self):
         aux = [l.mlp.aux_loss for l in self.layers if isinstance(l.mlp, MoE) and l.mlp.aux_loss is not None]

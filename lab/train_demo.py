@@ -1,0 +1,188 @@
+"""train.py's runner: the capstone measured from outside and printed, checked against one process
+(--check) and compared with PyTorch's FSDP2 + DTensor TP (--compare). `python train.py` and
+`torchrun ... train.py` run `main` here; the tests and the notebook call `run_layouts` and
+`reference_losses`.
+
+StepMeter attaches to train.train's loop through its observer hooks: around each step it times the
+step, counts every collective the step issues (CommCounter: API bytes and ring bytes) and reads the
+peak memory; after it, the model state the rank holds (fsdp_demo.held_bytes) and the global loss,
+for one line per step (and --log-file's JSON).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+
+import train
+from lab import references
+from lab.baseline import single_process
+from lab.data import IGNORE, get_batch, load_corpus
+from lab.fsdp_demo import held_bytes
+from lab.instruments import CommCounter, peak_memory_bytes, sync
+from lab.launch import finish, main as run_main
+from lab.model import build_model, flops_per_token, num_params
+from lab.report import all_agree
+from mesh import init_distributed
+from train import check_args, config_of, lr_at, parse_args, store_dtype
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, from the vendors' data sheets
+
+
+def _peak_memory(device) -> int:
+    """CUDA allocator peak on a GPU; the process's peak resident set size on CPU."""
+    return peak_memory_bytes(device) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _peak_flops(device) -> float | None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class StepMeter:
+    """train.train's observer: what each step took, measured from outside the step."""
+
+    def __init__(self, args, device, verbose: bool = True):
+        self.args, self.device, self.verbose = args, device, verbose
+        self.rank0, self.world = dist.get_rank() == 0, dist.get_world_size()
+        self.comm = CommCounter()
+        self.out = dict(tokens_per_s=[], comm_bytes=[], peak_memory_bytes=[], grad_norms=[], state_bytes=None)
+
+    def begin(self, trainer, start: int) -> None:
+        a, self.trainer = self.args, trainer
+        self.fpt = flops_per_token(trainer.cfg, a.seq_len)
+        self.peak = _peak_flops(self.device) if a.dtype == "bfloat16" else None
+        if self.verbose and self.rank0:
+            print(f"train.py: {trainer.mesh}, zero stage {a.zero_stage}, model {a.model} ({num_params(trainer.cfg):,} "
+                  f"parameters), {a.dtype}, global batch {a.global_batch_size}x{a.seq_len}, {self.device}"
+                  + (f", resuming after step {start}" if start else ""), flush=True)
+
+    @contextmanager
+    def around(self, trainer, step: int):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        sync(self.device)
+        t0 = time.perf_counter()
+        self.comm.reset()
+        with self.comm if self.world > 1 else nullcontext():  # one process has nothing to count
+            yield
+        sync(self.device)
+        self.seconds = time.perf_counter() - t0
+        self.out["state_bytes"] = held_bytes(trainer.opt)  # model state held after the step, gradients included
+
+    def after(self, trainer, step: int, loss: float) -> None:
+        a, comm = self.args, self.comm
+        tps = a.global_batch_size * a.seq_len / self.seconds
+        lr, mem, nbytes, wire = lr_at(step + 1, a), _peak_memory(self.device), comm.bytes(), comm.wire_bytes()
+        mfu = self.fpt * tps / (self.peak * self.world) if self.peak else None
+        norm = None if trainer.grad_norm is None else float(trainer.grad_norm)
+        for k, v in [("tokens_per_s", tps), ("comm_bytes", nbytes), ("peak_memory_bytes", mem), ("grad_norms", norm)]:
+            self.out[k].append(v)
+        if self.rank0 and self.verbose and not a.quiet:
+            print(f"step {step + 1:4d}  loss {loss:.6f}  lr {lr:.2e}  {tps:10.0f} tokens/s"
+                  + (f"  MFU {mfu:5.1%}" if mfu is not None else "")
+                  + f"  peak mem {mem / 2**20:7.1f} MiB  comm {nbytes / 2**20:.3f} MiB"
+                  + f" (ring {wire / 2**20:.3f}, rank 0)",
+                  flush=True)
+        if self.rank0 and a.log_file:
+            with open(a.log_file, "a") as f:
+                f.write(json.dumps(dict(step=step + 1, loss=loss, lr=lr, tokens_per_s=tps, peak_memory_bytes=mem,
+                                        comm_bytes=nbytes, mfu=mfu)) + "\n")
+
+    def results(self) -> dict:
+        """The per-step readings, and what the last step left: bytes by collective, model state, layout."""
+        opt, mesh = self.trainer.opt, self.trainer.mesh
+        return dict(self.out, comm_summary=self.comm.summary(), meta_init=self.trainer.meta, coords=dict(mesh.coords),
+                    comm_events=[(e.op, e.group_ranks, e.api_bytes) for e in self.comm.events],
+                    zero_units=[(u.flat_numel, u.names[0], dist.get_world_size(u.group), len(u.params))
+                                for u in opt.units])
+
+
+def measured_train(args, device=None, verbose: bool = True) -> dict:
+    """train.train with a StepMeter (every rank): the losses and first step, what the meter read, and with
+    --check the verdict of the comparison with one process (check_ok)."""
+    device = device or torch.device("cpu")
+    meter = StepMeter(args, device, verbose)
+    out = train.train(args, device, observer=meter)
+    out.update(meter.results())
+    if dist.get_rank() == 0 and verbose:
+        print("model state on rank 0 after a step: " + ", ".join(f"{k} {v / 2**10:.1f} KiB"
+                                                                  for k, v in out["state_bytes"].items()), flush=True)
+    if args.check:
+        ok = True
+        if dist.get_rank() == 0:
+            last = args.stop_at or args.steps
+            want = reference_losses(args, range(out["start"], last), device)
+            err = max(abs(a - b) for a, b in zip(out["losses"], want))
+            tol = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}[args.dtype]
+            ok = err < tol
+            print(f"losses vs the single-process run: max |diff| {err:.2e} (tolerance {tol}) -> "
+                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
+        out["check_ok"] = all_agree(ok)
+    return out
+
+
+# ---- the single-process reference ------------------------------------------------------------------------
+
+def reference_losses(args, steps: range = None, device=None) -> list[float]:
+    """model.py's model in ONE process on the whole global batch (lab.baseline.single_process): AdamW,
+    torch's own clip_grad_norm_, the same learning rate (bf16 runs are compared with fp32). With experts and
+    m > 1 micro-batches it accumulates over the same micro-batches a parallel run makes — micro-batch
+    i gathers the i-th rows of every data-parallel rank — since the aux loss is per forward."""
+    steps = steps or range(args.steps)
+    model = build_model(config_of(args), seed=args.seed, device=device, dtype=store_dtype(args))
+    tokens = load_corpus(args.data)
+    batches = [get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, pad_share=args.pad_share,
+                         device=device or "cpu") for s in range(steps.stop)]
+    dp, m = args.dp_replicate * args.dp_shard, args.microbatches
+
+    def loss_fn(model, batch):
+        x, y = batch
+        if not args.experts or m == 1:
+            return model(x, y)
+        model.loss_fn.divide_by = max(int((y != IGNORE).sum()), 1) / m   # Σ CE over micro-batch / (counted/m)
+        rows = torch.arange(len(x)).view(dp, m, -1).transpose(0, 1).reshape(m, -1)  # [m, rows of mb i]
+        loss = sum(model(x[r], y[r]) for r in rows) / m
+        model.loss_fn.divide_by = None
+        return loss
+    out = single_process(model, batches, lr=args.lr, lr_at=lambda s: lr_at(s, args),
+                         clip=args.grad_clip or None, loss_fn=loss_fn)
+    return out["losses"][steps.start:]
+
+
+def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
+    """A rank function (launch.run_ranks): train each layout in turn on the same ranks; every layout's
+    flags are `common + layout`. Returns each layout's result on this rank."""
+    return [dict(measured_train(parse_args([*common, *flags, "--quiet"]), verbose=False), flags=" ".join(flags))
+            for flags in layouts]
+
+
+# ---- the entry point ---------------------------------------------------------------------------------------
+
+def run(argv=None, compare=references.train_fsdp2_tp) -> int:
+    """torchrun entry point. compare(args, device) -> (losses, seconds per step): the same layout under
+    PyTorch's own FSDP2 + DTensor TP, for --compare."""
+    args = parse_args(argv)
+    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
+    device = init_distributed()
+    out = measured_train(args, device)
+    if args.compare and compare is not None:
+        t_ours = statistics.median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]
+                                   or out["tokens_per_s"])
+        theirs, step_time = compare(args, device)
+        err = max(abs(a - b) for a, b in zip(out["losses"], theirs))
+        if dist.get_rank() == 0:
+            print(f"PyTorch FSDP2 + DTensor TP, same layout: max |loss diff| {err:.2e}; median step "
+                  f"{t_ours * 1e3:.1f} ms (ours) vs {step_time * 1e3:.1f} ms (PyTorch) -> our throughput "
+                  f"{step_time / t_ours:.2f}x PyTorch's", flush=True)
+    return finish(out.get("check_ok", True))
+
+
+def main(argv=None) -> None:
+    run_main(run, argv)
