@@ -277,9 +277,9 @@ def average_gradients(params, group=None, divide_by: int | None = None) -> None:
     """The data-parallel average in its plainest form, after backward: every gradient of `params`
     summed over `group` in ONE flat all-reduce and divided by `divide_by` (default: the group's size).
     A parameter without a gradient on this rank sends zeros (every rank must hand over the same sizes)
-    and receives the others' average. The lessons after this one call it where replicas of some
-    parameters must agree: a pipeline stage's data-parallel copies, expert weights over the ranks
-    holding the same experts (expert_parallel.sync_gradients)."""
+    and receives the others' average — zeros if no rank used it, where the wrappers above agree on who
+    used what and leave it None. Where replicas of some parameters must agree outside a wrapper, this
+    is the average to call (expert_parallel.sync_gradients; the demos' training loops)."""
     group = resolve_group(group, "dp")
     params = [p for p in params if p.requires_grad]
     for p in params:

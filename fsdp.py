@@ -55,7 +55,8 @@ from mesh import all_gather_single, collective_device, reduce_scatter_single, re
 
 class FlatUnit:
     """One unit's parameters on one group as a flat buffer [N] (FSDP's FlatParameter); this rank keeps
-    the slice [r·n, (r+1)·n), n = N/P (stage 0: P = 1, the whole buffer). What it moves, in API bytes
+    the slice [r·n, (r+1)·n), n = N/P (stage 0: P = 1, the whole buffer) — in the code N = flat_numel,
+    n = shard_numel, P = group_size, r = rank. What it moves, in API bytes
     (b_p compute bytes per element; b_m bytes of the master dtype gradients are reduced in: fp32, also
     under a bf16 compute copy, float64 for a float64 model):
 
@@ -140,9 +141,9 @@ class FlatUnit:
                 self.used[i] = 1
                 if self.stage >= 2:
                     p.grad = None  # stages 2-3 keep only the reduced slice
-        if self.stage == 0:
-            alone = dist.get_world_size(self.group) == 1  # a group of one: nothing to add
-            return g, None if alone else dist.all_reduce(g, group=self.group, async_op=True), g
+        if self.stage == 0:  # (a group of one has nothing to add)
+            single = dist.get_world_size(self.group) == 1
+            return g, None if single else dist.all_reduce(g, group=self.group, async_op=True), g
         out = g.new_empty(self.shard_numel)
         return out, reduce_scatter_single(out, g, group=self.group, async_op=True), g
 
@@ -303,7 +304,7 @@ class ZeroOptimizer:
         load_shard_state_dict(self, sd)
 
 
-# ---- 3-4. stages 2-3: hooks that reduce (2) and gather and free (3) while forward and backward run ----
+# ---- 3-4. stages 2 and 3: hooks that reduce (2), and gather and free (3), as forward and backward run ---
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once their gradients exist: the unit's backward
@@ -321,28 +322,12 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
-    """units [(module, [FlatUnit per group])]. Stage 2 reduces a unit when its backward is done; at the end
-    of backward every unit not reduced yet, in one order on every rank. Stage 3 also gathers a unit (all its
-    groups together) before its forward and before its backward, and frees it after each."""
+    """units [(module, [FlatUnit per group])]: forward and backward hooks on each unit's module."""
     stage3, order, done = opt.stage == 3, [], set()  # order: units by first forward, for the prefetch
 
-    def gather(i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
-        j = order.index(i) + step  # (pre_forward listed i before its first gather)
-        ahead = units[order[j]][1] if prefetch and 0 <= j < len(order) and units[order[j]][0] is not root else []
-        for u in units[i][1] + ahead:
-            u.unshard()
-        for u in units[i][1]:
-            u.wait()
-
-    def free(i):
-        for u in units[i][1]:
-            u.free()
-
-    def pre_forward(i, args):
-        if stage3:
-            if i not in order:
-                order.append(i)
-            gather(i, +1)
+    # -- stage 2: reduce each unit's gradient as soon as its backward is done; at the end of backward,
+    #    every unit not reduced yet (one order on every rank: a branch some ranks skip cannot hang)
+    def mark_end_of_backward(i, args):
         want = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not (want and torch.is_grad_enabled()):
             return None  # no input gradient will mark the end of its backward: end_of_backward reduces it
@@ -351,20 +336,10 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
             args[k] = a
         return tuple(args)
 
-    def post_forward(i, output):
-        # The root's backward starts right after its forward: keep it gathered, unless none follows.
-        if stage3 and reshard_after_forward and (units[i][0] is not root or not torch.is_grad_enabled()):
-            free(i)
-        for t in output if isinstance(output, (tuple, list)) else [output]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g: pre_backward(i))  # runs before the unit's backward
-
-    def pre_backward(i):
+    def start_of_backward():
         if not opt.in_backward:  # the first unit of this backward: finish every unit at its end
             opt.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
-        if stage3:
-            gather(i, -1)
 
     def post_backward(i):
         done.add(i)
@@ -383,6 +358,40 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
         opt.in_backward = False
         if not opt.deferring:
             opt.finish_reduction()
+
+    # -- stage 3: gather a unit (all its groups together) before its forward and its backward, free it after
+    def gather(i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
+        j = order.index(i) + step  # (pre_forward listed i before its first gather)
+        ahead = units[order[j]][1] if prefetch and 0 <= j < len(order) and units[order[j]][0] is not root else []
+        for u in units[i][1] + ahead:
+            u.unshard()
+        for u in units[i][1]:
+            u.wait()
+
+    def free(i):
+        for u in units[i][1]:
+            u.free()
+
+    # -- the module hooks, which call both
+    def pre_forward(i, args):
+        if stage3:
+            if i not in order:
+                order.append(i)
+            gather(i, +1)
+        return mark_end_of_backward(i, args)
+
+    def post_forward(i, output):
+        # The root's backward starts right after its forward: keep it gathered, unless none follows.
+        if stage3 and reshard_after_forward and (units[i][0] is not root or not torch.is_grad_enabled()):
+            free(i)
+        for t in output if isinstance(output, (tuple, list)) else [output]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g: pre_backward(i))  # runs before the unit's backward
+
+    def pre_backward(i):
+        start_of_backward()
+        if stage3:
+            gather(i, -1)
 
     for i, (module, _) in enumerate(units):
         module.register_forward_pre_hook(lambda m, args, i=i: pre_forward(i, args))
@@ -520,6 +529,105 @@ def load_shard_state_dict(opt, sd: dict) -> None:
         u.master.copy_(m)
         u.publish()  # compute copies refreshed; stage 3 drops any gathered (now stale) buffer
     opt.inner.load_state_dict(sd["optimizer"])
+
+
+# ---- 7. pieces: a state dict any layout can load ------------------------------------------------------
+#
+# A sharded state dict reloads only into the layout that wrote it. To resume on ANY layout — other world
+# size, other ZeRO stage, tensor or pipeline parallel or not — each rank describes every piece it owns by
+# where it sits in the WHOLE tensor, and a loading rank copies, from every saved piece, the elements that
+# overlap its own (the idea behind torch.distributed.checkpoint's chunk metadata, written here by hand).
+#
+#   place = (name, full shape, narrow, lo, hi): the parameter this rank holds is the whole tensor narrowed
+#           along one dimension — a tensor-parallel slice, or a rank's experts: narrow = (dim, start, end);
+#           None: the whole tensor — and the piece is that tensor's flat elements [lo, hi) (ZeRO's slice).
+#
+# `where(name) -> (full shape, narrow)` says it for each parameter (its tp or expert slice). Copies of a
+# piece on other ranks (data-parallel replicas, tp ranks sharing a kv head) have the same place: one of
+# them writes it. Bytes: the job writes every element of model state once, (b_m + K)·Ψ in all (b_m the
+# master's bytes, K the optimizer's per element); a loading rank reads about its own state, plus the rest
+# of each saved piece that only partly overlaps it.
+
+def places(opt, where=None) -> list:
+    """[(unit index, piece index, place)] for every piece this rank owns."""
+    out = []
+    for k, u in enumerate(opt.units):
+        lo = u.rank * u.shard_numel
+        for j, (i, a, b, _) in enumerate(u.pieces):
+            full_shape, narrow = where(u.names[i]) if where is not None else (u.shapes[i], None)
+            start = lo + a - u.offsets[i]  # the piece's first element, as a flat index of the local parameter
+            out.append((k, j, (u.names[i], tuple(full_shape), narrow and tuple(narrow), start, start + b - a)))
+    return out
+
+
+def full_indices(full_shape, narrow, lo: int, hi: int) -> torch.Tensor:
+    """The flat indices, in the whole tensor, of elements [lo, hi) of the tensor narrowed by `narrow`: int64 [hi - lo],
+    increasing (row-major order survives the narrowing)."""
+    flat = torch.arange(lo, hi)
+    if narrow is None:
+        return flat
+    dim, start, end = narrow
+    shape = list(full_shape)
+    shape[dim] = end - start
+    index = list(torch.unravel_index(flat, shape))  # the multi-index in the narrowed tensor ...
+    index[dim] = index[dim] + start                 # ... and in the whole one
+    return sum(i * math.prod(full_shape[d + 1:]) for d, i in enumerate(index))
+
+
+def _ends(place) -> tuple[int, int]:
+    """The first and last whole-tensor index of a place, without building them all (they increase)."""
+    name, full_shape, narrow, lo, hi = place
+    return int(full_indices(full_shape, narrow, lo, lo + 1)[0]), int(full_indices(full_shape, narrow, hi - 1, hi)[0])
+
+
+def piece_tensors(opt, k: int, j: int) -> dict:
+    """What a checkpoint keeps of piece j of unit k: its master values and its optimizer state."""
+    q = opt.units[k].pieces[j][3]
+    state = {n: v for n, v in opt.inner.state.get(q, {}).items() if isinstance(v, torch.Tensor)}
+    return dict(value=q.detach(), **state)
+
+
+@torch.no_grad()
+def load_places(opt, saved: list, read, where=None) -> None:
+    """Fill every piece this rank owns from saved pieces: saved [(place, handle)], read(handle) -> the
+    piece_tensors dict it saved (tensors may stay on disk, memory-mapped: only what is indexed is read).
+    A piece takes, from each saved piece of its parameter that overlaps it, the overlapping elements — of
+    the master and of every optimizer state of the same size (the step count, a scalar, as it is). Raises
+    if the saved pieces do not cover a piece. Afterwards the compute copies are refreshed (publish)."""
+    by_name = {}
+    for place, handle in saved:
+        by_name.setdefault(place[0], []).append((place, _ends(place), handle))
+    for k, j, place in places(opt, where):
+        u, q = opt.units[k], opt.units[k].pieces[j][3]
+        mine = full_indices(*place[1:])
+        first, last, found, state = int(mine[0]), int(mine[-1]), 0, {}
+        for theirs_place, (t_first, t_last), handle in by_name.get(place[0], []):
+            if t_last < first or t_first > last:
+                continue  # no overlap: not read at all
+            theirs = full_indices(*theirs_place[1:])
+            pos = torch.searchsorted(theirs, mine).clamp(max=len(theirs) - 1)
+            hit = theirs[pos] == mine
+            if not hit.any():
+                continue
+            tensors = read(handle)
+            q[hit] = tensors["value"][pos[hit]].to(q.dtype)
+            for n, v in tensors.items():
+                if n == "value":
+                    continue
+                if v.dim() == 0:
+                    state[n] = v.clone()
+                else:
+                    state.setdefault(n, torch.zeros_like(q))[hit] = v[pos[hit]].to(q.dtype)
+            found += int(hit.sum())
+        if found != len(mine):
+            raise ValueError(f"the checkpoint covers {found} of the {len(mine)} elements of {place[0]} this rank "
+                             f"holds: it was written for another model")
+        if state:
+            opt.inner.state[q] = state
+        else:
+            opt.inner.state.pop(q, None)
+    for u in opt.units:
+        u.publish()
 
 
 if __name__ == "__main__":  # the demo (stages 0-3 against the formulas, one process and FSDP2) is in the package

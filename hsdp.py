@@ -51,6 +51,9 @@ def shard_hybrid(model, mesh: Mesh | None = None, *, stage: int = 3, shard_group
     if stage == 0:  # arithmetic: every rank raises alike, before any collective
         raise ValueError("stage 0 already replicates everything: hybrid sharding (a replicate_group across "
                          "shard groups) goes with stage 1, 2 or 3")
+    if mesh is None and (shard_group is None or replicate_group is None):
+        raise ValueError("shard_hybrid needs a Mesh (its dp_shard and dp_replicate groups) or both shard_group "
+                         "and replicate_group")
     shard_group = shard_group if shard_group is not None else mesh.group("dp_shard")
     replicate_group = replicate_group if replicate_group is not None else mesh.group("dp_replicate")
     S, R = dist.get_world_size(shard_group), dist.get_world_size(replicate_group)

@@ -72,6 +72,13 @@ def init_distributed(backend: str | None = None) -> torch.device:
     `python file.py` there is none, and we start a world of one rank, so every
     lesson runs unchanged (its collectives then move nothing).
     NCCL when CUDA is available, gloo otherwise; `backend` overrides.
+
+    A job torchrun restarts (`--max-restarts`) needs one more thing. Every group is built through a
+    key-value store: each rank publishes its address under a key and reads its peers'. torchrun's
+    single-node launcher keeps ONE store across attempts, so after a restart the old attempt's keys are
+    still there, and a new rank can read a dead rank's address ("Gloo connectFullMesh failed ...
+    Connection refused") or hang. So under torchrun every attempt gets its own key namespace
+    (TORCHELASTIC_RESTART_COUNT), which every group built later inherits.
     """
     if "RANK" not in os.environ:  # plain `python file.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
@@ -85,9 +92,17 @@ def init_distributed(backend: str | None = None) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds()))
+        timeout = datetime.timedelta(seconds=timeout_seconds())
+        kwargs = dict(backend=backend, timeout=timeout)
         if backend == "nccl":
             kwargs["device_id"] = device  # binds the communicator to our GPU up front
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # the launcher's store (it serves it; we are clients), seen through this attempt's prefix
+            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+            kwargs.update(store=dist.PrefixStore(f"attempt_{attempt}", agent),
+                          rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(**kwargs)
     return device
 

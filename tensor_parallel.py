@@ -202,7 +202,7 @@ class VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, divide_by):
         z = logits.to(torch.promote_types(logits.dtype, torch.float32))      # [N, V/t]
-        m, t = z.max(dim=-1).values, dist.get_world_size(group)                            # [N]
+        m, t = z.max(dim=-1).values, dist.get_world_size(group)              # [N]
         if t > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)             # 1: the max over all V
         z = z - m[:, None]                            # a constant per row: the softmax does not change
@@ -243,18 +243,21 @@ class VocabParallelCrossEntropy(nn.Module):
 # ---- the whole model ---------------------------------------------------------------------------------
 
 def check_divisible(cfg, t: int) -> None:
-    """Raise ONE clear ValueError (arithmetic only: on every rank, before any collective). A mixture of
-    experts' MLP is not split (expert parallel dispatches its tokens, expert_parallel.py)."""
+    """Raise ONE clear ValueError naming every size tp cannot split (arithmetic only: on every rank, before
+    any collective). A mixture of experts' MLP is not split (expert parallel dispatches its tokens)."""
     sizes = [("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size)]
     sizes += [] if cfg.n_experts else [("ffn_dim (MLP width)", cfg.ffn_dim)]
+    problems = []
     for what, n in sizes:
         if n % t:  # (the hidden size n_heads·head_dim divides whenever n_heads does)
             ok = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
-            raise ValueError(f"tp={t} does not divide the model's {what}={n}: choose tp from {ok} or change "
-                             f"{what.split()[0]}")
+            problems.append(f"tp={t} does not divide the model's {what}={n}: choose tp from {ok} or change "
+                            f"{what.split()[0]}")
     if cfg.n_kv_heads % t and t % cfg.n_kv_heads:
-        raise ValueError(f"tp={t} and n_kv_heads={cfg.n_kv_heads}: one must divide the other "
-                         f"(split the kv heads, or replicate each on tp/n_kv ranks)")
+        problems.append(f"tp={t} and n_kv_heads={cfg.n_kv_heads}: one must divide the other "
+                        f"(split the kv heads, or replicate each on tp/n_kv ranks)")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = False):

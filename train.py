@@ -188,18 +188,18 @@ def check_args(args, world_size: int) -> None:
     tp, cp, pp, m, u = args.tp, args.cp, args.pp, args.microbatches, args.cp_ulysses
     dp = args.dp_replicate * args.dp_shard
 
-    def lesson(check, *check_args, hint=""):  # a lesson's own check: its message, plus the flag to change
+    def lesson(check, *check_args, prefix="", hint=""):  # a lesson's own check: its message, and the flag
         try:
             check(*check_args)
         except ValueError as e:
-            problems.append(f"{e}{hint}")
+            problems.append(f"{prefix}{e}{hint}")
 
-    lesson(tensor_parallel.check_divisible, cfg, tp)
+    lesson(tensor_parallel.check_divisible, cfg, tp, hint=" (--tp)")
     if args.global_batch_size % (dp * m):
         problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel size "
                         f"{dp} times --microbatches {m}: use a multiple of {dp * m}")
     if pp > 1 or args.virtual_stages > 1:  # schedule, micro-batches, layers per stage (the batch: just above)
-        lesson(pipeline.validate, pp, m, cfg.n_layers, m, args.schedule, args.virtual_stages)
+        lesson(pipeline.validate, pp, m, cfg.n_layers, m, args.schedule, args.virtual_stages, prefix="pipeline: ")
     if cp > 1:
         lesson(ring_attention.check_layout, args.seq_len, cp, CP_LAYOUT, hint=" (--seq-len)")
     if u > 1 and (args.cp_method != "ulysses" or cp % u):
@@ -339,6 +339,7 @@ class Trainer:
             return (mesh.group("edp_cp"), dp_cp) if name in expert_names else None
 
         partial_grads = self.tp > 1 and bool(getattr(model, "tp_partial_grads", None))
+
         def before_reduce(params):  # tp's partial gradients summed, unit by unit, right before ZeRO reduces them
             tensor_parallel.finish_grads(model, params)
 
@@ -465,7 +466,8 @@ def train(args, device=None, observer=None) -> dict:
     """Train on every rank of an initialised process group; returns (on every rank) the global loss of
     each step and the first step (after --resume). `observer` attaches measurement from outside
     (lab.train_demo.StepMeter): observer.begin(trainer, start) once, observer.around(trainer, step)
-    entered around each step's computation, observer.after(trainer, step, loss) once its loss is known."""
+    entered around each step's computation, observer.after(trainer, step, loss) once its loss is known.
+    The flags that report (--check, --compare, --log-file, --quiet) are the runner's: lab/train_demo.py."""
     device = device or torch.device("cpu")
     check_args(args, dist.get_world_size())                    # every rank, before any collective
     mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)

@@ -1,7 +1,7 @@
 """The lab: everything the course's lessons are run, measured and checked with — so that each lesson
 file at the root holds its algorithm and nothing else.
 
-Imports run one way: the first four modules import no lesson; mesh.py imports them; the lessons import
+Imports run one way: the first four modules import no lesson; mesh.py may import them; the lessons import
 mesh.py (and a lesson another only where its idea builds on it); train.py imports every lesson; the
 rest of the package imports whatever it measures; the tests and notebooks import everything.
 

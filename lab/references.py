@@ -86,7 +86,7 @@ PIPELINING = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "
 def torch_pipelining(out, cfg, name, m, batch, device, group) -> bool:
     """pipeline.py's split run by torch.distributed.pipelining's schedule of the same name, from the same
     initial weights: gradients and step time side by side. Shapes are given up front, as ours are.
-    out: what pipeline.train returned on this rank (its PipeGroup, Stage and actions)."""
+    out: what lab.pipeline_demo.train returned on this rank (its PipeGroup, Stage and actions)."""
     import torch.distributed.pipelining as pl
 
     from lab.baseline import max_diff, snapshot

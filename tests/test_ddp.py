@@ -1,7 +1,7 @@
 """Data parallel (ddp.py) equals one process on the global batch, at 2 and 4 ranks.
 
 All configurations run inside one spawned group per world size (spawning costs seconds); the ranks
-return what they measured and the tests compare it with demo.single_process on the same batches.
+return what they measured and the tests compare it with lab.baseline.single_process on the same batches.
 """
 import contextlib
 import re

@@ -35,7 +35,7 @@ def _on_ranks():
 
 @functools.cache
 def reference(dtype=torch.float32, steps=STEPS, **kw):
-    """demo.single_process on the whole global batches: the parameters by name (and the clip norms)."""
+    """lab.baseline.single_process on the whole global batches: the parameters by name (and the clip norms)."""
     out = single_process(reference_model(dtype=dtype), global_batches(steps, B, S), lr=LR, **kw)
     return out["model"].state_dict(), out["norms"]
 

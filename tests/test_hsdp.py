@@ -30,6 +30,13 @@ def run():
         opt.step()
         opt.zero_grad()
     out["shard_hybrid"] = opt.full_state_dict()
+    errors = []  # bad input: one ValueError on every rank, before any collective
+    for bad in (dict(mesh=Mesh(dp_replicate=2, dp_shard=2), stage=0), dict()):
+        try:
+            shard_hybrid(build_model("tiny"), **bad)
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
     return out
 
 
@@ -41,6 +48,7 @@ def test_hsdp_2x2():
         for key in ("fp64", "keep", "r4"):
             assert max_diff(res[key]["state"], ref64) < 1e-10, key
         assert max_diff(res["shard_hybrid"], ref64) < 1e-10
+        assert len(res["errors"]) == 2 and "stage 1, 2 or 3" in res["errors"][0] and "Mesh" in res["errors"][1]
         assert max_diff(res["clip"]["state"], ref_clip) < 1e-10
         assert abs(res["clip"]["grad_norm"] - norms[-1]) < 1e-10
         err = sum(((res["bf16"]["state"][k] - ref_mp[k]) ** 2).sum() for k in ref_mp)

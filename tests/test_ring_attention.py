@@ -1,6 +1,6 @@
 """Context parallel: ring attention (contiguous, zigzag), Ulysses and ring x Ulysses equal full-sequence
 SDPA, send the bytes and compute the FLOPs the formulas say, balance causal work, train the shared model
-like one process (demo.single_process); and the README's exercises."""
+like one process (lab.baseline.single_process); and the README's exercises."""
 import pytest
 import torch
 import torch.distributed as dist

@@ -2,7 +2,7 @@
 
 The reference is lab.train_demo.reference_losses: model.py's model in ONE process (lab.baseline.single_process:
 torch.optim.AdamW, torch's clip_grad_norm_, the same warm-up/cosine learning rate) on the same global
-batches. Each run_ranks call trains MANY layouts of one world size in turn (train.run_layouts). The
+batches. Each run_ranks call trains MANY layouts of one world size in turn (lab.train_demo.run_layouts). The
 parity matrix covers every pair of dimensions — ZeRO 0-3, HSDP, tp, sequence parallel, cp (ring,
 Ulysses, both), pp (every schedule), ep, micro-batches and padded (token-weighted) losses — in
 float64 over 10 steps, with clipping active.
@@ -324,7 +324,7 @@ def test_data_too_short_is_named(tmp_path):
 
 
 def _run_exit_codes(cases):
-    """Rank function: train.run on each invalid command line: the ValueError it raises on every rank
+    """Rank function: lab.train_demo.run on each invalid command line: the ValueError it raises on every rank
     (lab.launch.main turns it into one line and exit code 2) — raised before any collective."""
     from lab import train_demo
     from lab.instruments import CommCounter
