@@ -574,10 +574,13 @@ def full_indices(full_shape, narrow, lo: int, hi: int) -> torch.Tensor:
     return sum(i * math.prod(full_shape[d + 1:]) for d, i in enumerate(index))
 
 
-def _ends(place) -> tuple[int, int]:
-    """The first and last whole-tensor index of a place, without building them all (they increase)."""
+def _ends(place) -> tuple[int, int, bool]:
+    """The first and last whole-tensor index of a place, without building them all (they increase), and
+    whether the place is one contiguous run of the whole tensor (no narrow, or a narrow of dimension 0)."""
     name, full_shape, narrow, lo, hi = place
-    return int(full_indices(full_shape, narrow, lo, lo + 1)[0]), int(full_indices(full_shape, narrow, hi - 1, hi)[0])
+    first = int(full_indices(full_shape, narrow, lo, lo + 1)[0])
+    last = int(full_indices(full_shape, narrow, hi - 1, hi)[0])
+    return first, last, last - first == hi - lo - 1
 
 
 def piece_tensors(opt, k: int, j: int) -> dict:
@@ -598,29 +601,35 @@ def load_places(opt, saved: list, read, where=None) -> None:
     for place, handle in saved:
         by_name.setdefault(place[0], []).append((place, _ends(place), handle))
     for k, j, place in places(opt, where):
-        u, q = opt.units[k], opt.units[k].pieces[j][3]
-        mine = full_indices(*place[1:])
-        first, last, found, state = int(mine[0]), int(mine[-1]), 0, {}
-        for theirs_place, (t_first, t_last), handle in by_name.get(place[0], []):
+        q, size = opt.units[k].pieces[j][3], place[4] - place[3]
+        first, last, contiguous = _ends(place)
+        mine, found, state = None, 0, {}
+        for theirs_place, (t_first, t_last, t_contiguous), handle in by_name.get(place[0], []):
             if t_last < first or t_first > last:
                 continue  # no overlap: not read at all
-            theirs = full_indices(*theirs_place[1:])
-            pos = torch.searchsorted(theirs, mine).clamp(max=len(theirs) - 1)
-            hit = theirs[pos] == mine
-            if not hit.any():
-                continue
-            tensors = read(handle)
-            q[hit] = tensors["value"][pos[hit]].to(q.dtype)
-            for n, v in tensors.items():
-                if n == "value":
+            if contiguous and t_contiguous:  # two runs of the whole tensor: their overlap is one slice of each
+                a, b = max(first, t_first), min(last, t_last) + 1
+                into, take = slice(a - first, b - first), slice(a - t_first, b - t_first)
+                count = b - a
+            else:  # match element by element: the whole-tensor indices of both, sorted
+                mine = full_indices(*place[1:]) if mine is None else mine
+                theirs = full_indices(*theirs_place[1:])
+                pos = torch.searchsorted(theirs, mine).clamp(max=len(theirs) - 1)
+                into = (theirs[pos] == mine).to(q.device)
+                take, count = pos[into.cpu()], int(into.sum())
+                if not count:
                     continue
-                if v.dim() == 0:
-                    state[n] = v.clone()
-                else:
-                    state.setdefault(n, torch.zeros_like(q))[hit] = v[pos[hit]].to(q.dtype)
-            found += int(hit.sum())
-        if found != len(mine):
-            raise ValueError(f"the checkpoint covers {found} of the {len(mine)} elements of {place[0]} this rank "
+            tensors = read(handle)
+            q[into] = tensors["value"][take].to(q.device, q.dtype)
+            for n, v in tensors.items():  # the optimizer state of the same elements; a step count as it is
+                if n != "value":
+                    if v.dim() == 0:
+                        state[n] = v.clone()
+                    else:
+                        state.setdefault(n, torch.zeros_like(q))[into] = v[take].to(q.device, q.dtype)
+            found += count
+        if found != size:
+            raise ValueError(f"the checkpoint covers {found} of the {size} elements of {place[0]} this rank "
                              f"holds: it was written for another model")
         if state:
             opt.inner.state[q] = state

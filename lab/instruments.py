@@ -15,10 +15,12 @@ peak_memory_bytes   the CUDA allocator's peak on a GPU.
 SavedActivations    which micro-batches still hold saved activations (weak references), and their bytes;
 idle_share, ascii_timeline   a step's idle share per rank, and its timeline as text, from Timeline spans.
 Timeline            named (start, end) spans on this rank, for timelines and overlap.
+time_calls, watch_calls   seconds (and host memory) of each call of a method, wrapped from outside.
 """
 from __future__ import annotations
 
 import math
+import os
 import time
 import weakref
 from collections import defaultdict
@@ -288,7 +290,6 @@ class ProfileSpans:
         self.compute, self.spans = compute, []
 
     def __enter__(self):
-        import os
         from torch.profiler import ProfilerActivity, profile
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else kineto prints two lines per region on stderr
         self._cuda = torch.cuda.is_available()
@@ -360,6 +361,53 @@ def time_calls(owner, name: str):
     setattr(owner, name, timed)
     try:
         yield spent
+    finally:
+        setattr(owner, name, inner)
+
+
+# ---- host memory of one call (checkpoints: what a rank holds while it saves or loads) ------------------
+
+def host_bytes() -> int:
+    """The host memory this process holds now: its anonymous resident memory (Linux's RssAnon) — what it
+    allocated, not the file pages a memory-mapped read brings in, which the kernel may drop at any time.
+    Elsewhere: the process's peak resident size so far."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@contextmanager
+def watch_calls(owner, name: str, every: float = 0.001):
+    """Each call of `owner.name` inside the region, measured by wrapping it from outside: yields the list
+    each call appends dict(seconds, rss_before, rss_peak, result) to — host_bytes() before the call, and
+    its peak sampled every `every` seconds by a thread while the call runs (the peak of THIS call)."""
+    import threading
+    inner, calls = getattr(owner, name), []
+
+    def watched(*args, **kwargs):
+        before, peak, done = host_bytes(), [0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], host_bytes())
+                done.wait(every)
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        t0 = time.perf_counter()
+        try:
+            result = inner(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - t0
+            done.set()
+            thread.join()
+        calls.append(dict(seconds=seconds, rss_before=before, rss_peak=max(peak[0], host_bytes()), result=result))
+        return result
+    setattr(owner, name, watched)
+    try:
+        yield calls
     finally:
         setattr(owner, name, inner)
 

@@ -138,6 +138,9 @@ def finish(ok: bool = True) -> int:
     return 0 if ok else 1
 
 
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Connection refused")  # gloo's words
+
+
 def main(fn, argv=None) -> None:
     """Run a demo, `fn(argv) -> exit code`, as a lesson's `__main__`, and leave the process.
 
@@ -161,6 +164,13 @@ def main(fn, argv=None) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             time.sleep(3)
         code = 2
+    except RuntimeError as e:
+        if not any(s in str(e) for s in _PEER_GONE):
+            traceback.print_exc()
+        else:  # another rank died (a crash, or --fail-at): say so in one line, not a traceback of ours
+            print(f"[rank {os.environ.get('RANK', '0')}] a peer rank is gone: {str(e).splitlines()[0][:160]}",
+                  file=sys.stderr, flush=True)
+        code = 1
     except SystemExit as e:  # argparse's --help and usage errors
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if not isinstance(e.code, (int, type(None))):

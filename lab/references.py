@@ -120,14 +120,12 @@ def torch_pipelining(out, cfg, name, m, batch, device, group) -> bool:
     return all_agree(t[0].item() < 1e-6)
 
 
-def train_fsdp2_tp(args, device):
-    """train.py's layout (dp_replicate x dp_shard x tp, no pp/cp/ep) under fully_shard + parallelize_module:
-    the same model, batches, AdamW, learning-rate schedule and clipping. Returns (losses, seconds per step)."""
+def _fsdp2_tp_model(args, device):
+    """train.py's model on its layout (dp_replicate x dp_shard x tp) under fully_shard + parallelize_module."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lab.data import get_batch, load_corpus
     from lab.model import build_model
-    from train import config_of, lr_at, store_dtype
+    from train import config_of, store_dtype
     shape = (args.dp_replicate, args.dp_shard, args.tp)  # the same row-major order as mesh.py
     dm = init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     model = build_model(config_of(args), seed=args.seed, device=device, dtype=store_dtype(args))
@@ -135,7 +133,15 @@ def train_fsdp2_tp(args, device):
         dtensor_tp(model, dm["tp"])
     if args.dp_replicate * args.dp_shard > 1:
         fsdp2(model, mesh=dm["dp_replicate", "dp_shard"] if args.dp_replicate > 1 else dm["dp_shard"])
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def train_fsdp2_tp(args, device):
+    """train.py's layout (dp_replicate x dp_shard x tp, no pp/cp/ep) under fully_shard + parallelize_module:
+    the same model, batches, AdamW, learning-rate schedule and clipping. Returns (losses, seconds per step)."""
+    from lab.data import get_batch, load_corpus
+    from train import lr_at
+    model, opt = _fsdp2_tp_model(args, device)
     tokens, losses, times = load_corpus(args.data), [], []
     dp, dp_rank = args.dp_replicate * args.dp_shard, dist.get_rank() // args.tp
     for s in range(args.steps):
@@ -169,3 +175,38 @@ def train_fsdp2_tp(args, device):
         dist.all_reduce(v)
         losses.append(v.item())
     return losses, statistics.median(times[1:] or times)
+
+
+def dcp_checkpoint(args, device, directory):
+    """torch.distributed.checkpoint saving and loading what train.py's checkpoint holds — the model and its
+    AdamW state — of the same model on the same layout under FSDP2 (+ DTensor TP), after one step.
+    Returns (save(), load(), bytes this rank's files hold after a save): the functions to time."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from lab.data import get_batch, load_corpus
+    model, opt = _fsdp2_tp_model(args, device)
+    dp, dp_rank = args.dp_replicate * args.dp_shard, dist.get_rank() // args.tp
+    model(*get_batch(load_corpus(args.data), 0, args.global_batch_size, args.seq_len, args.seed, dp_rank, dp,
+                     device=device)).backward()
+    opt.step()  # the AdamW state exists, as in a checkpoint of ours
+
+    saves = []  # a new directory per save (DCP warns when it overwrites one)
+
+    def save():
+        saves.append(os.path.join(directory, str(len(saves))))
+        msd, osd = get_state_dict(model, opt)
+        dcp.save(dict(model=msd, optim=osd), checkpoint_id=saves[-1])
+
+    def load():
+        msd, osd = get_state_dict(model, opt)
+        state = dict(model=msd, optim=osd)
+        dcp.load(state, checkpoint_id=saves[-1])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def written() -> int:  # this rank's data files in the last save (DCP names them __<rank>_<n>.distcp)
+        return sum(os.path.getsize(os.path.join(saves[-1], f)) for f in os.listdir(saves[-1])
+                   if f.startswith(f"__{dist.get_rank()}_"))
+    return save, load, written

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -25,7 +26,7 @@ from lab import references
 from lab.baseline import single_process
 from lab.data import IGNORE, get_batch, load_corpus
 from lab.fsdp_demo import held_bytes
-from lab.instruments import CommCounter, peak_memory_bytes, sync
+from lab.instruments import CommCounter, peak_memory_bytes, sync, time_side_by_side, watch_calls
 from lab.launch import finish, main as run_main
 from lab.model import build_model, flops_per_token, num_params
 from lab.report import all_agree
@@ -94,6 +95,10 @@ class StepMeter:
             with open(a.log_file, "a") as f:
                 f.write(json.dumps(dict(step=step + 1, loss=loss, lr=lr, tokens_per_s=tps, peak_memory_bytes=mem,
                                         comm_bytes=nbytes, mfu=mfu)) + "\n")
+        if a.fail_at == step + 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" \
+                and dist.get_rank() == self.world - 1:  # --fail-at: a crash, on the first attempt only
+            print(f"[rank {dist.get_rank()}] --fail-at {a.fail_at}: dying after step {step + 1}", flush=True)
+            os._exit(1)
 
     def results(self) -> dict:
         """The per-step readings, and what the last step left: bytes by collective, model state, layout."""
@@ -104,16 +109,21 @@ class StepMeter:
                                 for u in opt.units])
 
 
-def measured_train(args, device=None, verbose: bool = True) -> dict:
-    """train.train with a StepMeter (every rank): the losses and first step, what the meter read, and with
+def measured_train(args, device=None, verbose: bool = True, meter=None) -> dict:
+    """train.train with a StepMeter (every rank), and every checkpoint save and load, export and --init-from
+    watched from outside (seconds, host memory): the losses and first step, what was measured, and with
     --check the verdict of the comparison with one process (check_ok)."""
     device = device or torch.device("cpu")
-    meter = StepMeter(args, device, verbose)
-    out = train.train(args, device, observer=meter)
+    meter = meter or StepMeter(args, device, verbose)
+    with watch_calls(train.Trainer, "save") as saves, watch_calls(train.Trainer, "load") as loads, \
+            watch_calls(train.Trainer, "init_from") as inits, watch_calls(train.Trainer, "export") as exports:
+        out = train.train(args, device, observer=meter)
     out.update(meter.results())
+    out["checkpoint_io"] = io = checkpoint_io(meter.trainer, saves, loads, inits, exports)
     if dist.get_rank() == 0 and verbose:
         print("model state on rank 0 after a step: " + ", ".join(f"{k} {v / 2**10:.1f} KiB"
                                                                   for k, v in out["state_bytes"].items()), flush=True)
+        print_checkpoint_io(io, args, out)
     if args.check:
         ok = True
         if dist.get_rank() == 0:
@@ -128,6 +138,40 @@ def measured_train(args, device=None, verbose: bool = True) -> dict:
     return out
 
 
+def checkpoint_io(trainer, saves, loads, inits, exports) -> dict:
+    """Per call, on every rank: seconds, this rank's bytes written (its file) and its peak host memory over
+    the call (above what it held before); gathered so every rank holds every rank's numbers."""
+    def mine(calls, written):
+        return [dict(seconds=c["seconds"], peak=c["rss_peak"] - c["rss_before"],
+                     written=c["result"][1] if written else 0, path=c["result"][0] if written else None)
+                for c in calls]
+    masters = sum(u.master.numel() * u.master.element_size() for u in trainer.opt.units)
+    local = dict(saves=mine(saves, True), loads=mine(loads, False), inits=mine(inits, False),
+                 exports=mine(exports, False), state=masters + held_bytes(trainer.opt)["optimizer"])
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, local)
+    return dict(per_rank=every)
+
+
+def print_checkpoint_io(io, args, out) -> None:
+    """Rank 0's lines: every save, load, --init-from and --export, with its seconds and per-rank numbers."""
+    ranks, mib = io["per_rank"], 1 / 2**20
+    first = ranks[0]
+    per = lambda key, i, k: " ".join(f"{r[key][i][k] * mib:.2f}" for r in ranks)  # noqa: E731
+    for i, call in enumerate(first["saves"]):
+        total = sum(r["saves"][i]["written"] for r in ranks)
+        print(f"checkpoint {os.path.basename(call['path'])}: {max(r['saves'][i]['seconds'] for r in ranks):.3f} s; "
+              f"MiB written per rank {per('saves', i, 'written')} (all {total * mib:.2f}); peak host memory "
+              f"per rank +{per('saves', i, 'peak')} MiB", flush=True)
+    for key, what in (("loads", f"resumed after step {out['start']} from {out.get('resumed_from')}"),
+                      ("inits", f"started from {args.init_from} (--init-read {args.init_read})"),
+                      ("exports", f"exported to {args.export}")):
+        if first[key]:
+            print(f"{what}: {max(r[key][0]['seconds'] for r in ranks):.3f} s; peak host memory per rank "
+                  f"+{per(key, 0, 'peak')} MiB (its master weights and optimizer state per rank "
+                  + " ".join(f"{r['state'] * mib:.2f}" for r in ranks) + " MiB)", flush=True)
+
+
 # ---- the single-process reference ------------------------------------------------------------------------
 
 def reference_losses(args, steps: range = None, device=None) -> list[float]:
@@ -137,6 +181,8 @@ def reference_losses(args, steps: range = None, device=None) -> list[float]:
     i gathers the i-th rows of every data-parallel rank — since the aux loss is per forward."""
     steps = steps or range(args.steps)
     model = build_model(config_of(args), seed=args.seed, device=device, dtype=store_dtype(args))
+    if args.init_from:  # the same start as the parallel run
+        model.load_state_dict(torch.load(args.init_from, map_location=device or "cpu", weights_only=True))
     tokens = load_corpus(args.data)
     batches = [get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, pad_share=args.pad_share,
                          device=device or "cpu") for s in range(steps.stop)]
@@ -165,13 +211,45 @@ def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
 
 # ---- the entry point ---------------------------------------------------------------------------------------
 
+def compare_checkpoints(args, trainer, device, rounds: int = 3) -> None:
+    """Save and load time and bytes per rank: ours (train.Trainer.save / load, the last step's state) beside
+    torch.distributed.checkpoint saving the same model and AdamW state under FSDP2 on the same layout,
+    timed in alternating rounds (instruments.time_side_by_side); the ratios printed on rank 0."""
+    root = os.path.join(args.save, "benchmark")
+    ours_dir = os.path.join(root, "ours")
+    step = (args.stop_at or args.steps)
+    save, load, written = references.dcp_checkpoint(args, device, os.path.join(root, "torch_dcp"))
+    t = time_side_by_side(dict(ours_save=lambda: trainer.save(ours_dir, step), dcp_save=save), rounds, 1)
+    t |= time_side_by_side(dict(ours_load=lambda: trainer.load(os.path.join(ours_dir, train.STEP_DIR.format(step))),
+                                dcp_load=load), rounds, 1)
+    mine = torch.tensor([trainer.save(ours_dir, step)[1], written()], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    times = torch.tensor([t[k] for k in ("ours_save", "dcp_save", "ours_load", "dcp_load")], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank's: the job waits for it
+    if dist.get_rank() == 0:
+        mib = 1 / 2**20
+        print(f"checkpoints, ours vs torch.distributed.checkpoint (FSDP2), median of {rounds} alternating rounds: save "
+              f"{times[0] * 1e3:.1f} ms vs {times[1] * 1e3:.1f} ms (ours/theirs {times[0] / times[1]:.2f}), load "
+              f"{times[2] * 1e3:.1f} ms vs {times[3] * 1e3:.1f} ms (ours/theirs {times[2] / times[3]:.2f}); "
+              f"MiB written "
+              f"per rank, ours " + " ".join(f"{e[0] * mib:.3f}" for e in every) + ", theirs "
+              + " ".join(f"{e[1] * mib:.3f}" for e in every), flush=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run(argv=None, compare=references.train_fsdp2_tp) -> int:
     """torchrun entry point. compare(args, device) -> (losses, seconds per step): the same layout under
-    PyTorch's own FSDP2 + DTensor TP, for --compare."""
+    PyTorch's own FSDP2 + DTensor TP, for --compare (with --save: their checkpointing beside ours too)."""
     args = parse_args(argv)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
     device = init_distributed()
-    out = measured_train(args, device)
+    meter = StepMeter(args, device)
+    out = measured_train(args, device, meter=meter)
+    if args.compare and args.save:
+        compare_checkpoints(args, meter.trainer, device)
     if args.compare and compare is not None:
         t_ours = statistics.median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]
                                    or out["tokens_per_s"])
