@@ -482,11 +482,22 @@ class _InputGradOnly(torch.autograd.Function):
 
 class DeferWeightGrads(TorchFunctionMode):
     """Inside it, every F.linear of a trainable weight on a differentiable input (nn.Linear, tensor_parallel's
-    Column/RowParallelLinear) computes only dL/dx in backward; weight_grads(deferred) does the rest."""
+    Column/RowParallelLinear) computes only dL/dx in backward; weight_grads(deferred) does the rest.
+    `active` lists the modes entered and not left: activation checkpointing re-enters the forward's mode
+    for its recompute, which autograd runs on its own thread, where the mode is not active."""
+    active: list = []
 
     def __init__(self, deferred: list):
         super().__init__()
         self.deferred = deferred
+
+    def __enter__(self):
+        DeferWeightGrads.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        DeferWeightGrads.active.remove(self)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -27,7 +27,9 @@ The order the lessons are applied in (each sees the model the one before left):
   4. expert parallel  expert_parallel.parallelize_experts: each MoE dispatches its tokens over the ep
                       group; under tp each tp rank takes 1/tp of the (replicated) tokens, so a token
                       goes to the experts once, not tp times
-  5. checkpointing    each block's forward recomputed in backward, inside ZeRO-3's gather hooks
+  5. checkpointing    --activation-checkpointing selective (keep the matmul and attention outputs,
+                      recompute the rest) or full (keep each block's input, recompute its forward), inside
+                      ZeRO-3's gather hooks; with zero bubble the recompute splits its backward again
   6. ZeRO / HSDP      fsdp.shard_model (stage 0) or hsdp.shard_hybrid (stages 1-3), last: it flattens,
                       shards and reduces exactly the parameters the steps above left on this rank —
                       dense ones over dp_shard×cp (replicas across dp_replicate), expert ones over
@@ -74,11 +76,11 @@ import json
 import math
 import os
 import shutil
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 import expert_parallel
 import fsdp
@@ -130,7 +132,9 @@ def parse_args(argv=None):
         help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
     arg("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     arg("--data", default=None, help="a text file (default: the built-in corpus)")
-    arg("--activation-checkpointing", choices=["none", "full"], default="none")
+    arg("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
+        help="keep every activation; keep only what SAVED_BY_SELECTIVE's ops make (recompute the rest); "
+             "or keep only each block's input (recompute its whole forward in backward)")
     arg("--log-file", default=None, help="append one JSON object per step")
     arg("--save", default=None, help="directory to keep checkpoints in (one step_N directory each)")
     arg("--save-every", type=int, default=0, help="a checkpoint every N steps (0: only at the end); always at the end")
@@ -441,9 +445,9 @@ class Trainer:
                 for p in expert_parallel.tp_partial_parameters(model):
                     tensor_parallel.mark_partial(model, name_of[id(p)])
         # 5. activation checkpointing (inside the module call: ZeRO-3's gather hooks cover the recompute)
-        if args.activation_checkpointing == "full":
+        if args.activation_checkpointing != "none":
             for block in blocks:
-                _checkpointed(block)
+                _checkpointed(block, args.activation_checkpointing)
         # (read before ZeRO replaces the parameters: how many ranks hold each gradient element, and where
         #  each parameter this rank holds sits in the whole model's — a tp slice, my experts, or all of it)
         self.copies = {n: self._copies(model, n, p, expert_names) for n, p in model.named_parameters()}
@@ -692,11 +696,36 @@ class Trainer:
         fsdp.load_places(self.opt, [(p, p) for p in received], lambda p: dict(value=received[p]), self.where)
 
 
-def _checkpointed(block):
-    """Full activation checkpointing of one block: only its input is saved; its forward runs again in
-    backward. The wrapper sits INSIDE the module call, so ZeRO-3's gather hooks cover the recompute."""
+# Selective activation checkpointing keeps the outputs of these ops — the matmuls and attention, which
+# cost the most to recompute — and recomputes everything else of a block in backward (the norms, rotary,
+# SwiGLU's silu and product, the residual adds: cheap, and together most of the bytes). Change the list
+# and watch the activation bytes and the step time move (lab/train_demo.py's activation_bytes).
+SAVED_BY_SELECTIVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default] + [
+    getattr(torch.ops.aten, name).default for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)]
+
+
+def _checkpointed(block, how: str):
+    """Activation checkpointing of one block, `full`: only its input is kept, its whole forward runs again in
+    backward; `selective`: PyTorch's selective-checkpoint contexts also keep what SAVED_BY_SELECTIVE's ops
+    return, and the recompute replays those from memory. The wrapper sits INSIDE the module call, so
+    ZeRO-3's gather hooks cover the recompute."""
     inner = block.forward
-    block.forward = lambda h, cos, sin: checkpoint(inner, h, cos, sin, use_reentrant=False)
+
+    def contexts():  # (around the forward, around its recompute in backward)
+        forward, recompute = create_selective_checkpoint_contexts(SAVED_BY_SELECTIVE) if how == "selective" \
+            else noop_context_fn()
+        split = pipeline.DeferWeightGrads.active[-1] if pipeline.DeferWeightGrads.active else None
+        return forward, recompute if split is None else _both(recompute, split)  # zero bubble: split it again
+    block.forward = lambda h, cos, sin: checkpoint(inner, h, cos, sin, use_reentrant=False, context_fn=contexts)
+
+
+@contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def _pipeline_units(stage):

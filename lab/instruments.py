@@ -240,6 +240,32 @@ class SavedActivations:
         self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
 
 
+class HeldBytes(TorchDispatchMode):
+    """The bytes a region leaves allocated: every tensor an op makes inside it is followed by a weak
+    reference, and `held()` sums the distinct storages still alive (views count once) — after a forward,
+    what autograd (or activation checkpointing) keeps for the backward. `exclude`: tensors not to count
+    (the region's output, which the next layer keeps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                self.made.append(weakref.ref(t))
+        return out
+
+    def held(self, exclude=()) -> int:
+        """Bytes still allocated of what the region made, but for the storages of `exclude` (its output, the
+        parameters and inputs that views made inside point to)."""
+        skip = {t.untyped_storage().data_ptr() for t in exclude}
+        live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (w() for w in self.made)
+                if t is not None}
+        return sum(n for ptr, n in live.items() if ptr not in skip)
+
+
 def idle_share(spans_per_rank, busy=("F", "B", "W")) -> tuple[list[float], float]:
     """Each rank's idle share of a step from its Timeline spans (one list per rank, one time origin):
     1 - (time in spans named in `busy`) / (the common origin to the last end). Returns it and that step time."""

@@ -264,3 +264,72 @@ def run(argv=None, compare=references.train_fsdp2_tp) -> int:
 
 def main(argv=None) -> None:
     run_main(run, argv)
+
+
+# ---- activation memory: what a block keeps for its backward, measured and by formula --------------------------
+
+def activation_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False) -> float:
+    """Bytes per token (of the B·S the layer sees) that one block of lab/model.py keeps for its backward,
+    beyond its input — computing in b bytes per element, statistics (RMSNorm's, SDPA's) in w = max(b, 4),
+    fp32 for 16-bit compute — counted from what
+    autograd saves, op by op (the README's checkpointing section walks through it). H = dim, a = n_heads,
+    F = ffn_dim, t = tp, K = the kv width a tp rank keeps, max(n_kv_heads·head_dim/t, head_dim);
+    H' = H/t and t' = t under sequence parallel (the norms see S/t tokens), else H and 1.
+      none       per norm     w/t' (1/rms) + b·H' (x/rms, for the weight's gradient) + b·H (its output as the
+                              matmuls read it: whole, all-gathered under sequence parallel)
+                 their inputs w·H' with b = w (the residual between attention and MLP is the MLP norm's
+                              input) or 2w·H' with b < 4 (each norm keeps an fp32 copy of its input)
+                 attention    b(H/t + 2K + H/t): q, k, v after rotary and SDPA's output; w·a/t its log-sum-exp
+                 SwiGLU       4bF/t: w1 x, silu(w1 x), w3 x and their product
+      selective  what train.SAVED_BY_SELECTIVE's ops return: the q, k, v, w1, w3 projections and SDPA's output
+                 b(H/t + 2K + H/t + 2F/t) and its log-sum-exp w·a/t, and wo's and w2's outputs b·2H (partial
+                 sums of the whole width under tp, before their all-reduce)
+      full       nothing: checkpointing keeps only the block's input (b·H', the previous block's output)
+    Korthikanti et al. 2022 count sbh(34 + 5as/h) bytes (16-bit) for a GPT layer: a GELU MLP of 4h (19sbh),
+    dropout masks, and the s×s attention scores (5as²b); here SDPA keeps a per-row log-sum-exp instead of
+    the scores, there is no dropout, SwiGLU keeps four F-wide tensors, and GQA's k, v are K wide, not h."""
+    H, a, F, hd, w = cfg.dim, cfg.n_heads, cfg.ffn_dim, cfg.head_dim, max(b, 4)
+    K = max(cfg.n_kv_heads * hd // tp, hd)
+    t_norm = tp if sp else 1
+    H_norm = H / t_norm
+    if how == "full":
+        return 0.0
+    if how == "selective":
+        return b * (H / tp + 2 * K + H / tp + 2 * F / tp + 2 * H) + w * a / tp
+    norms = 2 * (w / t_norm + b * H_norm + b * H) + (w * H_norm if b == w else 2 * w * H_norm)
+    return norms + b * (2 * H / tp + 2 * K) + w * a / tp + 4 * b * F / tp
+
+
+def activation_profile(model_name: str = "tiny", hows=("none", "selective", "full"), dtype=torch.float32,
+                       batch: int = 4, seq: int = 32, sp: bool = False, repeats: int = 3) -> dict:
+    """Rank function (a tp group of the whole world): for each checkpointing policy, the bytes one block keeps
+    after its forward per token (instruments.HeldBytes around block 0's forward, its input and output and the
+    parameters left out) beside activation_formula, and the median time of a whole model's forward +
+    backward. tp = the world size (1: no tensor parallel)."""
+    import tensor_parallel
+    from lab.instruments import HeldBytes, time_steps
+    from lab.model import get_config, rope_cos_sin
+    cfg, t = get_config(model_name), dist.get_world_size()
+    tokens = load_corpus()
+    x, y = get_batch(tokens, 0, batch, seq)
+    out = {}
+    for how in hows:
+        model = build_model(cfg, dtype=dtype)
+        if t > 1:
+            tensor_parallel.apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
+        if how != "none":
+            for block in model.layers:
+                train._checkpointed(block, how)
+        block, s_local = model.layers[0], seq // t if sp else seq
+        cos, sin = rope_cos_sin(torch.arange(seq), cfg.head_dim, cfg.rope_theta, dtype)
+        h = torch.randn(batch, s_local, cfg.dim, dtype=dtype, requires_grad=True) * 1.0  # a block's input
+        with HeldBytes() as held:
+            o = block(h, cos, sin)
+        if t > 1:
+            dist.barrier()  # gloo holds a finished collective's tensor until its queue moves on
+        kept = held.held(exclude=[o, h, cos, sin, *model.parameters()]) / (batch * seq)
+        o.float().sum().backward()
+        step = lambda: model(x, y).backward()  # noqa: E731
+        out[how] = dict(bytes_per_token=kept, seconds=time_steps(step, repeats),
+                        formula=activation_formula(cfg, how, torch.finfo(dtype).bits // 8, t, sp))
+    return out
