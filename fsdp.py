@@ -31,7 +31,8 @@ How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of 
      the reduction over several backwards (FSDP §3.4).
   4. Stage 3, parameters gathered before a unit's forward and backward and freed after each.
   5. shard_model(model, stage): cuts the model into units and returns the optimizer. The loop stays
-     loss.backward(); opt.step(); opt.zero_grad().
+     loss.backward(); opt.step(); opt.zero_grad(). offload=True keeps the master and optimizer state in host
+     memory (ZeRO-Offload): per step b_m·n down and b_p·n up per unit.
   6. State dicts: full ({name: whole tensor}, loads into the plain model) and sharded (this rank's
      slices and optimizer state, for resuming on the same layout) (FSDP §3.3).
 Hybrid sharding (hsdp.py) enters through one seam, shard_model's `after_reduce`.
@@ -67,10 +68,13 @@ class FlatUnit:
     buf     [N] compute dtype: the module's parameters are views of it (stage 3 frees it between uses)
     shard   [n] compute dtype: my slice (a view of buf in stages 0-2; its own tensor in stage 3)
     master  [n] the parameters' dtype (fp32): what the optimizer updates; the shard itself if no cast
+            (offload: its own tensor in host memory, the reduced gradient downloaded to it, the new
+            values uploaded to the shard after each step)
     pieces  [(i, a, b, piece)]: piece = master[a:b], my part of parameter i, the optimizer's parameter
     """
 
-    def __init__(self, entries, stage, group, divide_by, after_reduce=None, param_dtype=None, init_fn=None):
+    def __init__(self, entries, stage, group, divide_by, after_reduce=None, param_dtype=None, init_fn=None,
+                 offload=False):
         # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
         self.stage, self.group = stage, group
         self.divide_by, self.after_reduce = divide_by, after_reduce  # how the optimizer finishes a reduction
@@ -81,17 +85,21 @@ class FlatUnit:
         self.flat_numel = -(-sum(self.numels) // self.group_size) * self.group_size  # N: padded to P·n
         self.shard_numel = self.flat_numel // self.group_size                         # n
         master = _my_slice(self, entries, init_fn)  # [n], made from my part of each parameter only
-        self.dtype, same = param_dtype or master.dtype, param_dtype in (None, master.dtype)
-        self.buf = torch.empty(self.flat_numel, dtype=self.dtype, device=master.device)
+        self.dtype, device = param_dtype or master.dtype, master.device
+        same = param_dtype in (None, master.dtype) and not offload  # the optimizer may step the shard itself
+        self.buf = torch.empty(self.flat_numel, dtype=self.dtype, device=device)
         if stage == 3:  # my slice lives apart from buf, which holds bytes only while gathered
             self.shard = master if same else torch.empty_like(master, dtype=self.dtype)
         else:           # my slice is a view of buf; with no cast the optimizer steps it in place
             self.shard = self.buf[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
             master = self.shard.copy_(master) if same else master
+        if offload:  # the master, and so the optimizer state made beside it, in host memory
+            master = master.to("cpu").pin_memory() if device.type == "cuda" else master.to("cpu", copy=True)
+        self.offload = offload
         self.master = nn.Parameter(master)
         self.pieces = [(i, a, b, nn.Parameter(self.master.detach()[a:b])) for i, a, b in self.spans()]
         self.params = [_repoint(e, view) for e, view in zip(entries, self.views(self.buf.data))]
-        self.used = torch.zeros(len(self.params), dtype=torch.int32, device=master.device)  # got a gradient here
+        self.used = torch.zeros(len(self.params), dtype=torch.int32, device=device)  # got a gradient here
         self.gather_work, self.unreduced = None, False  # unreduced: a reduction deferred by accumulating()
         self.publish()
 
@@ -108,12 +116,24 @@ class FlatUnit:
     @torch.no_grad()
     def publish(self):
         """After the master slice changed (a step, a load): refresh every compute copy of it."""
-        if self.shard.data_ptr() != self.master.data_ptr():
+        if self.offload:
+            self.upload()
+        elif self.shard.data_ptr() != self.master.data_ptr():
             self.shard.copy_(self.master)  # e.g. fp32 -> bf16
         if self.stage in (1, 2):
             all_gather_single(self.buf, self.shard, group=self.group)
         if self.stage == 3:
             self.free()  # a gathered copy would be stale: the next use gathers the new values
+
+    def download(self, grad):
+        """Offload: a reduced gradient [n] (stage 0: [N]) comes from the device to the host, where the optimizer
+        steps: b_m·n bytes."""
+        return grad.to(self.master.device, non_blocking=False)
+
+    def upload(self):
+        """Offload: the new master, cast to the compute dtype on the host, goes to the device: b_p·n bytes."""
+        self.shard.copy_(self.master.detach().to(self.dtype))
+        return self.shard
 
     def unshard(self):
         """Stage 3: start the all-gather of buf, [n] per rank -> [N], unless it is gathered already."""
@@ -221,6 +241,7 @@ class ZeroOptimizer:
             if u.after_reduce is not None:
                 u.after_reduce(out)  # e.g. HSDP: the shard, summed over my shard group, now across replicas
             out.div_(u.divide_by)  # gloo has no ReduceOp.AVG: sum, then divide
+            out = u.download(out) if u.offload else out
             u.master.grad = out if u.master.grad is None else u.master.grad.add_(out)
         self.pending.clear()
         late = [n for u in self.units for n, p in zip(u.names, u.params) if self.stage >= 2 and p.grad is not None]
@@ -279,15 +300,15 @@ class ZeroOptimizer:
         sums = {}
         for u in self.units:
             s = sums.setdefault(group if group is not None else u.group if self.stage > 0 else None,
-                                torch.zeros((), dtype=torch.float64, device=u.master.device))
+                                torch.zeros((), dtype=torch.float64, device=u.used.device))  # where groups talk
             for i, _, _, q in [p for p in u.pieces if p[3].grad is not None]:
-                s += q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))
+                s += (q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))).to(s.device)
         for g, s in sums.items():
             if g is not None:
                 dist.all_reduce(s, group=g)
         self.grad_norm = sum(sums.values()).sqrt()
         for u in [u for u in self.units if u.master.grad is not None]:
-            u.master.grad.mul_((max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0).to(u.master.grad.dtype))
+            u.master.grad.mul_((max_norm / (self.grad_norm + 1e-6)).clamp(max=1.0).to(u.master.grad))
         return self.grad_norm
 
     # the state dicts (section 6)
@@ -402,7 +423,7 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
 
 def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *, group=None, units=None,
                 param_dtype=None, reshard_after_forward=True, prefetch=True, max_grad_norm=None, init_fn=None,
-                groups_of=None, divide_by=None, after_reduce=None, before_reduce=None,
+                groups_of=None, divide_by=None, after_reduce=None, before_reduce=None, offload=False,
                 **optimizer_kwargs) -> ZeroOptimizer:
     """Shard `model` in place by ZeRO stage 0-3 and return the optimizer that owns the shards.
 
@@ -419,6 +440,9 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                    step(), 2-3 in backward): tensor parallel sums partial gradients over tp there
     param_dtype    compute dtype (bf16): master, optimizer state and gradient reduction stay fp32
     init_fn        init_fn(name, shape): values for a meta-device model (only my slice is made)
+    offload        ZeRO-Offload: the fp32 master and the optimizer state live in host memory (pinned on a GPU
+                   machine) and the optimizer steps there; per step each reduced gradient slice comes down,
+                   b_m·n bytes, and the new compute slice goes up, b_p·n (Ren et al. 2021, arXiv:2101.06840)
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -463,7 +487,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                 full = init_fn(f"{mname}.{attr}" if mname else attr, p.shape) if p.is_meta else p.detach()
                 m._parameters[attr] = nn.Parameter(full.to(collective_device(group), param_dtype or full.dtype), False)
 
-    flat_units = [(um, [FlatUnit(entries, stage, g, d, a, param_dtype, init_fn)
+    flat_units = [(um, [FlatUnit(entries, stage, g, d, a, param_dtype, init_fn, offload)
                         for (g, d, a), entries in buffers_of[id(um)].items()])
                   for um in [*units, model] if buffers_of[id(um)]]
     opt = ZeroOptimizer(model, [u for _, us in flat_units for u in us], optimizer_cls, stage, max_grad_norm,
@@ -498,8 +522,9 @@ def full_state_dict(opt) -> dict:
     for u in opt.units:
         full = u.master.detach()  # stage 0: the whole buffer (its views are cloned below)
         if opt.stage > 0:
-            full = full.new_empty(u.flat_numel)
-            all_gather_single(full, u.master.detach(), group=u.group)
+            mine = full.to(u.used.device)  # (an offloaded master: gathered on the device our groups use)
+            full = mine.new_empty(u.flat_numel)
+            all_gather_single(full, mine, group=u.group)
         out.update((n, v.clone()) for names, v in zip(u.aliases, u.views(full)) for n in names)
     return out
 

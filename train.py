@@ -132,6 +132,8 @@ def parse_args(argv=None):
         help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
     arg("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     arg("--data", default=None, help="a text file (default: the built-in corpus)")
+    arg("--offload", action="store_true",
+        help="ZeRO-Offload: fp32 master weights and optimizer state in host memory, the optimizer steps there")
     arg("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
         help="keep every activation; keep only what SAVED_BY_SELECTIVE's ops make (recompute the rest); "
              "or keep only each block's input (recompute its whole forward in backward)")
@@ -475,7 +477,7 @@ class Trainer:
                     reshard_after_forward=self.pipe is None,  # a pipeline keeps units gathered over its micro-batches
                     before_reduce=before_reduce if partial_grads else None,
                     param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
-                    init_fn=init_fn if self.meta else None, lr=args.lr)
+                    init_fn=init_fn if self.meta else None, offload=args.offload, lr=args.lr)
         if args.zero_stage == 0:  # every dense gradient all-reduced over dp x cp
             self.opt = fsdp.shard_model(model, 0, torch.optim.AdamW, group=mesh.group("dp_cp"), **zero)
         else:                     # sharded over dp_shard x cp, replicas across dp_replicate (HSDP when > 1)

@@ -82,6 +82,14 @@ def held_bytes(opt, units=None) -> dict:
     return ms
 
 
+def offload_formula(opt) -> tuple[int, int]:
+    """Bytes an offloading rank moves per step (ZeRO-Offload, Ren et al. 2021): every reduced gradient slice
+    down to the host, b_m·n per unit (stage 0: its whole b_m·N), and every new compute slice up, b_p·n."""
+    down = sum(u.master.numel() * u.master.element_size() for u in opt.units if u.offload)
+    up = sum(u.shard.numel() * u.shard.element_size() for u in opt.units if u.offload)
+    return down, up
+
+
 def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-2, group=None, replicate_group=None,
                       meta=False, seed=0, dtype=torch.float32, track_peak=False, microbatches=1, **shard_kwargs):
     """Shard the shared model, train `steps` global batches with AdamW (microbatches > 1: that many backwards

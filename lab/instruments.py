@@ -406,14 +406,20 @@ def host_bytes() -> int:
 
 
 @contextmanager
-def watch_calls(owner, name: str, every: float = 0.001):
+def watch_calls(owner, name: str, every: float = 0.001, memory: bool = True):
     """Each call of `owner.name` inside the region, measured by wrapping it from outside: yields the list
     each call appends dict(seconds, rss_before, rss_peak, result) to — host_bytes() before the call, and
-    its peak sampled every `every` seconds by a thread while the call runs (the peak of THIS call)."""
+    its peak sampled every `every` seconds by a thread while the call runs (the peak of THIS call);
+    memory=False: seconds and result only."""
     import threading
     inner, calls = getattr(owner, name), []
 
     def watched(*args, **kwargs):
+        if not memory:
+            t0 = time.perf_counter()
+            result = inner(*args, **kwargs)
+            calls.append(dict(seconds=time.perf_counter() - t0, result=result))
+            return result
         before, peak, done = host_bytes(), [0], threading.Event()
 
         def sample():

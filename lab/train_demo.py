@@ -21,11 +21,12 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
+import fsdp
 import train
 from lab import references
 from lab.baseline import single_process
 from lab.data import IGNORE, get_batch, load_corpus
-from lab.fsdp_demo import held_bytes
+from lab.fsdp_demo import held_bytes, offload_formula
 from lab.instruments import CommCounter, peak_memory_bytes, sync, time_side_by_side, watch_calls
 from lab.launch import finish, main as run_main
 from lab.model import build_model, flops_per_token, num_params
@@ -53,7 +54,9 @@ class StepMeter:
         self.args, self.device, self.verbose = args, device, verbose
         self.rank0, self.world = dist.get_rank() == 0, dist.get_world_size()
         self.comm = CommCounter()
-        self.out = dict(tokens_per_s=[], comm_bytes=[], peak_memory_bytes=[], grad_norms=[], state_bytes=None)
+        self.out = dict(tokens_per_s=[], comm_bytes=[], peak_memory_bytes=[], grad_norms=[], state_bytes=None,
+                        offload_bytes=[])
+        self.transfers = ([], [])  # FlatUnit.download / upload calls (measured_train watches them)
 
     def begin(self, trainer, start: int) -> None:
         a, self.trainer = self.args, trainer
@@ -71,8 +74,11 @@ class StepMeter:
         sync(self.device)
         t0 = time.perf_counter()
         self.comm.reset()
+        moved = [len(calls) for calls in self.transfers]
         with self.comm if self.world > 1 else nullcontext():  # one process has nothing to count
             yield
+        self.out["offload_bytes"].append(tuple(sum(c["result"].numel() * c["result"].element_size() for c in calls[k:])
+                                               for calls, k in zip(self.transfers, moved)))
         sync(self.device)
         self.seconds = time.perf_counter() - t0
         self.out["state_bytes"] = held_bytes(trainer.opt)  # model state held after the step, gradients included
@@ -86,10 +92,12 @@ class StepMeter:
         for k, v in [("tokens_per_s", tps), ("comm_bytes", nbytes), ("peak_memory_bytes", mem), ("grad_norms", norm)]:
             self.out[k].append(v)
         if self.rank0 and self.verbose and not a.quiet:
+            down, up = self.out["offload_bytes"][-1]
             print(f"step {step + 1:4d}  loss {loss:.6f}  lr {lr:.2e}  {tps:10.0f} tokens/s"
                   + (f"  MFU {mfu:5.1%}" if mfu is not None else "")
                   + f"  peak mem {mem / 2**20:7.1f} MiB  comm {nbytes / 2**20:.3f} MiB"
-                  + f" (ring {wire / 2**20:.3f}, rank 0)",
+                  + f" (ring {wire / 2**20:.3f}, rank 0)"
+                  + (f"  offload: down {down / 2**20:.3f} up {up / 2**20:.3f} MiB" if a.offload else ""),
                   flush=True)
         if self.rank0 and a.log_file:
             with open(a.log_file, "a") as f:
@@ -104,6 +112,7 @@ class StepMeter:
         """The per-step readings, and what the last step left: bytes by collective, model state, layout."""
         opt, mesh = self.trainer.opt, self.trainer.mesh
         return dict(self.out, comm_summary=self.comm.summary(), meta_init=self.trainer.meta, coords=dict(mesh.coords),
+                    offload_formula=offload_formula(opt),
                     comm_events=[(e.op, e.group_ranks, e.api_bytes) for e in self.comm.events],
                     zero_units=[(u.flat_numel, u.names[0], dist.get_world_size(u.group), len(u.params))
                                 for u in opt.units])
@@ -116,7 +125,10 @@ def measured_train(args, device=None, verbose: bool = True, meter=None) -> dict:
     device = device or torch.device("cpu")
     meter = meter or StepMeter(args, device, verbose)
     with watch_calls(train.Trainer, "save") as saves, watch_calls(train.Trainer, "load") as loads, \
-            watch_calls(train.Trainer, "init_from") as inits, watch_calls(train.Trainer, "export") as exports:
+            watch_calls(train.Trainer, "init_from") as inits, watch_calls(train.Trainer, "export") as exports, \
+            watch_calls(fsdp.FlatUnit, "download", memory=False) as down, \
+            watch_calls(fsdp.FlatUnit, "upload", memory=False) as up:
+        meter.transfers = (down, up)
         out = train.train(args, device, observer=meter)
     out.update(meter.results())
     out["checkpoint_io"] = io = checkpoint_io(meter.trainer, saves, loads, inits, exports)

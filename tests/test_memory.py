@@ -37,3 +37,24 @@ def test_activation_bytes_equal_the_formula(world, dtype, sp):
     for how, r in res.items():
         assert r["bytes_per_token"] == r["formula"], (how, r)
     assert res["none"]["bytes_per_token"] > res["selective"]["bytes_per_token"] > res["full"]["bytes_per_token"] == 0
+
+
+OFFLOAD = [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + [
+    ["--tp", "2"], ["--pp", "2", "--microbatches", "2"], ["--experts", "4", "--dp-shard", "2", "--ep", "2"],
+    ["--dp-shard", "2", "--activation-checkpointing", "selective"]]
+
+
+def test_offload_equals_one_process_and_moves_what_the_formula_says():
+    """--offload (the fp32 master and AdamW state in host memory, the optimizer stepping there) on every ZeRO
+    stage and with tp, pp and experts: equal to one process; per step each rank moves exactly each reduced
+    gradient slice down (b_m·n) and each new compute slice up (b_p·n), counted by wrapping FlatUnit's
+    download and upload from outside. In bf16 the way up carries half the bytes."""
+    res = run_ranks(run_layouts, 2, [lay + ["--offload"] for lay in OFFLOAD], COMMON, timeout=600)
+    for lay in res[0]:
+        want = reference_losses(parse_args(COMMON + lay["flags"].split()))
+        assert max(abs(a - b) for a, b in zip(lay["losses"], want)) < 1e-9, lay["flags"]
+        assert lay["offload_bytes"] == [lay["offload_formula"]] * len(lay["losses"]) and lay["offload_formula"][0] > 0
+    bf16 = run_ranks(run_layouts, 2, [["--dp-shard", "2", "--offload", "--dtype", "bfloat16"]], ["--steps", "2"],
+                     timeout=120)[0][0]
+    down, up = bf16["offload_formula"]
+    assert bf16["offload_bytes"] == [(down, up)] * 2 and down == 2 * up
