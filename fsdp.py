@@ -93,8 +93,10 @@ class FlatUnit:
         else:           # my slice is a view of buf; with no cast the optimizer steps it in place
             self.shard = self.buf[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
             master = self.shard.copy_(master) if same else master
-        if offload:  # the master, and so the optimizer state made beside it, in host memory
+        if offload and not master.is_meta:  # the master, and so the optimizer state made beside it, in host memory
             master = master.to("cpu").pin_memory() if device.type == "cuda" else master.to("cpu", copy=True)
+        elif offload:
+            master = torch.empty_like(master)  # (a memory plan: shapes only, apart from the shard all the same)
         self.offload = offload
         self.master = nn.Parameter(master)
         self.pieces = [(i, a, b, nn.Parameter(self.master.detach()[a:b])) for i, a, b in self.spans()]
@@ -172,6 +174,8 @@ def _my_slice(u, entries, init_fn):
     """A new unit's master slice [n], made from my part of each parameter only: a meta-device model's
     from init_fn, on the device our collectives use, in at least fp32 (a bf16 model gets an fp32 master)."""
     p0, lo = entries[0][2], u.rank * u.shard_numel
+    if p0.is_meta and init_fn is None:  # shapes only (a memory plan): no values anywhere
+        return torch.empty(u.shard_numel, dtype=torch.promote_types(p0.dtype, torch.float32), device="meta")
     master = torch.zeros(u.shard_numel, device=collective_device(u.group) if p0.is_meta else p0.device,
                          dtype=torch.promote_types(p0.dtype, torch.float32) if p0.is_meta else p0.dtype)
     for (i, a, b), off in [(s, u.offsets[s[0]]) for s in u.spans()]:
@@ -424,7 +428,7 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
 def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *, group=None, units=None,
                 param_dtype=None, reshard_after_forward=True, prefetch=True, max_grad_norm=None, init_fn=None,
                 groups_of=None, divide_by=None, after_reduce=None, before_reduce=None, offload=False,
-                **optimizer_kwargs) -> ZeroOptimizer:
+                shapes_only=False, **optimizer_kwargs) -> ZeroOptimizer:
     """Shard `model` in place by ZeRO stage 0-3 and return the optimizer that owns the shards.
 
     units          module classes (default: model.Block) or a list of submodules, one unit each; the rest
@@ -443,6 +447,8 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
     offload        ZeRO-Offload: the fp32 master and the optimizer state live in host memory (pinned on a GPU
                    machine) and the optimizer steps there; per step each reduced gradient slice comes down,
                    b_m·n bytes, and the new compute slice goes up, b_p·n (Ren et al. 2021, arXiv:2101.06840)
+    shapes_only    a model on the meta device stays there: every buffer its sizes and no memory (a memory
+                   plan, with a fake process group: train.py --plan)
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -451,7 +457,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                          "sharding's all-reduce across a replicate_group) goes with stage 1, 2 or 3")
     if param_dtype is not None and not param_dtype.is_floating_point:
         raise ValueError(f"param_dtype must be a floating dtype such as torch.bfloat16, got {param_dtype}")
-    if init_fn is None and any(p.is_meta for p in model.parameters()):
+    if init_fn is None and not shapes_only and any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on the meta device: pass init_fn(name, shape) to materialise the shards")
     group = resolve_group(group)
     divide_by = divide_by or dist.get_world_size(group)
@@ -483,7 +489,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
         buffers_of[id(unit)].setdefault(key, []).append((tuple(names), holders, p))
     for mname, m in model.named_modules():  # frozen parameters stay whole on every rank
         for attr, p in m._parameters.items():
-            if p is not None and not p.requires_grad and (p.is_meta or param_dtype is not None):
+            if p is not None and not p.requires_grad and (p.is_meta or param_dtype is not None) and not shapes_only:
                 full = init_fn(f"{mname}.{attr}" if mname else attr, p.shape) if p.is_meta else p.detach()
                 m._parameters[attr] = nn.Parameter(full.to(collective_device(group), param_dtype or full.dtype), False)
 

@@ -71,9 +71,10 @@ class Stage(Transformer):
         if self.is_last:
             self.norm, self.output, self.loss_fn = full.norm, full.output, full.loss_fn
         self.to_empty(device=device or "cpu")
-        with torch.no_grad():
-            for name, prm in self.named_parameters():
-                prm.copy_(init_tensor(cfg, name, tuple(prm.shape), seed))
+        if torch.device(device or "cpu").type != "meta":  # (meta: shapes only, for a memory plan)
+            with torch.no_grad():
+                for name, prm in self.named_parameters():
+                    prm.copy_(init_tensor(cfg, name, tuple(prm.shape), seed))
         self.to(dtype)
         self.positions = None  # absolute token positions [S] (a context-parallel shard); None: 0..S-1
 

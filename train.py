@@ -158,6 +158,10 @@ def parse_args(argv=None):
     arg("--compare", action="store_true",
         help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
     arg("--quiet", action="store_true", help="no per-step lines")
+    arg("--plan", action="store_true",
+        help="print what each rank would hold (by category, beside the formulas) and exit: no training, no "
+             "memory, no processes — the sizes multiply to the world it plans for")
+    arg("--device-memory", default=None, help="with --plan: say whether it fits, e.g. 80GB or 24GiB")
     args = p.parse_args(argv)
     if args.zero_stage is None:
         args.zero_stage = 3 if args.dp_shard > 1 else 0
@@ -399,7 +403,10 @@ def lr_at(step: int, args) -> float:
 class Trainer:
     """Everything one rank needs to take a training step of its part of the model."""
 
-    def __init__(self, args, mesh: Mesh, device):
+    def __init__(self, args, mesh: Mesh, device, shapes_only: bool = False):
+        """shapes_only: every tensor on the meta device, no values, no memory — the real sharded model's sizes
+        for a memory plan (lab/plan.py, on a fake process group)."""
+        device = torch.device("meta") if shapes_only else device
         self.args, self.mesh, self.device = args, mesh, device
         self.cfg = cfg = config_of(args)
         store = store_dtype(args)
@@ -416,7 +423,7 @@ class Trainer:
             model = pipeline.Stage(cfg, self.pipe.r, args.pp, args.seed, device, store, v=args.virtual_stages)
         else:
             self.pipe = None
-            model = build_model(cfg, seed=args.seed, dtype=store, device="meta" if self.meta else device)
+            model = build_model(cfg, seed=args.seed, dtype=store, device="meta" if self.meta or shapes_only else device)
         full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         blocks = list(model.layers.values() if self.pipe is not None else model.layers)
         # 2. tensor parallel: my slice of every weight (the MoE MLPs are left to expert parallel)
@@ -477,7 +484,8 @@ class Trainer:
                     reshard_after_forward=self.pipe is None,  # a pipeline keeps units gathered over its micro-batches
                     before_reduce=before_reduce if partial_grads else None,
                     param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
-                    init_fn=init_fn if self.meta else None, offload=args.offload, lr=args.lr)
+                    init_fn=init_fn if self.meta and not shapes_only else None, offload=args.offload,
+                    shapes_only=shapes_only, lr=args.lr)
         if args.zero_stage == 0:  # every dense gradient all-reduced over dp x cp
             self.opt = fsdp.shard_model(model, 0, torch.optim.AdamW, group=mesh.group("dp_cp"), **zero)
         else:                     # sharded over dp_shard x cp, replicas across dp_replicate (HSDP when > 1)

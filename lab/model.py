@@ -66,6 +66,15 @@ CONFIGS = {
     # ~125M and ~1B: GPUs
     "medium": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, max_seq_len=1024),
     "large": ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=5632, max_seq_len=2048),
+    # real sizes, for train.py --plan (and GPUs): the shapes of GPT-2 XL (its GELU MLP of 4h as a SwiGLU of
+    # the same parameters, 2/3·4h; its 50,257-token vocabulary padded to a multiple of 64), Llama 2 7B and
+    # Llama 3 8B (the 8B shape of Qwen3-8B: 32 heads over 8 kv heads, a 14,336-wide SwiGLU)
+    "gpt2-xl": ModelConfig(vocab_size=50304, dim=1600, n_layers=48, n_heads=25, n_kv_heads=25, ffn_dim=4288,
+                           max_seq_len=1024),
+    "llama2-7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
+                             max_seq_len=4096),
+    "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                             max_seq_len=8192, rope_theta=500000.0),
 }
 
 

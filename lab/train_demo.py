@@ -11,6 +11,7 @@ for one line per step (and --log-file's JSON).
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -256,6 +257,11 @@ def run(argv=None, compare=references.train_fsdp2_tp) -> int:
     """torchrun entry point. compare(args, device) -> (losses, seconds per step): the same layout under
     PyTorch's own FSDP2 + DTensor TP, for --compare (with --save: their checkpointing beside ours too)."""
     args = parse_args(argv)
+    if args.plan:  # one process plans for the whole layout: the world is the product of the sizes
+        from lab import plan
+        check_args(args, math.prod(getattr(args, d) for d in train.DIMS))
+        plan.print_plan(args, plan.plan(args))
+        return 0
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
     device = init_distributed()
     meter = StepMeter(args, device)

@@ -58,3 +58,44 @@ def test_offload_equals_one_process_and_moves_what_the_formula_says():
                      timeout=120)[0][0]
     down, up = bf16["offload_formula"]
     assert bf16["offload_bytes"] == [(down, up)] * 2 and down == 2 * up
+
+
+PLANNED = {2: [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + [
+               ["--tp", "2"], ["--pp", "2"], ["--dp-shard", "2", "--dtype", "bfloat16"],
+               ["--dp-shard", "2", "--offload", "--dtype", "bfloat16"]],
+           4: [["--dp-replicate", "2", "--dp-shard", "2"], ["--dp-shard", "2", "--tp", "2", "--sequence-parallel"],
+               ["--pp", "2", "--dp-shard", "2", "--zero-stage", "1"], ["--dp-shard", "4", "--experts", "4", "--ep", "2"]],
+           8: [["--pp", "2", "--dp-shard", "2", "--tp", "2"], ["--dp-shard", "8", "--zero-stage", "2"]]}
+
+
+@pytest.mark.parametrize("world", sorted(PLANNED))
+def test_the_planner_holds_what_a_real_run_holds(world):
+    """train.py --plan builds the sharded model on the meta device under a fake process group of P ranks; what
+    it reads off for rank 0 — parameters, master, gradients, optimizer state — equals, to the byte, what rank 0
+    of a real run on P gloo ranks holds after a step (lab.fsdp_demo.held_bytes)."""
+    from lab.plan import plan_rank
+    common = ["--steps", "1", "--global-batch-size", "8", "--seq-len", "16"]
+    real = run_ranks(run_layouts, world, PLANNED[world], common, timeout=300)[0]
+    for lay in real:
+        planned = plan_rank(parse_args(common + lay["flags"].split()), 0)
+        held = lay["state_bytes"]
+        for k in ("parameters", "master", "gradients", "optimizer"):
+            assert planned["state"][k] == held[k], (lay["flags"], k, planned["state"][k], held[k])
+
+
+def test_the_planner_runs_at_scale_in_seconds():
+    """The 8B model on 8, 64 and 1024 ranks: the seeds' figures for ZeRO-3 over 8 ranks in bf16 (about 2 GB of
+    parameters, 4 of gradients, 12 of optimizer state with the fp32 master per GPU), 1/P of them further out."""
+    import time
+
+    from lab.plan import plan_rank
+    t0 = time.perf_counter()
+    for world in (8, 64, 1024):
+        args = parse_args(["--model", "llama3-8b", "--dp-shard", str(world), "--dtype", "bfloat16", "--seq-len", "4096",
+                           "--global-batch-size", str(world)])
+        p = plan_rank(args, 0)
+        psi = 8_030_261_248
+        assert abs(p["state"]["parameters"] - 2 * psi / world) < 2e-3 * 2 * psi / world
+        assert abs(p["state"]["gradients"] - 4 * psi / world) < 2e-3 * 4 * psi / world
+        assert abs(p["state"]["master"] + p["state"]["optimizer"] - 12 * psi / world) < 2e-3 * 12 * psi / world
+    assert time.perf_counter() - t0 < 60

@@ -1,0 +1,171 @@
+"""The memory planner: will my model fit? (train.py --plan)
+
+For a layout and model train.py accepts, on P ranks, without P processes or any memory: the process joins a
+FAKE process group of P ranks as one of them (PyTorch's fake backend: every collective returns at once and
+moves nothing), builds the real sharded model the way train.py does — pipeline split, tensor, context and
+expert parallel, ZeRO's flat units with their padding — on the meta device (shapes, no values), and reads
+off what that rank holds, by category:
+
+    parameters   the compute copies: b_p·N of each unit (stage 3: b_p·n, its slice)
+    master       an fp32 master where the compute dtype differs: b_m·N (stages 1-3: b_m·n)
+    gradients    held between steps: stages 0-1 the local gradient b_p per parameter, 2-3 the reduced slice b_m·n
+    optimizer    AdamW's two moments, 2·b_m per element of its pieces, and a 4-byte step per piece
+    activations  lab.train_demo.activation_formula (measured to the byte per block) × this rank's layers ×
+                 its tokens × the micro-batches it holds at once (pipeline.held_formula), plus each layer's
+                 input and the head's logits (b·H and 2·4·V/t per token) — dense models
+    buffers      the reduce's packed gradient of the largest unit, b_m·N, and under stage 3 two gathered
+                 units (the one computing and the prefetched next), 2·b_p·N
+
+next to ZeRO's formula (Rajbhandari et al. 2020 §5) for the same Ψ and P, and the bytes per step on each
+mesh dimension from the lessons' formulas. The planned model state equals what a real run holds, to the
+byte (tests/test_memory.py, at P = 2, 4, 8); the activations are the formula the tests measured.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+import train
+from lab.fsdp_demo import zero_comm_formula, zero_state_formula
+from lab.pipeline_demo import held_formula
+from lab.ring_attention_demo import ring_bytes, ulysses_bytes
+from lab.tensor_parallel_demo import comm_formula
+from lab.train_demo import activation_formula
+from mesh import DIMS, Mesh
+
+
+def _bytes_of(dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def plan_rank(args, rank: int) -> dict:
+    """Join a fake process group of P ranks as `rank`, build train.py's Trainer with shapes only, and read off
+    this rank's bytes by category, the formulas beside them, and the bytes per step on each mesh dimension."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    world = math.prod(getattr(args, d) for d in DIMS)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
+        trainer = train.Trainer(args, mesh, None, shapes_only=True)
+        return _read(args, trainer, mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _read(args, trainer, mesh) -> dict:
+    opt, cfg, z = trainer.opt, trainer.cfg, args.zero_stage
+    b_p = _bytes_of(torch.bfloat16 if args.dtype == "bfloat16" else train.store_dtype(args))
+    state = dict(parameters=0, master=0, gradients=0, optimizer=0)
+    for u in opt.units:
+        b_m, apart = u.master.element_size(), u.offload or u.master.dtype != u.dtype
+        state["parameters"] += b_p * (u.shard_numel if z == 3 else u.flat_numel)
+        state["master"] += b_m * u.master.numel() if apart else 0
+        state["gradients"] += b_p * sum(u.numels) if z <= 1 else b_m * u.shard_numel
+        state["optimizer"] += sum(2 * b_m * (b - a) + 4 for _, a, b, _ in u.pieces)
+    host = dict(master=state["master"], optimizer=state["optimizer"]) if args.offload else {}
+    # activations: this rank's layers, tokens and the micro-batches it holds at once
+    layers = sum(1 for _ in (trainer.model.layers.values() if trainer.pipe is not None else trainer.model.layers))
+    tokens = args.global_batch_size // (mesh.size("dp") * args.microbatches) * args.seq_len // mesh.size("cp")
+    t, sp, b_c = mesh.size("tp"), args.sequence_parallel and mesh.size("tp") > 1, b_p
+    held = 1 if trainer.pipe is None else held_formula(args.schedule, args.pp, args.microbatches, trainer.pipe.r,
+                                                       args.virtual_stages) / args.virtual_stages
+    per_token = layers * (activation_formula(cfg, args.activation_checkpointing, b_c, t, sp) + b_c * cfg.dim)
+    if trainer.pipe is None or trainer.pipe.r == args.pp - 1:
+        per_token += 2 * 4 * cfg.vocab_size / t  # the head's logits and log-softmax, in fp32
+    activations = None if cfg.n_experts else per_token * tokens * held
+    largest = max(u.flat_numel for u in opt.units)
+    buffers = 4 * largest + (2 * b_p * largest if z == 3 else 0)
+    device = {k: v for k, v in state.items() if k not in host}
+    total = sum(device.values()) + (activations or 0) + buffers
+    # ZeRO's formula for the dense units of this rank's group (stage 0: no sharding)
+    dense = [u for u in opt.units if u.group is mesh.group("dp_shard_cp" if z else "dp_cp")]  # not the experts
+    psi, P = sum(u.flat_numel for u in dense), dist.get_world_size(dense[0].group) if dense else 1
+    master_b = 4 if args.dtype == "bfloat16" else 0
+    formula = zero_state_formula(z, psi, P if z else 1, b_p, master_b, b_p if z <= 1 else (4 if master_b else b_p),
+                                 2 * (4 if master_b else b_p)) if dense else {}
+    return dict(rank=dist.get_rank(), coords=dict(mesh.coords), state=state, host=host, activations=activations,
+                buffers=buffers, total=total, formula=formula, psi=psi, group=P, per_step=_per_step(args, trainer, mesh),
+                layers=layers, tokens=tokens, held=held)
+
+
+def _per_step(args, trainer, mesh) -> dict:
+    """API bytes per step on each mesh dimension this rank talks on, from the lessons' formulas."""
+    cfg, z, opt = trainer.cfg, args.zero_stage, trainer.opt
+    b = _bytes_of(torch.bfloat16 if args.dtype == "bfloat16" else train.store_dtype(args))
+    B = args.global_batch_size // mesh.size("dp")
+    S = args.seq_len // mesh.size("cp")
+    out, t = {}, mesh.size("tp")
+    groups = {}
+    for u in opt.units:
+        groups.setdefault((tuple(dist.get_process_group_ranks(u.group)), u.after_reduce is not None), []).append(u)
+    for (ranks, hybrid), us in groups.items():
+        if len(ranks) > 1 or hybrid:
+            root = sum(u.flat_numel for u in us if "tok_embeddings.weight" in u.names)
+            f = zero_comm_formula(z, sum(u.flat_numel for u in us), len(ranks) if z else len(ranks), b, root,
+                                  trainer.pipe is None, mesh.size("dp_replicate") if hybrid else 1,
+                                  sum(len(u.params) for u in us), us[0].master.element_size(), args.microbatches
+                                  if trainer.pipe is None and args.microbatches > 1 and z == 3 else 1)
+            out[f"ZeRO group of {len(ranks)}"] = f
+    if t > 1:
+        local = replace(cfg, n_layers=len(list(trainer.model.layers.values() if trainer.pipe is not None
+                                                else trainer.model.layers)))
+        out["tp"] = {op: n for op, (_, n) in comm_formula(local, B, S, b, t, args.sequence_parallel).items()}
+    if args.pp > 1:
+        boundary = B * S * cfg.dim * b // (t if args.sequence_parallel and t > 1 else 1)
+        out["pp"] = {"send": boundary, "recv": boundary}
+    if mesh.size("cp") > 1:
+        c, cp, hkv = S, mesh.size("cp"), max(cfg.n_kv_heads // t, 1)
+        layers = len(list(trainer.model.layers.values() if trainer.pipe is not None else trainer.model.layers))
+        if args.cp_ulysses > 1:
+            out["cp"] = {"all_to_all": 2 * layers * ulysses_bytes(B, c, cfg.n_heads // t, hkv, cfg.head_dim, cp, b)}
+        else:
+            out["cp"] = {"send": layers * sum(ring_bytes(B, c, hkv, cfg.head_dim, cp, b))}
+    return out
+
+
+def plan(args, ranks=None) -> list[dict]:
+    """plan_rank for rank 0 and the first rank of every other pipeline stage (they hold different layers)."""
+    if ranks is None:
+        per_stage = math.prod(getattr(args, d) for d in DIMS[1:])
+        ranks = [s * per_stage for s in range(args.pp)]
+    return [plan_rank(args, r) for r in ranks]
+
+
+def parse_memory(text: str) -> float:
+    """'80GB', '80GiB', '24e9' -> bytes (GB = 1e9, GiB = 2^30)."""
+    units = {"GIB": 2**30, "GB": 1e9, "MIB": 2**20, "MB": 1e6, "TB": 1e12, "TIB": 2**40}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit):
+            return float(t[:-len(unit)]) * scale
+    return float(t)
+
+
+def print_plan(args, plans: list[dict]) -> None:
+    from lab.model import num_params
+    cfg, gb = train.config_of(args), 1e9
+    world = math.prod(getattr(args, d) for d in DIMS)
+    limit = parse_memory(args.device_memory) if args.device_memory else None
+    print(f"plan: {args.model} ({num_params(cfg) / 1e9:.2f}B parameters) on {world} ranks: "
+          + ", ".join(f"{d}={getattr(args, d)}" for d in DIMS) + f", ep={args.ep}; ZeRO-{args.zero_stage}, {args.dtype}"
+          + (", offload" if args.offload else "") + f", activation checkpointing {args.activation_checkpointing}; "
+          f"global batch {args.global_batch_size} x {args.seq_len}, {args.microbatches} micro-batch(es)")
+    for p in plans:
+        f = p["formula"]
+        print(f"rank {p['rank']} {p['coords']}: {p['layers']} layers, {p['tokens']:,} tokens per micro-batch, "
+              f"{p['held']:g} held at once")
+        print(f"  {'':14s} {'GB on the device':>17s} {'ZeRO formula':>13s}   (Ψ = {p['psi'] / 1e9:.3f}B over "
+              f"{p['group']} ranks)")
+        for k in ("parameters", "master", "gradients", "optimizer"):
+            where = " (host)" if k in p["host"] else ""
+            print(f"  {k:14s} {p['state'][k] / gb:17.3f} {f.get(k, 0) / gb:13.3f}{where}")
+        act = "not modelled (experts)" if p["activations"] is None else f"{p['activations'] / gb:.3f}"
+        print(f"  {'activations':14s} {act:>17s}\n  {'buffers':14s} {p['buffers'] / gb:17.3f}\n"
+              f"  {'total':14s} {p['total'] / gb:17.3f}"
+              + ("" if limit is None else f"   fits {args.device_memory}: "
+                 + ("yes" if p["total"] <= limit else f"NO, {p['total'] / limit:.2f}x of it")))
+        for dim, ops in p["per_step"].items():
+            print(f"  bytes per step, {dim}: " + ", ".join(f"{op} {n / gb:.3f} GB" for op, n in ops.items()))
