@@ -158,6 +158,9 @@ def parse_args(argv=None):
     arg("--compare", action="store_true",
         help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
     arg("--quiet", action="store_true", help="no per-step lines")
+    arg("--track-memory", action="store_true",
+        help="measure each step's peak as the bytes of live tensors (PyTorch's MemTracker), on CPU too, where "
+             "the default is the process's resident size")
     arg("--plan", action="store_true",
         help="print what each rank would hold (by category, beside the formulas) and exit: no training, no "
              "memory, no processes — the sizes multiply to the world it plans for")

@@ -175,6 +175,9 @@ def demo(argv=None, reference=references.fsdp2) -> int:
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--peak", action="store_true", help="measure the last step's peak with MemTracker (slow)")
     ap.add_argument("--compare", action="store_true", help="also time PyTorch's FSDP2 fully_shard, side by side")
+    ap.add_argument("--stages", type=int, nargs="+", choices=[0, 1, 2, 3], default=None,
+                    help="compare these stages in one table instead: memory, step time, and the parameters they "
+                         "reach (e.g. 0 2 3: PyTorch FSDP's NO_SHARD, SHARD_GRAD_OP, FULL_SHARD)")
     args = ap.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch % world or args.steps < 1:  # arithmetic only: every rank says it, before any collective
@@ -183,6 +186,8 @@ def demo(argv=None, reference=references.fsdp2) -> int:
     device = init_distributed()
     pd, mib = dtypes[args.param_dtype], 1 / 2**20
     kw = dict(param_dtype=pd, reshard_after_forward=not args.no_reshard, prefetch=not args.no_prefetch)
+    if args.stages:
+        return finish(compare_stages(args, pd, kw, device))
     res = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr, track_peak=args.peak,
                             **kw)
     print0(f"ZeRO stage {args.stage}, {world} ranks, model {args.model} (Ψ = {res['numel']:,} elements padded), "
@@ -214,6 +219,39 @@ def demo(argv=None, reference=references.fsdp2) -> int:
                f"vs FSDP2 {t['FSDP2'] * 1e3:.1f} ms -> our throughput = {t['FSDP2'] / t['ours']:.2f}x FSDP2's")
         del runs, ours, theirs  # FSDP2's state goes while the process group still exists
     return finish(ok)
+
+
+FSDP_NAMES = {0: "NO_SHARD", 1: "-", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}  # (stage 1: ZeroRedundancyOptimizer)
+
+
+def compare_stages(args, pd, kw, device) -> bool:
+    """--stages: each stage trained on the same batches (train_and_measure, MemTracker's peak of its last step),
+    one step of each timed in alternating rounds, and the parameters each reaches against one process and
+    against each other: one table, rank 0's numbers."""
+    world, mib, results, runs = dist.get_world_size(), 1 / 2**20, {}, {}
+    for s in args.stages:
+        results[s] = train_and_measure(s, args.model, args.steps, args.batch, args.seq, args.lr, track_peak=True, **kw)
+        model = build_model(args.model, seed=0, device=device)
+        runs[s] = (model, shard_model(model, s, lr=args.lr, **kw))
+    x, y = get_batch(load_corpus(), 0, args.batch, args.seq, 0, dist.get_rank(), world, device=device)
+
+    def step(model, opt):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    t = time_side_by_side({s: lambda r=r: step(*r) for s, r in runs.items()}, rounds=3, per_round=1, device=device)
+    first = results[args.stages[0]]["state"]
+    print0(f"ZeRO stages {args.stages} on {world} ranks, model {args.model}, compute {args.param_dtype} (rank 0):\n"
+           f"  {'stage':6s} {'PyTorch FSDP':14s} {'state MiB':>10s} {'B/param':>8s} {'peak MiB':>9s} {'step ms':>8s} "
+           f"{'max |diff| to stage ' + str(args.stages[0]):>22s}")
+    for s, res in results.items():
+        print0(f"  {s:<6d} {FSDP_NAMES[s]:14s} {res['memory']['total'] * mib:10.3f} "
+               f"{res['memory']['total'] / res['numel']:8.2f} {res['peak'] * mib:9.3f} {t[s] * 1e3:8.1f} "
+               f"{max_diff(res['state'], first):22.2e}")
+    ok = all(one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
+             for res in results.values())
+    del runs
+    return ok
 
 
 def main(argv=None) -> None:

@@ -17,6 +17,7 @@ import resource
 import shutil
 import statistics
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -28,7 +29,7 @@ from lab import references
 from lab.baseline import single_process
 from lab.data import IGNORE, get_batch, load_corpus
 from lab.fsdp_demo import held_bytes, offload_formula
-from lab.instruments import CommCounter, peak_memory_bytes, sync, time_side_by_side, watch_calls
+from lab.instruments import CommCounter, memory_tracker, peak_memory_bytes, sync, time_side_by_side, watch_calls
 from lab.launch import finish, main as run_main
 from lab.model import build_model, flops_per_token, num_params
 from lab.report import all_agree
@@ -76,8 +77,12 @@ class StepMeter:
         t0 = time.perf_counter()
         self.comm.reset()
         moved = [len(calls) for calls in self.transfers]
-        with self.comm if self.world > 1 else nullcontext():  # one process has nothing to count
+        tracker = memory_tracker(trainer.model, trainer.opt.inner) if self.args.track_memory else nullcontext()
+        with self.comm if self.world > 1 else nullcontext(), warnings.catch_warnings(), tracker as tracked:
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")  # (MemTracker)
             yield
+        self.tracked_peak = next(iter(tracked.get_tracker_snapshot("peak").values()))["Total"] \
+            if self.args.track_memory else None
         self.out["offload_bytes"].append(tuple(sum(c["result"].numel() * c["result"].element_size() for c in calls[k:])
                                                for calls, k in zip(self.transfers, moved)))
         sync(self.device)
@@ -87,7 +92,8 @@ class StepMeter:
     def after(self, trainer, step: int, loss: float) -> None:
         a, comm = self.args, self.comm
         tps = a.global_batch_size * a.seq_len / self.seconds
-        lr, mem, nbytes, wire = lr_at(step + 1, a), _peak_memory(self.device), comm.bytes(), comm.wire_bytes()
+        lr, nbytes, wire = lr_at(step + 1, a), comm.bytes(), comm.wire_bytes()
+        mem = self.tracked_peak if self.tracked_peak is not None else _peak_memory(self.device)
         mfu = self.fpt * tps / (self.peak * self.world) if self.peak else None
         norm = None if trainer.grad_norm is None else float(trainer.grad_norm)
         for k, v in [("tokens_per_s", tps), ("comm_bytes", nbytes), ("peak_memory_bytes", mem), ("grad_norms", norm)]:
@@ -96,7 +102,7 @@ class StepMeter:
             down, up = self.out["offload_bytes"][-1]
             print(f"step {step + 1:4d}  loss {loss:.6f}  lr {lr:.2e}  {tps:10.0f} tokens/s"
                   + (f"  MFU {mfu:5.1%}" if mfu is not None else "")
-                  + f"  peak mem {mem / 2**20:7.1f} MiB  comm {nbytes / 2**20:.3f} MiB"
+                  + f"  peak {'tracked' if a.track_memory else 'mem'} {mem / 2**20:7.1f} MiB  comm {nbytes / 2**20:.3f} MiB"
                   + f" (ring {wire / 2**20:.3f}, rank 0)"
                   + (f"  offload: down {down / 2**20:.3f} up {up / 2**20:.3f} MiB" if a.offload else ""),
                   flush=True)
@@ -134,8 +140,9 @@ def measured_train(args, device=None, verbose: bool = True, meter=None) -> dict:
     out.update(meter.results())
     out["checkpoint_io"] = io = checkpoint_io(meter.trainer, saves, loads, inits, exports)
     if dist.get_rank() == 0 and verbose:
-        print("model state on rank 0 after a step: " + ", ".join(f"{k} {v / 2**10:.1f} KiB"
-                                                                  for k, v in out["state_bytes"].items()), flush=True)
+        state, n = out["state_bytes"], num_params(meter.trainer.cfg)
+        print("model state on rank 0 after a step: " + ", ".join(f"{k} {v / 2**10:.1f} KiB" for k, v in state.items())
+              + f" ({state['total'] / n:.2f} bytes per parameter of the model)", flush=True)
         print_checkpoint_io(io, args, out)
     if args.check:
         ok = True

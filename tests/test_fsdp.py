@@ -512,8 +512,16 @@ def _check_bf16_compare(out):
     assert "PyTorch FSDP2 fully_shard: max |diff| to ours = 0.00e+00" in out and "-> ok" in out
 
 
+def _check_stages(out):
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "2 ", "3 "))}
+    assert [rows[n][3] for n in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")] == ["16.00", "7.00", "4.00"], rows
+    assert all(float(r[-1]) == 0.0 for r in rows.values()) and out.count("-> ok") == 3, out
+
+
 EXERCISES = [
     Exercise("torchrun --nproc_per_node 4 fsdp.py --stage 1", _check_stage1),
     Exercise("torchrun --nproc_per_node 2 fsdp.py --stage 3 --no-reshard", _check_no_reshard),
     Exercise("torchrun --nproc_per_node 4 fsdp.py --stage 3 --param-dtype bf16 --compare", _check_bf16_compare),
+    Exercise("torchrun --nproc_per_node 4 fsdp.py --stages 0 2 3 --model small --steps 2 --batch 4 --seq 16",
+             _check_stages),
 ]

@@ -448,6 +448,32 @@ SAVE = "torchrun --nproc_per_node 4 train.py --pp 2 --dp-shard 2 --steps 10 --st
 SMALL = "--model small --steps 2 --seq-len 16 --global-batch-size 4"
 EXPORT = f"torchrun --nproc_per_node 4 train.py --dp-shard 2 --tp 2 {SMALL} --export model.pt"
 INIT = f"torchrun --nproc_per_node 4 train.py --dp-shard 4 {SMALL} --init-from model.pt"
+MEM = "--model small --steps 2 --seq-len 16 --global-batch-size 4 --track-memory"
+XL = "--seq-len 1024 --global-batch-size 8 --device-memory 80GB"
+L7 = "--dtype bfloat16 --seq-len 4096 --global-batch-size 16 --activation-checkpointing selective --device-memory 80GB"
+def _bytes_per_parameter(out):
+    return float(out.split("bytes per parameter of the model")[0].rsplit("(", 1)[1])
+
+
+def _check_ddp_memory(per_parameter):
+    def check(out):
+        assert _bytes_per_parameter(out) == per_parameter and out.count("peak tracked") == 2, out[-1500:]
+    return check
+
+
+def _planned_state(out):
+    """GB of parameters + master + gradients + optimizer on the device, rank 0's plan."""
+    rows = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
+            if line.strip().startswith(("parameters", "master", "gradients", "optimizer"))}
+    return sum(rows.values())
+
+
+def _check_plan(state_gb):
+    def check(out):
+        assert abs(_planned_state(out) - state_gb) < 0.05 and "fits 80GB: yes" in out, out
+    return check
+
+
 EXERCISES = [
     Exercise("torchrun --nproc_per_node 8 train.py --pp 2 --dp-shard 2 --tp 2 --dtype float64 --check", _check_ok),
     Exercise("torchrun --nproc_per_node 8 train.py --dp-shard 4 --tp 2 --experts 8 --ep 4 --pad-share 0.5 "
@@ -463,6 +489,12 @@ EXERCISES = [
     Exercise(EXPORT, _check_export),
     Exercise(INIT + " --check", _check_init("every-rank"), setup=(EXPORT,)),
     Exercise(INIT + " --init-read rank-0 --check", _check_init("rank-0"), setup=(EXPORT,)),
+    Exercise(f"torchrun --nproc_per_node 4 train.py --dp-replicate 4 {MEM}", _check_ddp_memory(16.0)),
+    Exercise(f"torchrun --nproc_per_node 4 train.py --dp-shard 4 {MEM}", _check_ddp_memory(4.0)),
+    Exercise(f"python train.py --plan --model gpt2-xl --dp-replicate 8 {XL}", _check_plan(26.25)),
+    Exercise(f"python train.py --plan --model gpt2-xl --dp-shard 8 {XL}", _check_plan(3.28)),
+    Exercise(f"python train.py --plan --model llama2-7b --dp-replicate 2 --dp-shard 8 {L7}", _check_plan(15.16)),
+    Exercise(f"python train.py --plan --model llama2-7b --dp-shard 16 {L7}", _check_plan(7.58)),
     Exercise("torchrun --nproc_per_node 2 train.py --dp-shard 2 --pad-share 0.6 --dtype float64 --check", _check_ok),
 ]
 EXERCISES.append(Exercise(EXERCISES[-1].command, _check_mismatch, fails=True, edits=(
