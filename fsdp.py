@@ -187,7 +187,11 @@ def _my_slice(u, entries, init_fn):
 
 def _repoint(entry, view):
     """Every holder of the parameter now holds `view` (of buf). `.data`-made views get their own version
-    counter, so refilling buf (stage 3) does not trip autograd's check on saved tensors."""
+    counter, so refilling buf (stage 3) does not trip autograd's check on saved tensors. No holders (a bare
+    parameter, shard_optimizer): the parameter itself keeps its identity and its data becomes the view."""
+    if not entry[1]:
+        entry[2].data = view
+        return entry[2]
     p = nn.Parameter(view)
     for module, attr in entry[1]:
         module._parameters[attr] = p
@@ -201,10 +205,13 @@ class ZeroOptimizer:
     for stages 0-1 (all-reduce; reduce-scatter), during backward for 2-3 (the hooks below). Stages 1-2
     then all-gather the new parameters; stage 3 leaves that to the next forward."""
 
-    def __init__(self, module, units, optimizer_cls, stage, max_grad_norm=None, before_reduce=None, **optimizer_kw):
+    def __init__(self, module, units, optimizer_cls, stage, max_grad_norm=None, before_reduce=None, groups=None,
+                 **optimizer_kw):
         self.module, self.units, self.stage = module, units, stage  # module: for its frozen params and buffers
         self.max_grad_norm, self.before_reduce = max_grad_norm, before_reduce
-        self.inner = optimizer_cls([q for u in units for *_, q in u.pieces], **optimizer_kw)
+        pieces = [q for u in units for *_, q in u.pieces]
+        # groups: the optimizer's parameter groups, each {"params": [pieces], **its settings}; default one group
+        self.inner = optimizer_cls(groups if groups is not None else pieces, **optimizer_kw)
         # Reductions run behind the rest of backward only on NCCL (its own CUDA stream); on gloo their CPU
         # threads would compete with compute (measured slower when ranks share cores): wait at once.
         self.async_reduce = all(dist.get_backend(u.group) == "nccl" for u in units)
@@ -327,6 +334,29 @@ class ZeroOptimizer:
 
     def load_shard_state_dict(self, sd: dict) -> None:
         load_shard_state_dict(self, sd)
+
+
+def shard_optimizer(params, optimizer_cls=torch.optim.AdamW, *, group=None, **optimizer_kwargs) -> ZeroOptimizer:
+    """ZeRO-1 over any parameters, as PyTorch's ZeroRedundancyOptimizer takes them: an iterable of parameters
+    (or of parameter groups, dicts with "params" and their own settings) and an optimizer class. Each group's
+    trainable parameters become views of one flat buffer [N] (each keeps its identity: only its .data moves),
+    this rank steps its slice [n] of it, and then all-gathers everyone's. Frozen parameters are left alone;
+    a parameter listed twice (a tied weight) once. The loop: loss.backward(); opt.step(); opt.zero_grad() —
+    step() reduce-scatters the gradients (the data-parallel average) first. shard_model(module, 1) is the same
+    optimizer on a module's units, with names for its state dicts."""
+    groups = list(params)
+    groups = groups if groups and isinstance(groups[0], dict) else [dict(params=groups)]
+    group = resolve_group(group)
+    units, inner, seen = [], [], set()
+    for k, g in enumerate(groups):
+        mine = [p for p in g["params"] if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+        if not mine:
+            continue
+        entries = [((f"group{k}.param{i}",), [], p) for i, p in enumerate(mine)]
+        u = FlatUnit(entries, 1, group, dist.get_world_size(group))
+        units.append(u)
+        inner.append(dict({k: v for k, v in g.items() if k != "params"}, params=[q for *_, q in u.pieces]))
+    return ZeroOptimizer(None, units, optimizer_cls, 1, groups=inner, **optimizer_kwargs)
 
 
 # ---- 3-4. stages 2 and 3: hooks that reduce (2), and gather and free (3), as forward and backward run ---
@@ -517,7 +547,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
 def _unsharded(opt) -> dict:
     """The module's frozen parameters and buffers: every rank keeps them whole."""
     sharded = {n for u in opt.units for names in u.aliases for n in names}
-    return {k: v for k, v in opt.module.state_dict().items() if k not in sharded}
+    return {} if opt.module is None else {k: v for k, v in opt.module.state_dict().items() if k not in sharded}
 
 
 @torch.no_grad()

@@ -132,6 +132,9 @@ def parse_args(argv=None):
         help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
     arg("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     arg("--data", default=None, help="a text file (default: the built-in corpus)")
+    arg("--compile", action="store_true",
+        help="torch.compile each block before anything wraps or shards it (its collectives break the graph)")
+    arg("--compile-backend", default="inductor", help="with --compile: inductor (fused kernels) or aot_eager, ...")
     arg("--offload", action="store_true",
         help="ZeRO-Offload: fp32 master weights and optimizer state in host memory, the optimizer steps there")
     arg("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
@@ -429,6 +432,11 @@ class Trainer:
             model = build_model(cfg, seed=args.seed, dtype=store, device="meta" if self.meta or shapes_only else device)
         full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         blocks = list(model.layers.values() if self.pipe is not None else model.layers)
+        # (compile: each block's forward, before anything below swaps its parts or hooks it; it is traced at
+        #  its first call, with the parts it has then, and breaks its graph where a collective runs)
+        if args.compile and not shapes_only:
+            for block in blocks:
+                block.forward = torch.compile(block.forward, backend=args.compile_backend)
         # 2. tensor parallel: my slice of every weight (the MoE MLPs are left to expert parallel)
         if self.tp > 1:
             tensor_parallel.apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sp)

@@ -10,7 +10,7 @@ off what that rank holds, by category:
     master       an fp32 master where the compute dtype differs: b_m·N (stages 1-3: b_m·n)
     gradients    held between steps: stages 0-1 the local gradient b_p per parameter, 2-3 the reduced slice b_m·n
     optimizer    AdamW's two moments, 2·b_m per element of its pieces, and a 4-byte step per piece
-    activations  lab.train_demo.activation_formula (measured to the byte per block) × this rank's layers ×
+    activations  activation_formula below (measured to the byte per block) × this rank's layers ×
                  its tokens × the micro-batches it holds at once (pipeline.held_formula), plus each layer's
                  input and the head's logits (b·H and 2·4·V/t per token) — dense models
     buffers      the reduce's packed gradient of the largest unit, b_m·N, and under stage 3 two gathered
@@ -33,8 +33,39 @@ from lab.fsdp_demo import zero_comm_formula, zero_state_formula
 from lab.pipeline_demo import held_formula
 from lab.ring_attention_demo import ring_bytes, ulysses_bytes
 from lab.tensor_parallel_demo import comm_formula
-from lab.train_demo import activation_formula
 from mesh import DIMS, Mesh
+
+
+def activation_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False) -> float:
+    """Bytes per token (of the B·S the layer sees) that one block of lab/model.py keeps for its backward,
+    beyond its input — computing in b bytes per element, statistics (RMSNorm's, SDPA's) in w = max(b, 4),
+    fp32 for 16-bit compute — counted from what
+    autograd saves, op by op (the README's checkpointing section walks through it). H = dim, a = n_heads,
+    F = ffn_dim, t = tp, K = the kv width a tp rank keeps, max(n_kv_heads·head_dim/t, head_dim);
+    H' = H/t and t' = t under sequence parallel (the norms see S/t tokens), else H and 1.
+      none       per norm     w/t' (1/rms) + b·H' (x/rms, for the weight's gradient) + b·H (its output as the
+                              matmuls read it: whole, all-gathered under sequence parallel)
+                 their inputs w·H' with b = w (the residual between attention and MLP is the MLP norm's
+                              input) or 2w·H' with b < 4 (each norm keeps an fp32 copy of its input)
+                 attention    b(H/t + 2K + H/t): q, k, v after rotary and SDPA's output; w·a/t its log-sum-exp
+                 SwiGLU       4bF/t: w1 x, silu(w1 x), w3 x and their product
+      selective  what train.SAVED_BY_SELECTIVE's ops return: the q, k, v, w1, w3 projections and SDPA's output
+                 b(H/t + 2K + H/t + 2F/t) and its log-sum-exp w·a/t, and wo's and w2's outputs b·2H (partial
+                 sums of the whole width under tp, before their all-reduce)
+      full       nothing: checkpointing keeps only the block's input (b·H', the previous block's output)
+    Korthikanti et al. 2022 count sbh(34 + 5as/h) bytes (16-bit) for a GPT layer: a GELU MLP of 4h (19sbh),
+    dropout masks, and the s×s attention scores (5as²b); here SDPA keeps a per-row log-sum-exp instead of
+    the scores, there is no dropout, SwiGLU keeps four F-wide tensors, and GQA's k, v are K wide, not h."""
+    H, a, F, hd, w = cfg.dim, cfg.n_heads, cfg.ffn_dim, cfg.head_dim, max(b, 4)
+    K = max(cfg.n_kv_heads * hd // tp, hd)
+    t_norm = tp if sp else 1
+    H_norm = H / t_norm
+    if how == "full":
+        return 0.0
+    if how == "selective":
+        return b * (H / tp + 2 * K + H / tp + 2 * F / tp + 2 * H) + w * a / tp
+    norms = 2 * (w / t_norm + b * H_norm + b * H) + (w * H_norm if b == w else 2 * w * H_norm)
+    return norms + b * (2 * H / tp + 2 * K) + w * a / tp + 4 * b * F / tp
 
 
 def _bytes_of(dtype) -> int:

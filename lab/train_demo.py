@@ -10,6 +10,7 @@ for one line per step (and --log-file's JSON).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 import fsdp
 import train
-from lab import references
+from lab import plan, references
+from lab.plan import activation_formula
 from lab.baseline import single_process
 from lab.data import IGNORE, get_batch, load_corpus
 from lab.fsdp_demo import held_bytes, offload_formula
@@ -78,7 +80,10 @@ class StepMeter:
         self.comm.reset()
         moved = [len(calls) for calls in self.transfers]
         tracker = memory_tracker(trainer.model, trainer.opt.inner) if self.args.track_memory else nullcontext()
-        with self.comm if self.world > 1 else nullcontext(), warnings.catch_warnings(), tracker as tracked:
+        # (one process has nothing to count; and under --compile a dispatch mode around the step would make
+        #  dynamo run every frame eagerly, so the collectives are not counted there)
+        counting = self.world > 1 and not self.args.compile
+        with self.comm if counting else nullcontext(), warnings.catch_warnings(), tracker as tracked:
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")  # (MemTracker)
             yield
         self.tracked_peak = next(iter(tracked.get_tracker_snapshot("peak").values()))["Total"] \
@@ -260,12 +265,26 @@ def compare_checkpoints(args, trainer, device, rounds: int = 3) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def compare_compiled(args, compiled, device, rounds: int = 3) -> None:
+    """--compile: the compiled trainer's step beside an eager twin's (the same layout, the same groups), timed in
+    alternating rounds (instruments.time_side_by_side); rank 0 prints the ratio."""
+    eager_args = argparse.Namespace(**dict(vars(args), compile=False))
+    eager, tokens = train.Trainer(eager_args, compiled.mesh, device), load_corpus(args.data)
+    t = time_side_by_side(dict(compiled=lambda: compiled.step(0, tokens), eager=lambda: eager.step(0, tokens)),
+                          rounds, 2, device=device)
+    times = torch.tensor([t["compiled"], t["eager"]], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"compiled ({args.compile_backend}) vs eager, median of {rounds} alternating rounds: "
+              f"{times[0] * 1e3:.1f} ms vs {times[1] * 1e3:.1f} ms per step: compiled/eager {times[0] / times[1]:.2f}",
+              flush=True)
+
+
 def run(argv=None, compare=references.train_fsdp2_tp) -> int:
     """torchrun entry point. compare(args, device) -> (losses, seconds per step): the same layout under
     PyTorch's own FSDP2 + DTensor TP, for --compare (with --save: their checkpointing beside ours too)."""
     args = parse_args(argv)
     if args.plan:  # one process plans for the whole layout: the world is the product of the sizes
-        from lab import plan
         check_args(args, math.prod(getattr(args, d) for d in train.DIMS))
         plan.print_plan(args, plan.plan(args))
         return 0
@@ -275,6 +294,8 @@ def run(argv=None, compare=references.train_fsdp2_tp) -> int:
     out = measured_train(args, device, meter=meter)
     if args.compare and args.save:
         compare_checkpoints(args, meter.trainer, device)
+    if args.compile:
+        compare_compiled(args, meter.trainer, device)
     if args.compare and compare is not None:
         t_ours = statistics.median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]
                                    or out["tokens_per_s"])
@@ -292,38 +313,6 @@ def main(argv=None) -> None:
 
 
 # ---- activation memory: what a block keeps for its backward, measured and by formula --------------------------
-
-def activation_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False) -> float:
-    """Bytes per token (of the B·S the layer sees) that one block of lab/model.py keeps for its backward,
-    beyond its input — computing in b bytes per element, statistics (RMSNorm's, SDPA's) in w = max(b, 4),
-    fp32 for 16-bit compute — counted from what
-    autograd saves, op by op (the README's checkpointing section walks through it). H = dim, a = n_heads,
-    F = ffn_dim, t = tp, K = the kv width a tp rank keeps, max(n_kv_heads·head_dim/t, head_dim);
-    H' = H/t and t' = t under sequence parallel (the norms see S/t tokens), else H and 1.
-      none       per norm     w/t' (1/rms) + b·H' (x/rms, for the weight's gradient) + b·H (its output as the
-                              matmuls read it: whole, all-gathered under sequence parallel)
-                 their inputs w·H' with b = w (the residual between attention and MLP is the MLP norm's
-                              input) or 2w·H' with b < 4 (each norm keeps an fp32 copy of its input)
-                 attention    b(H/t + 2K + H/t): q, k, v after rotary and SDPA's output; w·a/t its log-sum-exp
-                 SwiGLU       4bF/t: w1 x, silu(w1 x), w3 x and their product
-      selective  what train.SAVED_BY_SELECTIVE's ops return: the q, k, v, w1, w3 projections and SDPA's output
-                 b(H/t + 2K + H/t + 2F/t) and its log-sum-exp w·a/t, and wo's and w2's outputs b·2H (partial
-                 sums of the whole width under tp, before their all-reduce)
-      full       nothing: checkpointing keeps only the block's input (b·H', the previous block's output)
-    Korthikanti et al. 2022 count sbh(34 + 5as/h) bytes (16-bit) for a GPT layer: a GELU MLP of 4h (19sbh),
-    dropout masks, and the s×s attention scores (5as²b); here SDPA keeps a per-row log-sum-exp instead of
-    the scores, there is no dropout, SwiGLU keeps four F-wide tensors, and GQA's k, v are K wide, not h."""
-    H, a, F, hd, w = cfg.dim, cfg.n_heads, cfg.ffn_dim, cfg.head_dim, max(b, 4)
-    K = max(cfg.n_kv_heads * hd // tp, hd)
-    t_norm = tp if sp else 1
-    H_norm = H / t_norm
-    if how == "full":
-        return 0.0
-    if how == "selective":
-        return b * (H / tp + 2 * K + H / tp + 2 * F / tp + 2 * H) + w * a / tp
-    norms = 2 * (w / t_norm + b * H_norm + b * H) + (w * H_norm if b == w else 2 * w * H_norm)
-    return norms + b * (2 * H / tp + 2 * K) + w * a / tp + 4 * b * F / tp
-
 
 def activation_profile(model_name: str = "tiny", hows=("none", "selective", "full"), dtype=torch.float32,
                        batch: int = 4, seq: int = 32, sp: bool = False, repeats: int = 3) -> dict:

@@ -525,3 +525,59 @@ EXERCISES = [
     Exercise("torchrun --nproc_per_node 4 fsdp.py --stages 0 2 3 --model small --steps 2 --batch 4 --seq 16",
              _check_stages),
 ]
+
+
+# ---- ZeRO-1 over any parameters (fsdp.shard_optimizer) ----------------------------------------------------
+
+def _tied_frozen_model():
+    from lab.model import build_model
+    model = build_model("tiny", seed=0, dtype=torch.float64)
+    model.output.weight = model.tok_embeddings.weight      # tied: one parameter, used twice
+    model.layers[0].attn_norm.weight.requires_grad_(False)  # frozen
+    return model
+
+
+def _groups(model):
+    """Two parameter groups with their own settings (and the tied weight listed in both: it counts once)."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    return [dict(params=decay, weight_decay=0.1), dict(params=[p for p in model.parameters()] + decay,
+                                                         weight_decay=0.0, lr=2 * LR)]
+
+
+def _zero1_over_parameters():
+    from lab.data import get_batch, load_corpus
+    from fsdp import shard_optimizer
+    P, r = dist.get_world_size(), dist.get_rank()
+    model = _tied_frozen_model()
+    ids = [id(p) for p in model.parameters()]
+    opt = shard_optimizer(_groups(model), torch.optim.AdamW, lr=LR)
+    assert [id(p) for p in model.parameters()] == ids  # every parameter kept its identity
+    tokens = load_corpus()
+    for s in range(STEPS):
+        model(*get_batch(tokens, s, B, S, 0, r, P)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_zero1_over_any_parameters_equals_the_unsharded_optimizer():
+    """shard_optimizer(param_groups, AdamW) on 2 ranks — a tied weight, a frozen one, two groups with their own
+    weight decay and learning rate — against torch.optim.AdamW with the same groups on the whole global batch
+    in one process (float64)."""
+    from lab.data import get_batch, load_corpus
+    results = run_ranks(_zero1_over_parameters, 2, timeout=120)
+    model = _tied_frozen_model()
+    seen, groups = set(), []
+    for g in _groups(model):  # torch's optimizer refuses a parameter in two groups: keep its first
+        groups.append(dict(g, params=[p for p in g["params"] if p.requires_grad and id(p) not in seen
+                                      and not seen.add(id(p))]))
+    opt, tokens = torch.optim.AdamW(groups, lr=LR), load_corpus()
+    frozen = model.layers[0].attn_norm.weight.detach().clone()
+    for s in range(STEPS):
+        model(*get_batch(tokens, s, B, S)).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    for got in results:
+        assert max_diff(got, want) < 1e-12
+        assert torch.equal(got["layers.0.attn_norm.weight"], frozen)

@@ -1,5 +1,5 @@
 """Memory (issue 24): activation checkpointing (none, selective, full) composed with every mesh dimension and
-equal to one process; the activation bytes a block keeps measured against lab.train_demo.activation_formula."""
+equal to one process; the activation bytes a block keeps measured against lab.plan.activation_formula."""
 import pytest
 import torch
 
