@@ -112,10 +112,12 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight, self.group, self.input_op = _shard(weight, 0, *rows), group, input_op   # [F/t, H]
 
+    linear = staticmethod(F.linear)  # the matmul itself (lab.model.use_float8 makes it a float8 one)
+
     def forward(self, x):
         if self.input_op is not None:
             x = enter_tp(x, self.group, sp=self.input_op == "gather")
-        return F.linear(x, self.weight)                                  # [B, S, F/t]
+        return self.linear(x, self.weight)                              # [B, S, F/t]
 
 
 class RowParallelLinear(nn.Module):
@@ -125,8 +127,10 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight, self.group, self.sp = _shard(weight, 1, *cols), group, sequence_parallel   # [H, F/t]
 
+    linear = staticmethod(F.linear)
+
     def forward(self, x):                                                # [B, S, F/t]
-        return exit_tp(F.linear(x, self.weight), self.group, self.sp)   # [B, S, H] or [B, S/t, H]
+        return exit_tp(self.linear(x, self.weight), self.group, self.sp)   # [B, S, H] or [B, S/t, H]
 
 
 # ---- the model's layers, made parallel -----------------------------------------------------------

@@ -89,7 +89,7 @@ import pipeline
 import ring_attention
 import tensor_parallel
 from lab.data import IGNORE, get_batch, load_corpus
-from lab.model import CONFIGS, build_model, get_config, init_tensor
+from lab.model import CONFIGS, build_model, get_config, init_tensor, use_float8
 from mesh import DIMS, Mesh, mesh_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -135,6 +135,9 @@ def parse_args(argv=None):
     arg("--compile", action="store_true",
         help="torch.compile each block before anything wraps or shards it (its collectives break the graph)")
     arg("--compile-backend", default="inductor", help="with --compile: inductor (fused kernels) or aot_eager, ...")
+    arg("--float8", action="store_true",
+        help="the linear layers' matmuls in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic scales; "
+             "emulated where the device has no float8 matmul); the embedding and head stay as they are")
     arg("--offload", action="store_true",
         help="ZeRO-Offload: fp32 master weights and optimizer state in host memory, the optimizer steps there")
     arg("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
@@ -440,6 +443,9 @@ class Trainer:
         # 2. tensor parallel: my slice of every weight (the MoE MLPs are left to expert parallel)
         if self.tp > 1:
             tensor_parallel.apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sp)
+        # (float8: every linear's matmul but the head's, cast each time; the weights stay as they are)
+        if args.float8:
+            use_float8(model)
         # 3. context parallel: only the attention core changes
         self.positions = None
         if self.cp > 1:

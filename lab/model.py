@@ -350,3 +350,79 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     n = num_params(cfg, active=True) - cfg.vocab_size * cfg.dim
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+# ---- float8 matmuls, by hand (train.py --float8) ---------------------------------------------------
+#
+# A float8 matmul (Micikevicius et al. 2022, arXiv:2209.05433) multiplies 8-bit numbers: e4m3 (3 mantissa bits,
+# largest 448) for weights and activations in the forward, e5m2 (2 bits, largest 57,344: more range, less
+# precision) for gradients in the backward. Dynamic tensorwise scaling: each tensor is multiplied by
+# scale = largest / amax(|x|) before the cast, so its largest element lands on the format's largest number,
+# and the product is divided by both scales. Parameters stay in their own dtype (ZeRO and tp never see
+# float8); only the matmul's inputs are cast, each time.
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def to_float8(x: torch.Tensor, dtype=E4M3):
+    """(x·scale cast to dtype, scale), scale = dtype's largest / amax(|x|): tensorwise dynamic scaling."""
+    largest = torch.finfo(dtype).max
+    scale = largest / x.detach().abs().max().float().clamp(min=1e-12)
+    return (x.float() * scale).clamp(-largest, largest).to(dtype), scale
+
+
+def _scaled_matmul(a, scale_a, b, scale_b, out_dtype):
+    """a [M, K] @ b [K, N] of float8 tensors, divided by both scales. torch._scaled_mm where the device has
+    float8 matmuls (a CUDA GPU of compute capability 8.9 or more: it wants b column-major), else emulated:
+    the float8 values, exactly, multiplied in fp32."""
+    if a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9):
+        return torch._scaled_mm(a, b.t().contiguous().t(), scale_a=(1 / scale_a).reshape(()),
+                                scale_b=(1 / scale_b).reshape(()), out_dtype=out_dtype)
+    return ((a.float() @ b.float()) / (scale_a * scale_b)).to(out_dtype)
+
+
+class Float8Matmul(torch.autograd.Function):
+    """y = x @ w.T with x, w cast to e4m3 in the forward and dL/dy to e5m2 in the backward:
+    dL/dx = dL/dy @ w, dL/dw = dL/dy^T @ x, each a float8 matmul of the float8 tensors saved from the forward."""
+
+    @staticmethod
+    def forward(ctx, x, w):                                   # x [..., K], w [N, K]
+        x2 = x.reshape(-1, x.shape[-1])
+        (xq, sx), (wq, sw) = to_float8(x2), to_float8(w)
+        ctx.save_for_backward(xq, sx, wq, sw)
+        ctx.shape, ctx.dtypes = x.shape, (x.dtype, w.dtype)
+        return _scaled_matmul(xq, sx, wq.t(), sw, x.dtype).view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        xq, sx, wq, sw = ctx.saved_tensors
+        gq, sg = to_float8(gy.reshape(-1, gy.shape[-1]), E5M2)
+        gx = _scaled_matmul(gq, sg, wq, sw, ctx.dtypes[0]).view(ctx.shape)
+        gw = _scaled_matmul(gq.t(), sg, xq, sx, ctx.dtypes[1])
+        return gx, gw
+
+
+def float8_linear(x, weight, bias=None):
+    """F.linear with the matmul in float8 (bias, if any, added in the input's dtype)."""
+    y = Float8Matmul.apply(x, weight)
+    return y if bias is None else y + bias
+
+
+def use_float8(model, keep=("tok_embeddings", "output", "router")) -> list[str]:
+    """Make every linear layer's matmul a float8 one, in place, but those whose name has a part in `keep`: the
+    embedding (a lookup, no matmul), the output head, whose logits feed the loss and are the most sensitive to
+    rounding, and a mixture of experts' router, whose top-k choice a rounding can flip. A layer is an nn.Linear,
+    or anything with a `linear` attribute it calls (tensor_parallel's linears); the experts' stacked weights
+    [E, F, H] are neither and stay as they are. Returns the names of the layers changed."""
+    changed = []
+    for name, module in model.named_modules():
+        if set(name.split(".")) & set(keep):
+            continue
+        if isinstance(module, nn.Linear):
+            module.forward = lambda x, m=module: float8_linear(x, m.weight, m.bias)
+        elif hasattr(module, "linear") and hasattr(module, "weight"):
+            module.linear = float8_linear
+        else:
+            continue
+        changed.append(name)
+    return changed
