@@ -28,6 +28,12 @@ backward it waits for what is still in flight, so the loop is PyTorch's:
 `loss = model(x, y); loss.backward(); opt.step()`. `average_gradients` at the end is the same average
 without a wrapper, one flat all-reduce after backward: the later lessons call it where replicas agree.
 
+The composed run (train.py, ZeRO stage 0) keeps this wrapper's buckets and hooks but calls the model
+itself: `sync_next_backward(False)` before each micro-batch's backward but the last, so only the last
+all-reduces (overlapped with it) while the others add up locally — a pipeline tells it before the rank's
+last backward of the schedule — and `synchronize()` reduces afterwards whatever is left. `groups_of`
+gives some parameters a group of their own (an expert's weights: the ranks holding that expert).
+
 Tied, frozen and unused parameters
 ----------------------------------
 A weight shared by two modules is one Parameter: listed once, one gradient (autograd sums both uses
@@ -69,9 +75,15 @@ MiB = 1024 * 1024
 
 
 class _Replicated(nn.Module):
-    """What both versions share: the first broadcast, forward, no_sync, and agreeing on what was used."""
+    """What both versions share: the first broadcast, forward, no_sync, and agreeing on what was used.
 
-    def __init__(self, module: nn.Module, group=None, compute_dtype: torch.dtype | None = None):
+    divide_by   what the summed gradients are divided by (default: the group's size)
+    groups_of   groups_of(name, param) -> None | (group, divide_by): a parameter replicated over other
+                ranks than the rest — an expert's weights, held by the ranks that hold that expert
+                (train.py) — is broadcast, averaged and agreed on over its own group"""
+
+    def __init__(self, module: nn.Module, group=None, compute_dtype: torch.dtype | None = None,
+                 divide_by: int | None = None, groups_of=None):
         _check_module(module, compute_dtype)  # every check before the first collective: all ranks fail alike
         group = resolve_group(group, "dp")
         super().__init__()
@@ -80,10 +92,12 @@ class _Replicated(nn.Module):
         self.names = {p: n for n, p in module.named_parameters()}
         self.compute_dtype, self.device = compute_dtype, self.params[0].device
         self._sync = self._sync_backward = True  # _sync: False inside no_sync()
+        self.where = {p: (groups_of(n, p) if groups_of else None) or (group, divide_by or self.world)
+                      for n, p in module.named_parameters()}  # p -> (group, divide_by)
         with torch.no_grad():  # the ranks may have been initialised differently
-            src = dist.get_global_rank(group, 0)
             for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t.detach(), src=src, group=group)
+                g = self.where.get(t, (group,))[0]
+                dist.broadcast(t.detach(), src=dist.get_global_rank(g, 0), group=g)
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # as in PyTorch the forward decides; an eval forward decides nothing
@@ -102,11 +116,25 @@ class _Replicated(nn.Module):
         finally:
             self._sync = before
 
+    def sync_next_backward(self, sync: bool = True) -> None:
+        """Decide whether the next backward all-reduces, for a caller that runs the module itself rather
+        than through this wrapper's forward (a pipeline schedule calls its stage; train.py's micro-batches)."""
+        self._sync_backward = sync
+
     def _agree_on_used(self) -> list[bool]:
-        """Per parameter: does ANY rank hold a gradient for it? One byte each, one all-reduce (MAX = or)."""
-        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8, device=self.device)
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
-        return used.bool().tolist()
+        """Per parameter: does ANY rank hold a gradient for it? One byte each, one all-reduce (MAX = or)
+        per group (one, unless groups_of gave some parameters their own)."""
+        by_group = {}
+        for i, p in enumerate(self.params):  # (the same order on every rank)
+            by_group.setdefault(self.where[p][0], []).append(i)
+        used = [False] * len(self.params)
+        for group, idx in by_group.items():
+            flags = torch.tensor([self.params[i].grad is not None for i in idx], dtype=torch.uint8, device=self.device)
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            for i, f in zip(idx, flags.tolist()):
+                used[i] = bool(f)
+        return used
 
 
 class NaiveDDP(_Replicated):
@@ -124,8 +152,9 @@ class NaiveDDP(_Replicated):
                 continue  # no rank used it: grad stays None, as in one process, and AdamW skips it
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # another rank used it: this one adds nothing
-            p.grad.div_(self.world)  # sum of g_r / P = the average
-            dist.all_reduce(p.grad, group=self.group)
+            group, divide_by = self.where[p]
+            p.grad.div_(divide_by)  # sum of g_r / P = the average
+            dist.all_reduce(p.grad, group=group)
 
 
 class BucketedDDP(_Replicated):
@@ -138,9 +167,10 @@ class BucketedDDP(_Replicated):
     """
 
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
-                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 divide_by: int | None = None, groups_of=None):
         check_buckets(bucket_cap_mb, first_bucket_mb, reduce_dtype)
-        super().__init__(module, group, compute_dtype)
+        super().__init__(module, group, compute_dtype, divide_by, groups_of)
         self.reduce_dtype = reduce_dtype
         self.buckets = self._make_buckets(bucket_cap_mb * MiB, min(first_bucket_mb, bucket_cap_mb) * MiB)
         for b, bucket in enumerate(self.buckets):
@@ -148,22 +178,30 @@ class BucketedDDP(_Replicated):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, i))
         self._next = 0  # the next bucket to launch: every rank launches in this order
         self._in_backward, self._task = False, None
+        self.averaged = True  # False while gradients that were not all-reduced sit in the buckets
 
     def _make_buckets(self, cap: float, first_cap: float) -> list[Bucket]:
         buckets, cur, size, limit = [], [], 0, first_cap
+        kind = lambda p: (self.reduce_dtype or p.dtype, p.dtype, p.device, self.where[p])  # noqa: E731
         for p in reversed(self.params):  # backward produces the last layers' gradients first
-            dtype = self.reduce_dtype or p.dtype
-            if cur and (dtype, p.dtype, p.device) != (self.reduce_dtype or cur[0].dtype, cur[0].dtype, cur[0].device):
-                buckets.append(Bucket(cur, self.reduce_dtype or cur[0].dtype))  # a bucket is one dtype
+            if cur and kind(p) != kind(cur[0]):  # a bucket is one dtype, on one group
+                buckets.append(Bucket(cur, kind(cur[0])[0], *self.where[cur[0]]))
                 cur, size, limit = [], 0, cap
             cur.append(p)
-            size += p.numel() * dtype.itemsize
+            size += p.numel() * kind(p)[0].itemsize
             if size >= limit:
-                buckets.append(Bucket(cur, dtype))
+                buckets.append(Bucket(cur, kind(p)[0], *self.where[p]))
                 cur, size, limit = [], 0, cap
         if cur:
-            buckets.append(Bucket(cur, self.reduce_dtype or cur[0].dtype))
+            buckets.append(Bucket(cur, kind(cur[0])[0], *self.where[cur[0]]))
         return buckets
+
+    def synchronize(self) -> None:
+        """All-reduce now whatever backwards left unreduced (they ran with sync_next_backward(False), or
+        inside no_sync()): every bucket, after the fact, as a backward's end would. A no-op if the last
+        backward all-reduced already."""
+        if not self.averaged:
+            self._finish_backward()
 
     @torch.no_grad()
     def _on_grad_ready(self, b: int, i: int, p: torch.Tensor) -> None:
@@ -174,6 +212,7 @@ class BucketedDDP(_Replicated):
             # from then on (zero_grad(set_to_none=False)) backward accumulates straight into it.
             view.copy_(p.grad)
             p.grad = view
+        self.averaged = False
         if not self._sync_backward:
             return
         task = torch._C._current_graph_task_id()  # which backward pass runs this hook
@@ -197,8 +236,9 @@ class BucketedDDP(_Replicated):
         # the one ahead of it on one rank and after it on another (a branch), so launch in bucket order.
         while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
             bucket = self.buckets[self._next]
-            bucket.flat.div_(self.world)  # divide first: the sum is then the average
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then the average
+            if dist.get_world_size(bucket.group) > 1:
+                bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
             self._next += 1
 
     @torch.no_grad()
@@ -217,7 +257,8 @@ class BucketedDDP(_Replicated):
         self._launch_in_order()
         used = dict(zip(self.params, self._agree_on_used()))  # after the last bucket, on every rank
         for bucket in self.buckets:
-            bucket.work.wait()
+            if bucket.work is not None:
+                bucket.work.wait()
             for i, p in enumerate(bucket.params):
                 if not used[p]:
                     p.grad = None  # no rank used it: as in one process
@@ -228,14 +269,14 @@ class BucketedDDP(_Replicated):
                 else:
                     p.grad.copy_(bucket.views[i])
             bucket.ready, bucket.work = [False] * len(bucket.params), None
-        self._next, self._in_backward = 0, False
+        self._next, self._in_backward, self.averaged = 0, False, True
 
 
 class Bucket:
-    """Parameters whose gradients are all-reduced together, in one flat buffer."""
+    """Parameters whose gradients are all-reduced together, in one flat buffer, over one group."""
 
-    def __init__(self, params, dtype):
-        self.params = params
+    def __init__(self, params, dtype, group, divide_by):
+        self.params, self.group, self.divide_by = params, group, divide_by
         numels = [p.numel() for p in params]
         self.flat = torch.zeros(sum(numels), dtype=dtype, device=params[0].device)  # [Σ numel]
         self.views = [part.view(p.shape) for part, p in zip(self.flat.split(numels), params)]

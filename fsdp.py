@@ -103,6 +103,7 @@ class FlatUnit:
         self.params = [_repoint(e, view) for e, view in zip(entries, self.views(self.buf.data))]
         self.used = torch.zeros(len(self.params), dtype=torch.int32, device=device)  # got a gradient here
         self.gather_work, self.unreduced = None, False  # unreduced: a reduction deferred by accumulating()
+        self.averaged = False  # stage 0: True when the gradients arrive averaged already (ddp.py's buckets)
         self.publish()
 
     def spans(self):
@@ -163,8 +164,8 @@ class FlatUnit:
                 self.used[i] = 1
                 if self.stage >= 2:
                     p.grad = None  # stages 2-3 keep only the reduced slice
-        if self.stage == 0:  # (a group of one has nothing to add)
-            single = dist.get_world_size(self.group) == 1
+        if self.stage == 0:  # (a group of one has nothing to add; nor have gradients averaged already)
+            single = dist.get_world_size(self.group) == 1 or self.averaged
             return g, None if single else dist.all_reduce(g, group=self.group, async_op=True), g
         out = g.new_empty(self.shard_numel)
         return out, reduce_scatter_single(out, g, group=self.group, async_op=True), g
@@ -275,7 +276,7 @@ class ZeroOptimizer:
             by_group.setdefault((u.group, u.after_reduce), []).append(u)
         for (group, after_reduce), us in by_group.items():
             used = torch.cat([u.used for u in us])
-            if dist.get_world_size(group) > 1:
+            if dist.get_world_size(group) > 1 and not us[0].averaged:
                 dist.all_reduce(used, group=group)
             if after_reduce is not None:
                 after_reduce(used)
@@ -458,7 +459,7 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
 def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *, group=None, units=None,
                 param_dtype=None, reshard_after_forward=True, prefetch=True, max_grad_norm=None, init_fn=None,
                 groups_of=None, divide_by=None, after_reduce=None, before_reduce=None, offload=False,
-                shapes_only=False, **optimizer_kwargs) -> ZeroOptimizer:
+                shapes_only=False, averaged=False, **optimizer_kwargs) -> ZeroOptimizer:
     """Shard `model` in place by ZeRO stage 0-3 and return the optimizer that owns the shards.
 
     units          module classes (default: model.Block) or a list of submodules, one unit each; the rest
@@ -479,9 +480,15 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                    b_m·n bytes, and the new compute slice goes up, b_p·n (Ren et al. 2021, arXiv:2101.06840)
     shapes_only    a model on the meta device stays there: every buffer its sizes and no memory (a memory
                    plan, with a fake process group: train.py --plan)
+    averaged       stage 0: the gradients arrive averaged already — train.py wraps the model in ddp.py's
+                   BucketedDDP, which all-reduces them in buckets during backward — so the optimizer moves
+                   nothing: it packs them, (before_reduce,) and steps
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if averaged and stage != 0:
+        raise ValueError(f"averaged=True means data parallel averaged every gradient already, which is stage 0; "
+                         f"stage {stage} reduce-scatters them itself: drop averaged")
     if stage == 0 and after_reduce is not None:
         raise ValueError("stage 0 all-reduces every gradient over its group already: after_reduce (hybrid "
                          "sharding's all-reduce across a replicate_group) goes with stage 1, 2 or 3")
@@ -526,6 +533,9 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
     flat_units = [(um, [FlatUnit(entries, stage, g, d, a, param_dtype, init_fn, offload)
                         for (g, d, a), entries in buffers_of[id(um)].items()])
                   for um in [*units, model] if buffers_of[id(um)]]
+    for u in (u for _, us in flat_units for u in us):
+        if averaged:
+            u.averaged, u.divide_by = True, 1
     opt = ZeroOptimizer(model, [u for _, us in flat_units for u in us], optimizer_cls, stage, max_grad_norm,
                         before_reduce, **optimizer_kwargs)
     if stage >= 2:

@@ -394,12 +394,14 @@ def simulate(sched: list[list[Action]], t_f=1, t_b=1, t_w=1) -> dict:
 # ---- 5. the runner: any schedule, one step ------------------------------------------------------------
 
 def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m: int, *,
-                  trace=lambda group: nullcontext()) -> dict:
+                  trace=lambda group: nullcontext(), before_last_backward=None) -> dict:
     """One forward+backward of the local batch x, y [B, S] (y: the last rank's targets) through this
     rank's actions; leaves the full-batch gradients in .grad (no optimizer step, no zero_grad).
     A stage boundary carries one micro-batch's [B/m, S, H] ([B/m, S/tp, H] once tensor_parallel made the
     stage sequence parallel). trace(group): a context manager entered around each group of actions (a
     compute alone, consecutive transfers together): the place to measure from, outside.
+    before_last_backward(): called right before the last action that adds to this rank's parameter
+    gradients (its last B; its last W under zero bubble) — data parallel's buckets may all-reduce during it.
     Returns dict(loss: the mean loss on the last rank, else None; aux: the MoE aux loss of this rank's
     layers, averaged over micro-batches — add it to the reported loss — or None)."""
     sp = getattr(stage, "sequence_parallel", False)
@@ -447,8 +449,12 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
         for t in (t for t in group if t.op == "RECV_F"):
             inputs[(t.mb, t.chunk)].requires_grad_()   # so its gradient can be sent back
 
-    for group in comm_batches(actions):
+    groups = comm_batches(actions)
+    last = max((i for i, g in enumerate(groups) if g[0].op == ("W" if split else "B")), default=None)
+    for i, group in enumerate(groups):
         a, key = group[0], (group[0].mb, group[0].chunk)
+        if i == last and before_last_backward is not None:
+            before_last_backward()
         first, last = stage.is_first and a.chunk == 0, stage.is_last and a.chunk == stage.v - 1
         split_here = DeferWeightGrads(deferred.setdefault(key, [])) if split and a.op in ("F", "B") else nullcontext()
         with trace(group), split_here:

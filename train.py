@@ -33,13 +33,16 @@ The order the lessons are applied in (each sees the model the one before left):
   6. ZeRO / HSDP      fsdp.shard_model (stage 0) or hsdp.shard_hybrid (stages 1-3), last: it flattens,
                       shards and reduces exactly the parameters the steps above left on this rank —
                       dense ones over dp_shard×cp (replicas across dp_replicate), expert ones over
-                      edp_cp (every copy of my experts)
+                      edp_cp (every copy of my experts). Stage 0 is lesson 1: ddp.BucketedDDP
+                      all-reduces the gradients in buckets over dp×cp (experts: edp_cp) while the last
+                      backward of the step runs, and the optimizer only steps
 
 Gradients. Dense: Σ over dp·cp ranks, ÷ dp·cp. Experts: the backward all-to-all already summed the
 ep group's contributions on the expert's owner, so Σ over edp_cp, ÷ dp·cp too (÷ |edp_cp| = dp·cp/ep
 would count each rank's tokens ep times). Partial over tp (replicated kv heads when tp > n_kv_heads,
 sequence-parallel norms, a MoE's router and experts whose tp ranks saw different tokens): summed over
-tp first, unit by unit, right before ZeRO reduces them (fsdp's before_reduce). Clipping uses the
+tp first, unit by unit, right before ZeRO reduces them (fsdp's before_reduce; at ZeRO-0 right after
+data parallel averaged them — a sum over tp and one over dp·cp commute). Clipping uses the
 norm of the WHOLE model: each rank adds the squares of the gradient elements it holds, weighted by
 1/(ranks holding a copy), one all-reduce over the world — each element counted once.
 
@@ -82,6 +85,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
+import ddp
 import expert_parallel
 import fsdp
 import hsdp
@@ -138,6 +142,8 @@ def parse_args(argv=None):
     arg("--float8", action="store_true",
         help="the linear layers' matmuls in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic scales; "
              "emulated where the device has no float8 matmul); the embedding and head stay as they are")
+    arg("--bucket-mb", type=float, default=25,
+        help="ZeRO stage 0: data parallel's bucket size in MiB (ddp.BucketedDDP; its first bucket 1 MiB)")
     arg("--offload", action="store_true",
         help="ZeRO-Offload: fp32 master weights and optimizer state in host memory, the optimizer steps there")
     arg("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
@@ -503,8 +509,15 @@ class Trainer:
                     param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
                     init_fn=init_fn if self.meta and not shapes_only else None, offload=args.offload,
                     shapes_only=shapes_only, lr=args.lr)
-        if args.zero_stage == 0:  # every dense gradient all-reduced over dp x cp
-            self.opt = fsdp.shard_model(model, 0, torch.optim.AdamW, group=mesh.group("dp_cp"), **zero)
+        self.ddp = None
+        if args.zero_stage == 0:  # every gradient all-reduced over dp x cp, by lesson 1's buckets during backward
+            averaged = dp_cp > 1 and not shapes_only
+            self.opt = fsdp.shard_model(model, 0, torch.optim.AdamW, group=mesh.group("dp_cp"), averaged=averaged,
+                                        **zero)
+            if averaged:  # (wrapped after ZeRO flattened the parameters: its hooks are on the views it made)
+                self.ddp = ddp.BucketedDDP(model, mesh.group("dp_cp"), args.bucket_mb, min(1, args.bucket_mb),
+                                           reduce_dtype=torch.float32 if args.dtype == "bfloat16" else None,
+                                           divide_by=dp_cp, groups_of=groups_of if expert_names else None)
         else:                     # sharded over dp_shard x cp, replicas across dp_replicate (HSDP when > 1)
             self.opt = hsdp.shard_hybrid(model, stage=args.zero_stage, shard_group=mesh.group("dp_shard_cp"),
                                          replicate_group=mesh.group("dp_replicate"), **zero)
@@ -554,16 +567,24 @@ class Trainer:
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         # Several backwards per step (micro-batches, a pipeline): ZeRO reduces once, after the last one
         # (and zero bubble's deferred W); one backward: ZeRO-2/3 reduce unit by unit during it.
-        several = self.pipe is not None or m > 1
+        # ZeRO-0: data parallel's buckets all-reduce during the last backward only (the others add up locally)
+        several, dp = self.pipe is not None or m > 1, self.ddp
         with self.opt.accumulating() if several else nullcontext():
             if self.pipe is not None:
-                out = pipeline.pipeline_step(model, self.actions, self.pipe, x, y, m)
+                if dp is not None:
+                    dp.sync_next_backward(False)
+                out = pipeline.pipeline_step(model, self.actions, self.pipe, x, y, m,
+                                             before_last_backward=dp and dp.sync_next_backward)
                 loss += sum(v.double() for v in (out["loss"], out["aux"]) if v is not None)
             else:
-                for xm, ym in zip(x.chunk(m), y.chunk(m)):  # gradient accumulation
+                for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):  # gradient accumulation
                     lm = model(xm, ym, positions=self.positions)
+                    if dp is not None:
+                        dp.sync_next_backward(i == m - 1)
                     (lm / m).backward()
                     loss += lm.detach().double() / m
+        if dp is not None:
+            dp.synchronize()          # (nothing left, unless no gradient reached a hook in the last backward)
         self.opt.reduce_gradients()   # (tp partial sums first, unit by unit: before_reduce)
         if a.grad_clip:
             self.grad_norm = self.opt.clip_grad_norm_(a.grad_clip, group=dist.group.WORLD,

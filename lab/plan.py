@@ -14,7 +14,8 @@ off what that rank holds, by category:
                  its tokens × the micro-batches it holds at once (pipeline.held_formula), plus each layer's
                  input and the head's logits (b·H and 2·4·V/t per token) — dense models
     buffers      the reduce's packed gradient of the largest unit, b_m·N, and under stage 3 two gathered
-                 units (the one computing and the prefetched next), 2·b_p·N
+                 units (the one computing and the prefetched next), 2·b_p·N; at stage 0 in bf16, data
+                 parallel's fp32 buckets, 4 bytes per parameter (in fp32 the gradients live in them)
 
 next to ZeRO's formula (Rajbhandari et al. 2020 §5) for the same Ψ and P, and the bytes per step on each
 mesh dimension from the lessons' formulas. The planned model state equals what a real run holds, to the
@@ -109,6 +110,8 @@ def _read(args, trainer, mesh) -> dict:
     activations = None if cfg.n_experts else per_token * tokens * held
     largest = max(u.flat_numel for u in opt.units)
     buffers = 4 * largest + (2 * b_p * largest if z == 3 else 0)
+    if z == 0 and mesh.size("dp_cp") > 1 and args.dtype == "bfloat16":  # ddp.BucketedDDP's fp32 buckets
+        buffers += 4 * sum(sum(u.numels) for u in opt.units)
     device = {k: v for k, v in state.items() if k not in host}
     total = sum(device.values()) + (activations or 0) + buffers
     # ZeRO's formula for the dense units of this rank's group (stage 0: no sharding)

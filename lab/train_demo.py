@@ -31,7 +31,8 @@ from lab.plan import activation_formula
 from lab.baseline import single_process
 from lab.data import IGNORE, get_batch, load_corpus
 from lab.fsdp_demo import held_bytes, offload_formula
-from lab.instruments import CommCounter, memory_tracker, peak_memory_bytes, sync, time_side_by_side, watch_calls
+from lab.instruments import (CommCounter, ProfileSpans, memory_tracker, overlap_fraction, peak_memory_bytes, sync,
+                             time_side_by_side, watch_calls)
 from lab.launch import finish, main as run_main
 from lab.model import build_model, flops_per_token, num_params
 from lab.report import all_agree
@@ -59,11 +60,14 @@ class StepMeter:
         self.rank0, self.world = dist.get_rank() == 0, dist.get_world_size()
         self.comm = CommCounter()
         self.out = dict(tokens_per_s=[], comm_bytes=[], peak_memory_bytes=[], grad_norms=[], state_bytes=None,
-                        offload_bytes=[])
+                        offload_bytes=[], ddp_overlap=None)
         self.transfers = ([], [])  # FlatUnit.download / upload calls (measured_train watches them)
 
     def begin(self, trainer, start: int) -> None:
         a, self.trainer = self.args, trainer
+        # ZeRO-0's buckets (ddp.BucketedDDP): one step (the second, past the first's warm-up) runs under
+        # torch.profiler, for the share of all-reduce time that lay inside backward
+        self.profile_step = min(start + 1, (a.stop_at or a.steps) - 1) if trainer.ddp is not None else None
         self.fpt = flops_per_token(trainer.cfg, a.seq_len)
         self.peak = _peak_flops(self.device) if a.dtype == "bfloat16" else None
         if self.verbose and self.rank0:
@@ -84,7 +88,8 @@ class StepMeter:
         # (one process has nothing to count; and under --compile a dispatch mode around the step would make
         #  dynamo run every frame eagerly, so the collectives are not counted there)
         counting = self.world > 1 and not self.args.compile
-        with self.comm if counting else nullcontext(), warnings.catch_warnings(), tracker as tracked:
+        self.spans = ProfileSpans() if step == self.profile_step else nullcontext()
+        with self.comm if counting else nullcontext(), warnings.catch_warnings(), tracker as tracked, self.spans:
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")  # (MemTracker)
             yield
         self.tracked_peak = next(iter(tracked.get_tracker_snapshot("peak").values()))["Total"] \
@@ -102,6 +107,8 @@ class StepMeter:
         mem = self.tracked_peak if self.tracked_peak is not None else _peak_memory(self.device)
         mfu = self.fpt * tps / (self.peak * self.world) if self.peak else None
         norm = None if trainer.grad_norm is None else float(trainer.grad_norm)
+        hidden = overlap_fraction(self.spans.spans) if step == self.profile_step else None
+        self.out["ddp_overlap"] = hidden if hidden is not None else self.out["ddp_overlap"]
         for k, v in [("tokens_per_s", tps), ("comm_bytes", nbytes), ("peak_memory_bytes", mem), ("grad_norms", norm)]:
             self.out[k].append(v)
         if self.rank0 and self.verbose and not a.quiet:
@@ -110,7 +117,8 @@ class StepMeter:
                   + (f"  MFU {mfu:5.1%}" if mfu is not None else "")
                   + f"  peak {'tracked' if a.track_memory else 'mem'} {mem / 2**20:7.1f} MiB  comm {nbytes / 2**20:.3f} MiB"
                   + f" (ring {wire / 2**20:.3f}, rank 0)"
-                  + (f"  offload: down {down / 2**20:.3f} up {up / 2**20:.3f} MiB" if a.offload else ""),
+                  + (f"  offload: down {down / 2**20:.3f} up {up / 2**20:.3f} MiB" if a.offload else "")
+                  + (f"  all-reduce hidden in backward {hidden:.0%} (profiled)" if hidden is not None else ""),
                   flush=True)
         if self.rank0 and a.log_file:
             with open(a.log_file, "a") as f:
@@ -127,8 +135,10 @@ class StepMeter:
         return dict(self.out, comm_summary=self.comm.summary(), meta_init=self.trainer.meta, coords=dict(mesh.coords),
                     offload_formula=offload_formula(opt),
                     comm_events=[(e.op, e.group_ranks, e.api_bytes) for e in self.comm.events],
-                    zero_units=[(u.flat_numel, u.names[0], dist.get_world_size(u.group), len(u.params))
-                                for u in opt.units])
+                    zero_units=[(u.flat_numel, u.names[0], 1 if u.averaged else dist.get_world_size(u.group),
+                                 len(u.params)) for u in opt.units],
+                    ddp_buckets=[(b.flat.numel(), b.flat.element_size(), tuple(dist.get_process_group_ranks(b.group)), len(b.params))
+                                 for b in self.trainer.ddp.buckets] if self.trainer.ddp is not None else [])
 
 
 def measured_train(args, device=None, verbose: bool = True, meter=None) -> dict:

@@ -46,9 +46,11 @@ def _local(batch, dp_rank, dp_size):
     return tuple(t.chunk(dp_size)[dp_rank] for t in batch)
 
 
-def _train(ddp, dp_rank, dp_size, batches, micro=1, profile=False):
+def _train(ddp, dp_rank, dp_size, batches, micro=1, profile=False, driven=None):
     """Train with `ddp`; per step: all-reduce calls/bytes/wire bytes, calls inside no_sync, and (last
-    step, if asked) the profiled spans of backward and the all-reduces."""
+    step, if asked) the profiled spans of backward and the all-reduces. driven: the module called directly,
+    as train.py and a pipeline do — "last" (sync_next_backward before each backward: only the last syncs)
+    or "after" (no backward syncs; synchronize() afterwards, then once more, which must send nothing)."""
     opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
     steps = []
     for i, batch in enumerate(batches):
@@ -57,18 +59,30 @@ def _train(ddp, dp_rank, dp_size, batches, micro=1, profile=False):
         quiet = 0
         for m in range(micro - 1):
             with CommCounter() as c:
-                with ddp.no_sync():  # as with PyTorch's DDP, the forward decides (backward may be outside)
-                    loss = ddp(xs[m], ys[m]) / micro
+                if driven:
+                    ddp.sync_next_backward(False)
+                    loss = ddp.module(xs[m], ys[m]) / micro
+                else:
+                    with ddp.no_sync():  # as with PyTorch's DDP, the forward decides (backward may be outside)
+                        loss = ddp(xs[m], ys[m]) / micro
                 loss.backward()
                 if isinstance(ddp, NaiveDDP):
                     ddp.all_reduce_gradients()
             quiet += c.calls()
-        loss = ddp(xs[-1], ys[-1]) / micro
+        if driven:
+            ddp.sync_next_backward(driven == "last")
+        loss = (ddp.module if driven else ddp)(xs[-1], ys[-1]) / micro
         prof = ProfileSpans() if profile and i == len(batches) - 1 else None
         with CommCounter() as c, prof or contextlib.nullcontext():
             loss.backward()
             if isinstance(ddp, NaiveDDP):
                 ddp.all_reduce_gradients()
+            if driven == "after":
+                ddp.synchronize()
+        if driven:
+            with CommCounter() as again:
+                ddp.synchronize()  # nothing left: a no-op
+            quiet += again.calls()
         steps.append(dict(calls=c.calls("all_reduce"), other=c.calls() - c.calls("all_reduce"),
                           bytes=c.bytes("all_reduce"), wire=c.wire_bytes("all_reduce"), quiet=quiet,
                           spans=prof.spans if prof else None))
@@ -212,6 +226,9 @@ def _suite(dtype):
     out["no_sync"] = _train(BucketedDDP(build_model("tiny", seed=rank, dtype=dtype), None, *caps(dtype)["two"]),
                             rank, P, big, micro=K)
     out["no_sync_naive"] = _train(NaiveDDP(build_model("tiny", seed=rank, dtype=dtype)), rank, P, big, micro=K)
+    for how in ("last", "after"):  # the same, driven from outside the wrapper (train.py, a pipeline)
+        out[f"driven_{how}"] = _train(BucketedDDP(build_model("tiny", seed=rank, dtype=dtype), None,
+                                                  *caps(dtype)["two"]), rank, P, big, micro=K, driven=how)
 
     # Mixed precision: bf16 compute, gradients reduced in fp32 (default) or in bf16
     for name, rd in (("bf16_fp32", None), ("bf16_bf16", torch.bfloat16)):
@@ -303,11 +320,11 @@ def test_no_sync_accumulation_equals_one_big_step(run):
     P, dtype, results = run
     ref = _ref(dtype, steps=2, batch=K * B)
     for r in results:
-        for name in ("no_sync", "no_sync_naive"):
+        for name in ("no_sync", "no_sync_naive", "driven_last", "driven_after"):
             _close(r[name]["params"], ref, dtype)
             for st in r[name]["steps"]:
                 assert st["quiet"] == 0  # nothing sent on the micro-steps inside no_sync
-                assert st["calls"] == (2 if name == "no_sync" else N_PARAMS) + 1
+                assert st["calls"] == (N_PARAMS if name == "no_sync_naive" else 2) + 1
                 assert st["bytes"] == grad_bytes(dtype) + FLAGS
 
 

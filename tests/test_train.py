@@ -126,9 +126,11 @@ def _check_bytes_and_memory(by):
 
 
 def _flag_bytes(lay):
-    """The all-reduce that agrees which parameters got a gradient on any rank (fsdp.py): one int32 per
-    parameter of the ZeRO units whose group has more than one rank."""
-    return 4 * sum(n for _, _, size, n in lay["zero_units"] if size > 1)
+    """The all-reduce that agrees which parameters got a gradient on any rank: fsdp.py's one int32 per
+    parameter of the ZeRO units whose group has more than one rank, or at ZeRO-0 ddp.py's one byte per
+    parameter of its buckets on such a group (the units then move nothing: size 1)."""
+    return 4 * sum(n for _, _, size, n in lay["zero_units"] if size > 1) + \
+        sum(n for _, _, ranks, n in lay["ddp_buckets"] if len(ranks) > 1)
 
 
 FOUR = [["--dp-replicate", "2", "--dp-shard", "2"], ["--dp-shard", "2", "--tp", "2"], ["--cp", "2", "--tp", "2"],
@@ -208,6 +210,47 @@ def _check_composed_bytes(by):
         for k in ("parameters", "gradients"):
             assert mem[k] == sum(f[k] for f in form), (z, k, mem, form)
         assert 0 <= mem["optimizer"] - sum(f["optimizer"] for f in form) <= 8 * 40, (z, mem, form)  # + step counters
+
+
+def test_zero_stage_0_is_lesson_1s_buckets_overlapped_with_the_last_backward():
+    """At ZeRO-0 the gradients are averaged by ddp.BucketedDDP: one all-reduce per bucket, in bucket order, ONCE a
+    step — not per micro-batch, nor per pipeline action — then its used flags (a byte per parameter) and the
+    clipping norm; the ZeRO units move nothing. Experts get buckets on their own group (edp). Equal to one process
+    on dp, cp, tp, pp (1F1B, zero bubble, interleaved) and ep, with micro-batches; the step log's share of
+    all-reduce time hidden in backward is measured, and with several buckets some of it is hidden."""
+    from lab.model import get_config, num_params
+    small = ["--bucket-mb", "0.02"]  # tiny's 273 KiB of fp64 gradients in several buckets
+    two = [["--dp-replicate", "2", "--microbatches", "2"] + small, ["--cp", "2"] + small, ["--dp-replicate", "2"]]
+    four = [["--pp", "2", "--dp-replicate", "2", "--schedule", "zb", "--microbatches", "4"] + small,
+            ["--pp", "2", "--dp-replicate", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--layers", "4",
+             "--microbatches", "2"] + small,
+            ["--dp-replicate", "2", "--tp", "2", "--microbatches", "2"] + small,
+            MOE + ["--dp-replicate", "4", "--ep", "2"] + small]
+    res2, res4 = run_ranks(run_layouts, 2, two, COMMON, timeout=300), run_ranks(run_layouts, 4, four, COMMON, timeout=400)
+    _check(res2, TOL64, "ZeRO-0, 2 ranks")
+    _check(res4, TOL64, "ZeRO-0, 4 ranks")
+    whole = num_params(get_config("tiny"))
+    for lay in res2[0] + res4[0]:
+        buckets, flags = lay["ddp_buckets"], lay["flags"]
+        assert buckets and all(size == 1 for _, _, size, _ in lay["zero_units"]), flags   # ZeRO moves nothing
+        if "--bucket-mb 0.02" in flags:
+            assert len(buckets) >= 3, (flags, buckets)
+        if flags == "--dp-replicate 2":
+            assert len(buckets) == 1 and buckets[0][0] == whole   # 137 KiB: one bucket of every gradient
+        by_group = {}
+        for n, e, ranks, k in buckets:
+            by_group.setdefault(tuple(ranks), []).append(n * e)
+        for ranks, sizes in by_group.items():
+            got = [b for op, r, b in lay["comm_events"] if op == "all_reduce" and tuple(r) == ranks]
+            flag_bytes = sum(k for _, _, r, k in buckets if tuple(r) == ranks)
+            # the buckets once, then the flags (and, where the group is the world, the clipping norm's float64;
+            # a MoE also all-reduces its routing statistics on the same ranks, left out here)
+            got = [b for b in got if b in sizes or b == flag_bytes] if "--experts" in flags else got
+            assert got[:len(sizes) + 1] == sizes + [flag_bytes] and got[len(sizes) + 1:] in ([], [8]), (flags, got)
+        assert 0 <= lay["ddp_overlap"] <= 1, flags
+    assert res2[0][0]["ddp_overlap"] > 0 and res2[0][1]["ddp_overlap"] > 0, [lay["ddp_overlap"] for lay in res2[0]]
+    moe = res4[0][-1]["ddp_buckets"]
+    assert {len(ranks) for _, _, ranks, _ in moe} == {4, 2}   # dense over dp 4, my experts over the 2 ranks holding them
 
 
 def test_8_ranks():
@@ -455,6 +498,18 @@ def _bytes_per_parameter(out):
     return float(out.split("bytes per parameter of the model")[0].rsplit("(", 1)[1])
 
 
+def _hidden(out):
+    """The share of all-reduce time hidden in backward that step 2 printed (ZeRO-0's buckets, profiled)."""
+    line = next(l for l in out.splitlines() if "all-reduce hidden in backward" in l)
+    return float(line.split("hidden in backward ")[1].split("%")[0]) / 100
+
+
+def _check_hidden(low, high):
+    def check(out):
+        assert low <= _hidden(out) <= high and _last_step(out)[0] == 36.769, out[-1500:]  # Ψ·4 bytes, once
+    return check
+
+
 def _check_ddp_memory(per_parameter):
     def check(out):
         assert _bytes_per_parameter(out) == per_parameter and out.count("peak tracked") == 2, out[-1500:]
@@ -474,6 +529,7 @@ def _check_plan(state_gb):
     return check
 
 
+OVERLAP = "--model small --seq-len 128 --steps 4"
 EXERCISES = [
     Exercise("torchrun --nproc_per_node 8 train.py --pp 2 --dp-shard 2 --tp 2 --dtype float64 --check", _check_ok),
     Exercise("torchrun --nproc_per_node 8 train.py --dp-shard 4 --tp 2 --experts 8 --ep 4 --pad-share 0.5 "
@@ -495,6 +551,11 @@ EXERCISES = [
     Exercise(f"python train.py --plan --model gpt2-xl --dp-shard 8 {XL}", _check_plan(3.28)),
     Exercise(f"python train.py --plan --model llama2-7b --dp-replicate 2 --dp-shard 8 {L7}", _check_plan(15.16)),
     Exercise(f"python train.py --plan --model llama2-7b --dp-shard 16 {L7}", _check_plan(7.58)),
+    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP}", _check_hidden(0.05, 1.0)),
+    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP} --bucket-mb 0", _check_hidden(0.5, 1.0)),
+    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP} --bucket-mb 1000", _check_hidden(0, 0.5)),
+    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP} --microbatches 4",
+             _check_hidden(0.05, 1.0)),
     Exercise("torchrun --nproc_per_node 2 train.py --dp-shard 2 --pad-share 0.6 --dtype float64 --check", _check_ok),
 ]
 EXERCISES.append(Exercise(EXERCISES[-1].command, _check_mismatch, fails=True, edits=(
