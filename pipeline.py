@@ -47,7 +47,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from lab.model import MoE, Transformer, init_tensor
 
@@ -409,6 +408,8 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
     dtype = next(stage.parameters()).dtype
     xs, ys = x.chunk(m), (y.chunk(m) if stage.is_last else None)
     split = any(a.op == "W" for a in actions)
+    if split:
+        split_linears(stage)
     inputs, outputs, grads, deferred, losses, aux = {}, {}, {}, {}, [], []
 
     def forward(a, key, first, last):
@@ -487,48 +488,89 @@ class _InputGradOnly(torch.autograd.Function):
         return gy @ ctx.params[0], None, None
 
 
-class DeferWeightGrads(TorchFunctionMode):
-    """Inside it, every F.linear of a trainable weight on a differentiable input (nn.Linear, tensor_parallel's
-    Column/RowParallelLinear) computes only dL/dx in backward; weight_grads(deferred) does the rest.
-    `active` lists the modes entered and not left: activation checkpointing re-enters the forward's mode
-    for its recompute, which autograd runs on its own thread, where the mode is not active."""
+class DeferWeightGrads:
+    """Inside it, every linear layer split_linears reached, on a trainable weight and a differentiable input,
+    computes only dL/dx in backward, and leaves its (x, dL/dy) in `deferred`; weight_grads(deferred) does the
+    rest. `active` lists those entered and not left, for everyone to see — the linears, and activation
+    checkpointing's recompute, which autograd runs in backward, outside the forward's `with`."""
     active: list = []
 
     def __init__(self, deferred: list):
-        super().__init__()
         self.deferred = deferred
 
     def __enter__(self):
         DeferWeightGrads.active.append(self)
-        return super().__enter__()
+        return self
 
     def __exit__(self, *exc):
         DeferWeightGrads.active.remove(self)
-        return super().__exit__(*exc)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.linear or not (torch.is_grad_enabled() and args[0].requires_grad and args[1].requires_grad):
-            return func(*args, **kwargs)
-        x, w, b = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev):   # cast as autocast would, outside the Function
-            x, w, b = (t if t is None else t.to(torch.get_autocast_dtype(dev)) for t in (x, w, b))
-        with torch.autocast(dev, enabled=False):
-            return _InputGradOnly.apply(x, (w, b), self.deferred)
+
+def deferring_linear(x, w, b=None):
+    """F.linear — unless a DeferWeightGrads is active, the weight trainable and the input differentiable: then
+    one whose backward returns dL/dx only (_InputGradOnly)."""
+    if not (DeferWeightGrads.active and torch.is_grad_enabled() and x.requires_grad and w.requires_grad):
+        return F.linear(x, w, b)
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):   # cast as autocast would, outside the Function
+        x, w, b = (t if t is None else t.to(torch.get_autocast_dtype(dev)) for t in (x, w, b))
+    with torch.autocast(dev, enabled=False):
+        return _InputGradOnly.apply(x, (w, b), DeferWeightGrads.active[-1].deferred)
+
+
+def split_linears(module: nn.Module) -> nn.Module:
+    """Route every linear layer of `module` through deferring_linear — an nn.Linear's forward, or the `linear`
+    a layer calls (tensor_parallel's Column/RowParallelLinear) — in place, once; outside DeferWeightGrads they
+    compute as before. (A layer whose matmul was swapped already, a float8 one, is left alone: B computes its
+    weight gradient.) Swapping the layers rather than watching every torch call with a TorchFunctionMode
+    costs nothing per op: the mode's Python hook on every call cost 20% of the forward (measured)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and "forward" not in vars(m):
+            m.forward = lambda x, m=m: deferring_linear(x, m.weight, m.bias)
+        elif getattr(m, "linear", None) is F.linear:
+            m.linear = deferring_linear
+    return module
+
+
+class _WeightGrads(torch.autograd.Function):
+    """W as ONE autograd node whose inputs are the parameters: its backward computes their gradients, and autograd
+    accumulates them exactly as in an ordinary backward — into .grad, each post-accumulate-grad hook once. (Handing
+    autograd ready-made tensors instead, torch.autograd.backward(params, grads), made it copy every gradient it
+    could not take over while we still held it: a quarter of W's time, measured.)"""
+
+    @staticmethod
+    def forward(ctx, compute, *params):
+        ctx.compute = compute
+        return params[0].new_zeros(())   # a scalar to call backward on
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.compute())
 
 
 def weight_grads(deferred: list) -> None:
     """W: dL/dW = dL/dy^T x (and dL/db = sum of dL/dy) of each deferred linear — plus any (parameter,
     gradient) B already had — handed to autograd at once, so .grad and post-accumulate-grad hooks
     (ZeRO, DDP) see one ordinary backward per micro-batch."""
-    pairs = [item for item in deferred if len(item) == 2]   # (parameter, gradient) computed in B: norms, embedding
-    for x, gy, w, b in (item for item in deferred if len(item) == 4):
-        gy2 = gy.reshape(-1, gy.shape[-1])   # [tokens, out]
-        pairs += [(w, gy2.T @ x.reshape(-1, x.shape[-1]))] + ([(b, gy2.sum(0))] if b is not None else [])
+    items = deferred[::-1]   # (popped from the end, in the order they came: then only autograd holds each result)
     deferred.clear()
-    if pairs:
-        torch.autograd.backward(*zip(*pairs))
+    params = [p for item in items[::-1] for p in ([item[0]] if len(item) == 2 else [w for w in item[2:] if w is not None])]
+
+    def compute():
+        grads = []
+        while items:
+            item = items.pop()
+            if len(item) == 2:   # (parameter, gradient) computed in B: norms, the embedding
+                grads.append(item[1])
+                continue
+            x, gy, _, b = item
+            gy2 = gy.reshape(-1, gy.shape[-1])   # [tokens, out]
+            grads += [gy2.T @ x.reshape(-1, x.shape[-1])] + ([gy2.sum(0)] if b is not None else [])
+        return grads
+
+    if params:
+        with torch.enable_grad():
+            torch.autograd.backward(_WeightGrads.apply(compute, *params))
 
 
 if __name__ == "__main__":  # the demo (timelines, bubble, memory, PyTorch's schedules) is in the package

@@ -79,7 +79,7 @@ import json
 import math
 import os
 import shutil
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -762,18 +762,10 @@ def _checkpointed(block, how: str):
     ZeRO-3's gather hooks cover the recompute."""
     inner = block.forward
 
-    def contexts():  # (around the forward, around its recompute in backward)
-        forward, recompute = create_selective_checkpoint_contexts(SAVED_BY_SELECTIVE) if how == "selective" \
-            else noop_context_fn()
-        split = pipeline.DeferWeightGrads.active[-1] if pipeline.DeferWeightGrads.active else None
-        return forward, recompute if split is None else _both(recompute, split)  # zero bubble: split it again
+    def contexts():  # (around the forward, around its recompute in backward; under zero bubble the recompute
+        #  runs inside B's DeferWeightGrads, so its linears split their backward again)
+        return create_selective_checkpoint_contexts(SAVED_BY_SELECTIVE) if how == "selective" else noop_context_fn()
     block.forward = lambda h, cos, sin: checkpoint(inner, h, cos, sin, use_reentrant=False, context_fn=contexts)
-
-
-@contextmanager
-def _both(first, second):
-    with first, second:
-        yield
 
 
 def _pipeline_units(stage):

@@ -276,19 +276,25 @@ def compare_checkpoints(args, trainer, device, rounds: int = 3) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def compare_compiled(args, compiled, device, rounds: int = 3) -> None:
-    """--compile: the compiled trainer's step beside an eager twin's (the same layout, the same groups), timed in
-    alternating rounds (instruments.time_side_by_side); rank 0 prints the ratio."""
-    eager_args = argparse.Namespace(**dict(vars(args), compile=False))
-    eager, tokens = train.Trainer(eager_args, compiled.mesh, device), load_corpus(args.data)
-    t = time_side_by_side(dict(compiled=lambda: compiled.step(0, tokens), eager=lambda: eager.step(0, tokens)),
+TWINS = {"compile": ("compiled", "eager"), "float8": ("float8", "without float8")}
+
+
+def compare_with_twin(args, trainer, device, switch: str, rounds: int = 3) -> float:
+    """--compile, --float8: the trainer's step beside a twin's built with that switch off (the same layout, the
+    same groups), timed in alternating rounds (instruments.time_side_by_side); rank 0 prints the ratio, which
+    every rank returns (the slowest rank's times)."""
+    on, off = TWINS[switch]
+    twin, tokens = train.Trainer(argparse.Namespace(**dict(vars(args), **{switch: False})), trainer.mesh,
+                                 device), load_corpus(args.data)
+    t = time_side_by_side({on: lambda: trainer.step(0, tokens), off: lambda: twin.step(0, tokens)},
                           rounds, 2, device=device)
-    times = torch.tensor([t["compiled"], t["eager"]], dtype=torch.float64)
+    times = torch.tensor([t[on], t[off]], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print(f"compiled ({args.compile_backend}) vs eager, median of {rounds} alternating rounds: "
-              f"{times[0] * 1e3:.1f} ms vs {times[1] * 1e3:.1f} ms per step: compiled/eager {times[0] / times[1]:.2f}",
-              flush=True)
+        label = f"compiled ({args.compile_backend}) vs eager" if switch == "compile" else f"{on} vs {off}"
+        print(f"{label}, median of {rounds} alternating rounds: {times[0] * 1e3:.1f} ms vs {times[1] * 1e3:.1f} ms "
+              f"per step: {on}/{off} {times[0] / times[1]:.2f}", flush=True)
+    return float(times[0] / times[1])
 
 
 def run(argv=None, compare=references.train_fsdp2_tp) -> int:
@@ -305,8 +311,8 @@ def run(argv=None, compare=references.train_fsdp2_tp) -> int:
     out = measured_train(args, device, meter=meter)
     if args.compare and args.save:
         compare_checkpoints(args, meter.trainer, device)
-    if args.compile:
-        compare_compiled(args, meter.trainer, device)
+    for switch in (s for s in TWINS if getattr(args, s)):
+        compare_with_twin(args, meter.trainer, device, switch)
     if args.compare and compare is not None:
         t_ours = statistics.median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]
                                    or out["tokens_per_s"])

@@ -14,7 +14,8 @@ from mesh import Mesh
 from lab.model import get_config
 from lab.pipeline_demo import held_formula, idle_formula, train
 from pipeline import (COMPUTE, SCHEDULES, Action, DeferWeightGrads, PipeGroup, Stage, _by_ticks, check_schedule,
-                      interleaved, one_f_one_b_plain, pipeline_step, simulate, split_layers, validate, weight_grads)
+                      interleaved, one_f_one_b_plain, pipeline_step, simulate, split_layers, split_linears, validate,
+                      weight_grads)
 
 B, S, LR = 8, 16, 1e-3
 # (schedule, m, v) per pipeline size: m < p, m = p and m > p where the schedule allows it
@@ -151,6 +152,7 @@ def _split_backward(model, loss_of):
     for n, q in model.named_parameters():
         q.register_post_accumulate_grad_hook(lambda q, n=n: fired.__setitem__(n, fired[n] + 1))
     deferred = []
+    split_linears(model)
     with DeferWeightGrads(deferred):
         loss = loss_of(model)
     with FlopCounterMode(display=False) as fb:
