@@ -419,7 +419,7 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
         losses.extend([out.detach()] if last else [])
         aux.extend([extra.detach()] if extra is not None else [])
 
-    def backward(key, last):   # (a sent activation's values are freed, see transfer: its graph is enough)
+    def backward(key, last, split):   # (a sent activation's values are freed, see transfer: its graph is enough)
         outs = outputs.pop(key)
         grad_outs = [None if last else grads.pop(key)] + [None] * (len(outs) - 1)
         if not split:
@@ -451,20 +451,26 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
             inputs[(t.mb, t.chunk)].requires_grad_()   # so its gradient can be sent back
 
     groups = comm_batches(actions)
-    last = max((i for i, g in enumerate(groups) if g[0].op == ("W" if split else "B")), default=None)
+    # A B whose W comes next, nothing between (the first stage's: no one waits for its input gradient), gains
+    # nothing from the split: it runs as one ordinary backward and its W has nothing left to do.
+    whole = {(g[0].mb, g[0].chunk) for g, h in zip(groups, groups[1:])
+             if g[0].op == "B" and h[0].op == "W" and (g[0].mb, g[0].chunk) == (h[0].mb, h[0].chunk)}
+    last = max((i for i, g in enumerate(groups)   # the action that adds to .grad last
+                if g[0].op == "B" and (not split or (g[0].mb, g[0].chunk) in whole)
+                or g[0].op == "W" and (g[0].mb, g[0].chunk) not in whole), default=None)
     for i, group in enumerate(groups):
         a, key = group[0], (group[0].mb, group[0].chunk)
         if i == last and before_last_backward is not None:
             before_last_backward()
         first, last = stage.is_first and a.chunk == 0, stage.is_last and a.chunk == stage.v - 1
-        split_here = DeferWeightGrads(deferred.setdefault(key, [])) if split and a.op in ("F", "B") else nullcontext()
-        with trace(group), split_here:
+        split_here = split and key not in whole and a.op in ("F", "B")
+        with trace(group), DeferWeightGrads(deferred.setdefault(key, [])) if split_here else nullcontext():
             if a.op == "F":
                 forward(a, key, first, last)
             elif a.op == "B":
-                backward(key, last)
+                backward(key, last, split_here)
             elif a.op == "W":
-                weight_grads(deferred.pop(key))
+                weight_grads(deferred.pop(key, []))
             else:
                 transfer(group)
     return dict(loss=torch.stack(losses).sum() / m if losses else None, aux=torch.stack(aux).sum() / m if aux else None)
@@ -533,44 +539,41 @@ def split_linears(module: nn.Module) -> nn.Module:
 
 
 class _WeightGrads(torch.autograd.Function):
-    """W as ONE autograd node whose inputs are the parameters: its backward computes their gradients, and autograd
-    accumulates them exactly as in an ordinary backward — into .grad, each post-accumulate-grad hook once. (Handing
-    autograd ready-made tensors instead, torch.autograd.backward(params, grads), made it copy every gradient it
-    could not take over while we still held it: a quarter of W's time, measured.)"""
+    """One autograd node per deferred linear (and one for the gradients B computed), whose inputs are its
+    parameters: its backward computes their gradients and autograd accumulates them as in an ordinary backward —
+    into .grad, each post-accumulate-grad hook once. Why nodes: handing autograd ready-made tensors,
+    torch.autograd.backward(params, grads), made it copy every gradient we still held (a quarter of W's time);
+    why one per linear: computing all of a stage's weight gradients before autograd took any kept a whole
+    model's worth of fresh memory alive at once, which the allocator fetched from the OS anew every W — page
+    faults, thousands per step (measured). One linear at a time, autograd consumes each before the next."""
 
     @staticmethod
-    def forward(ctx, compute, *params):
-        ctx.compute = compute
+    def forward(ctx, item: list, *params):   # item: [what backward computes from], emptied there
+        ctx.item = item
         return params[0].new_zeros(())   # a scalar to call backward on
 
     @staticmethod
     def backward(ctx, _):
-        return (None, *ctx.compute())
+        item = ctx.item.pop()
+        if len(item) == 1:   # [gradients computed in B: norms, the embedding]
+            return (None, *item[0])
+        x, gy, _, b = item
+        gy2 = gy.reshape(-1, gy.shape[-1])   # [tokens, out]
+        return (None, gy2.T @ x.reshape(-1, x.shape[-1])) + ((gy2.sum(0),) if b is not None else ())
 
 
 def weight_grads(deferred: list) -> None:
     """W: dL/dW = dL/dy^T x (and dL/db = sum of dL/dy) of each deferred linear — plus any (parameter,
-    gradient) B already had — handed to autograd at once, so .grad and post-accumulate-grad hooks
+    gradient) B already had — handed to autograd in one backward, so .grad and post-accumulate-grad hooks
     (ZeRO, DDP) see one ordinary backward per micro-batch."""
-    items = deferred[::-1]   # (popped from the end, in the order they came: then only autograd holds each result)
+    pairs, linears = [d for d in deferred if len(d) == 2], [d for d in deferred if len(d) == 4]
     deferred.clear()
-    params = [p for item in items[::-1] for p in ([item[0]] if len(item) == 2 else [w for w in item[2:] if w is not None])]
-
-    def compute():
-        grads = []
-        while items:
-            item = items.pop()
-            if len(item) == 2:   # (parameter, gradient) computed in B: norms, the embedding
-                grads.append(item[1])
-                continue
-            x, gy, _, b = item
-            gy2 = gy.reshape(-1, gy.shape[-1])   # [tokens, out]
-            grads += [gy2.T @ x.reshape(-1, x.shape[-1])] + ([gy2.sum(0)] if b is not None else [])
-        return grads
-
-    if params:
-        with torch.enable_grad():
-            torch.autograd.backward(_WeightGrads.apply(compute, *params))
+    with torch.enable_grad():
+        roots = [_WeightGrads.apply([[[g for _, g in pairs]]], *(q for q, _ in pairs))] if pairs else []
+        roots += [_WeightGrads.apply([item], *(t for t in item[2:] if t is not None)) for item in linears]
+    del pairs, linears   # (only the nodes hold each linear's x and dL/dy now, until theirs is computed)
+    if roots:
+        torch.autograd.backward(roots)
 
 
 if __name__ == "__main__":  # the demo (timelines, bubble, memory, PyTorch's schedules) is in the package

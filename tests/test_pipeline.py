@@ -184,6 +184,64 @@ def test_zero_bubble_split_is_honest_in_autograd():
         torch.testing.assert_close(split["grads"][n], q.grad, rtol=1e-12, atol=1e-15)
 
 
+def test_w_holds_one_linears_weight_gradient_at_a_time():
+    """W hands autograd each linear's dL/dW as soon as it is computed: never two at once (all of a stage's at
+    once is a model's worth of fresh memory every W, page faults measured in thousands per step)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LiveMatmuls(TorchDispatchMode):   # bytes of matmul outputs alive, and their peak
+        live = peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default:
+                LiveMatmuls.live += out.nbytes
+                LiveMatmuls.peak = max(LiveMatmuls.peak, LiveMatmuls.live)
+                weakref.finalize(out, lambda n=out.nbytes: setattr(LiveMatmuls, "live", LiveMatmuls.live - n))
+            return out
+
+    cfg = get_config("tiny", n_layers=2)
+    x, y = global_batches(1, 2, S)[0]
+    model, deferred = split_linears(reference_model(cfg, dtype=torch.float64)), []
+    with DeferWeightGrads(deferred):
+        model(x, y).backward()
+    for q in model.parameters():   # (an existing .grad: autograd adds each new one into it, then frees it)
+        q.grad = torch.zeros_like(q)
+    with LiveMatmuls():
+        weight_grads(deferred)
+    weights = [mod.weight.nbytes for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
+    assert LiveMatmuls.peak == max(weights), (LiveMatmuls.peak, weights)
+
+
+def test_a_b_followed_by_its_w_is_one_ordinary_backward():
+    """Where W comes right after its B (every B of the first stage: no one waits for its input gradient), the
+    split would buy nothing: the runner does one ordinary backward, and that W computes nothing."""
+    from contextlib import contextmanager
+    cfg = get_config("tiny", n_layers=2)
+    x, y = global_batches(1, 4, S)[0]
+    flops = []
+
+    @contextmanager
+    def count(group):   # the runner's trace hook: FLOPs of each action
+        with FlopCounterMode(display=False) as fc:
+            yield
+        flops.append((group[0].op, fc.get_total_flops()))
+
+    stage = Stage(cfg, 0, 1, dtype=torch.float64)   # one stage: first and last
+    actions = SCHEDULES["zb"](1, 2)[0]
+    assert [a.op for a in actions] == ["F", "B", "W", "F", "B", "W"]
+    pipeline_step(stage, actions, PipeGroup(0, 1, [0]), x, y, 2, trace=count)
+    plain = reference_model(cfg, dtype=torch.float64)
+    with FlopCounterMode(display=False) as fl:
+        plain(x, y).backward()
+    assert [f for op, f in flops if op == "W"] == [0, 0]
+    assert sum(f for op, f in flops if op == "B") == fl.get_total_flops() - sum(f for op, f in flops if op == "F")
+    for n, q in plain.named_parameters():
+        torch.testing.assert_close(stage.get_parameter(n).grad, q.grad, rtol=1e-12, atol=1e-15)
+
+
 # ---- real runs on gloo ranks ----------------------------------------------------------------------
 
 def _moe_cfg():
