@@ -54,6 +54,14 @@ def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout
         report = (rank, True, buf.getvalue())
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         report = (rank, False, traceback.format_exc())
+
+    def send():
+        results.put(report)
+        results.close()
+        results.join_thread()  # the report is in the pipe before the process goes
+
+    if not report[1]:   # a failure is reported before its group closes, so it reaches the harness before
+        send()          # any peer's "connection closed by peer" it causes: the harness names the cause
     try:
         if dist.is_initialized() and report[1]:
             dist.barrier()  # every rank is done: no collective of a peer is cut off below
@@ -61,9 +69,8 @@ def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a peer already failed; its report says why
         pass
-    results.put(report)
-    results.close()
-    results.join_thread()  # the report is in the pipe before the process goes
+    if report[1]:
+        send()
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave without interpreter finalisation, as main does (see there): a gloo thread of a
