@@ -110,8 +110,9 @@ def demo(argv=None, reference=references.ddp) -> int:
     rows, ok = [], True
     for k in names:
         spans = [s for s in profs[k].spans if s["name"] == "all_reduce"]
-        bwd = next((s for s in profs[k].spans if s["name"] == "backward"), None)
-        first = (spans[0]["start"] - bwd["start"]) / (bwd["end"] - bwd["start"]) if bwd and spans else -1
+        launched = [i for i in profs[k].issued if i["name"] == "all_reduce"]
+        first = -1 if not launched or not launched[0]["of"] else \
+            2 if launched[0]["done"] == launched[0]["of"] else launched[0]["done"] / launched[0]["of"]
         sent = sum(s["bytes"] or 0 for s in spans)
         diff = max_diff(models[k].module, ref)
         ok &= diff < tol
@@ -122,8 +123,9 @@ def demo(argv=None, reference=references.ddp) -> int:
     print_by_rank("\n".join(rows))
     bucketed = models[names[1]]
     ratio = statistics.median(t / b for t, b in zip(times[names[2]][2:], times[names[1]][2:]))
-    print0(f"1st starts: when the first all-reduce began, as a share of backward's compute; overlap: the share\n"
-           f"of all-reduce time inside backward (both from torch.profiler, one step)\n"
+    print0(f"1st starts: when the first all-reduce was launched, as the share of backward's autograd functions\n"
+           f"begun by then (after: once all had); overlap: the share of all-reduce time inside backward\n"
+           f"(both from torch.profiler, one step)\n"
            f"bucketed / PyTorch DDP throughput: {ratio:.2f}x (step by step, median)\n"
            f"formula: Ψ·b = {grad_bytes / MiB:.3f} MiB of gradient per step, ring sends 2(P-1)/P of it = "
            f"{wire_bytes('all_reduce', grad_bytes, P) / MiB:.3f} MiB per rank, plus {len(bucketed.params)} bytes "

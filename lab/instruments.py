@@ -19,6 +19,7 @@ time_calls, watch_calls   seconds (and host memory) of each call of a method, wr
 """
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import time
@@ -244,7 +245,8 @@ class HeldBytes(TorchDispatchMode):
     """The bytes a region leaves allocated: every tensor an op makes inside it is followed by a weak
     reference, and `held()` sums the distinct storages still alive (views count once) — after a forward,
     what autograd (or activation checkpointing) keeps for the backward. `exclude`: tensors not to count
-    (the region's output, which the next layer keeps)."""
+    (the region's output, which the next layer keeps). Storages are told apart by identity, not address,
+    so it counts tensors on the meta device too (shapes, no memory: what a run would hold)."""
 
     def __init__(self):
         super().__init__()
@@ -253,15 +255,15 @@ class HeldBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else [out]):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
+            if isinstance(t, torch.Tensor):
                 self.made.append(weakref.ref(t))
         return out
 
     def held(self, exclude=()) -> int:
         """Bytes still allocated of what the region made, but for the storages of `exclude` (its output, the
         parameters and inputs that views made inside point to)."""
-        skip = {t.untyped_storage().data_ptr() for t in exclude}
-        live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (w() for w in self.made)
+        skip = {t.untyped_storage()._cdata for t in exclude}
+        live = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (w() for w in self.made)
                 if t is not None}
         return sum(n for ptr, n in live.items() if ptr not in skip)
 
@@ -310,10 +312,14 @@ class ProfileSpans:
     on gloo its "gloo:all_reduce" event, from the moment a gloo worker thread starts it until it
     completes — so it includes waiting for a slower peer; on NCCL its kernel. bytes: the tensor
     handed to it (None for a kernel).
+        prof.issued  [dict(name, at, done)]: each collective as the calling thread launched it ("c10d::…"),
+                     with how many of the region's autograd functions had begun by then, and their total
+                     (CPU): how far into backward it was issued, counted in work rather than time, so a busy
+                     machine's late-running gloo thread does not change it
     """
 
     def __init__(self, compute: str = "backward"):
-        self.compute, self.spans = compute, []
+        self.compute, self.spans, self.issued = compute, [], []
 
     def __enter__(self):
         from torch.profiler import ProfilerActivity, profile
@@ -327,9 +333,11 @@ class ProfileSpans:
     def __exit__(self, *exc):
         self._prof.__exit__(*exc)
         from torch.autograd import DeviceType
-        compute = []
+        compute, issued = [], []
         for e in self._prof.profiler.kineto_results.events():
             name, start, end = e.name(), e.start_ns() / 1e9, (e.start_ns() + e.duration_ns()) / 1e9
+            if name.startswith("c10d::") and name[len("c10d::"):] in _C10D:
+                issued.append((_C10D[name[len("c10d::"):]][0], start))
             if e.device_type() == DeviceType.CUDA:
                 op = next((v for k, v in _NCCL_KERNELS.items() if k in name), None) if "nccl" in name else None
                 if op:
@@ -347,6 +355,9 @@ class ProfileSpans:
             self.spans.append(dict(name=self.compute, start=min(s for s, _ in compute),
                                    end=max(e for _, e in compute), bytes=None))
         self.spans.sort(key=lambda s: s["start"])
+        begun = sorted(s for s, _ in compute)
+        self.issued = [dict(name=n, at=t, done=bisect.bisect_left(begun, t), of=len(begun)) for n, t in sorted(
+            issued, key=lambda i: i[1])]
         return False
 
 

@@ -10,9 +10,11 @@ off what that rank holds, by category:
     master       an fp32 master where the compute dtype differs: b_m·N (stages 1-3: b_m·n)
     gradients    held between steps: stages 0-1 the local gradient b_p per parameter, 2-3 the reduced slice b_m·n
     optimizer    AdamW's two moments, 2·b_m per element of its pieces, and a 4-byte step per piece
-    activations  activation_formula below (measured to the byte per block) × this rank's layers ×
-                 its tokens × the micro-batches it holds at once (pipeline.held_formula), plus each layer's
-                 input and the head's logits (b·H and 2·4·V/t per token) — dense models
+    activations  step_activations below: one micro-batch's forward and backward run on the meta device
+                 through the real model, what stays alive for the backward counted, × the micro-batches the
+                 rank holds at once (pipeline.held_formula); beside it the formula: activation_formula
+                 (measured to the byte per block) × layers × tokens, plus each layer's input and the head's
+                 logits (b·H and 2·4·V/t per token) — dense models; under cp the formula alone
     buffers      the reduce's packed gradient of the largest unit, b_m·N, and under stage 3 two gathered
                  units (the one computing and the prefetched next), 2·b_p·N; at stage 0 in bf16, data
                  parallel's fp32 buckets, 4 bytes per parameter (in fp32 the gradients live in them)
@@ -24,6 +26,7 @@ byte (tests/test_memory.py, at P = 2, 4, 8); the activations are the formula the
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import torch
@@ -69,6 +72,59 @@ def activation_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False) -> 
     return norms + b * (2 * H / tp + 2 * K) + w * a / tp + 4 * b * F / tp
 
 
+@contextmanager
+def _fused_attention_on_meta(model):
+    """On the meta device SDPA would take its math fallback, which keeps the S×S scores; a real run takes a
+    fused kernel (flash on GPUs, its CPU twin here), which keeps the output and a log-sum-exp per row. Plan
+    for the fused kernel: while inside, the model's causal attention modules call it (in the forward and in
+    activation checkpointing's recompute alike)."""
+    from lab.model import SDPA
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    mods = [m for m in model.modules() if isinstance(m, SDPA)]
+    for m in mods:
+        m.forward = lambda q, k, v: fused(q, k, v, 0.0, True)[0]
+    try:
+        yield
+    finally:
+        for m in mods:
+            del m.forward
+
+
+def step_activations(trainer, args, mesh) -> int:
+    """Bytes this rank keeps for the backward of ONE micro-batch, measured by running it: the real forward of
+    its model (or pipeline stage, every chunk of it) through every hook and collective (ZeRO-3's gathers,
+    tensor parallel's; under the fake group they move nothing), counting with instruments.HeldBytes what the
+    forward made that is still alive when it ends — what autograd, or activation checkpointing, keeps — but
+    for the parameters and the output the next stage receives; then its backward (the reductions wait:
+    opt.accumulating). On the meta device nothing is allocated; on real tensors (tests) the same function
+    measures a real run. Not for experts (tokens are routed by value, which meta tensors do not have) nor
+    context parallel (the fake group moves no meta tensors point to point)."""
+    from lab.instruments import HeldBytes
+    model, opt = trainer.model, trainer.opt
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype   # (the compute copy's)
+    b, S = args.global_batch_size // (mesh.size("dp") * args.microbatches), args.seq_len // mesh.size("cp")
+    keep = [*model.parameters(), *(t for u in opt.units for t in (u.buf, u.shard, u.master))]
+    x, kept, outs = torch.zeros(b, S, dtype=torch.long, device=device), 0, []
+    with opt.accumulating(), _fused_attention_on_meta(model) if device.type == "meta" else nullcontext():
+        for chunk in range(getattr(model, "v", 1)):
+            if trainer.pipe is None:
+                inp, last = x, True
+            else:
+                first, last = model.is_first and chunk == 0, model.is_last and chunk == model.v - 1
+                t = mesh.size("tp") if getattr(model, "sequence_parallel", False) else 1
+                inp = x if first else torch.zeros(b, S // t, model.cfg.dim, dtype=dtype, device=device,
+                                                   requires_grad=True)   # a stage boundary [b, S/t, H]
+            with HeldBytes() as held:
+                out = (model(inp, x, positions=trainer.positions) if trainer.pipe is None
+                       else model(inp, x if last else None, chunk=chunk))
+            kept += held.held(exclude=keep + [inp] + ([] if last else [out]))
+            outs.append((out, None if last else torch.zeros_like(out)))
+        for out, grad in outs:
+            out.backward(grad)
+    opt.zero_grad(set_to_none=True)
+    return kept
+
+
 def _bytes_of(dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
@@ -82,12 +138,13 @@ def plan_rank(args, rank: int) -> dict:
     try:
         mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
         trainer = train.Trainer(args, mesh, None, shapes_only=True)
-        return _read(args, trainer, mesh)
+        measurable = not args.experts and mesh.size("cp") == 1
+        return _read(args, trainer, mesh, step_activations(trainer, args, mesh) if measurable else None)
     finally:
         dist.destroy_process_group()
 
 
-def _read(args, trainer, mesh) -> dict:
+def _read(args, trainer, mesh, measured=None) -> dict:
     opt, cfg, z = trainer.opt, trainer.cfg, args.zero_stage
     b_p = _bytes_of(torch.bfloat16 if args.dtype == "bfloat16" else train.store_dtype(args))
     state = dict(parameters=0, master=0, gradients=0, optimizer=0)
@@ -107,7 +164,8 @@ def _read(args, trainer, mesh) -> dict:
     per_token = layers * (activation_formula(cfg, args.activation_checkpointing, b_c, t, sp) + b_c * cfg.dim)
     if trainer.pipe is None or trainer.pipe.r == args.pp - 1:
         per_token += 2 * 4 * cfg.vocab_size / t  # the head's logits and log-softmax, in fp32
-    activations = None if cfg.n_experts else per_token * tokens * held
+    formula_activations = None if cfg.n_experts else per_token * tokens * held
+    activations = formula_activations if measured is None else measured * held
     largest = max(u.flat_numel for u in opt.units)
     buffers = 4 * largest + (2 * b_p * largest if z == 3 else 0)
     if z == 0 and mesh.size("dp_cp") > 1 and args.dtype == "bfloat16":  # ddp.BucketedDDP's fp32 buckets
@@ -121,6 +179,7 @@ def _read(args, trainer, mesh) -> dict:
     formula = zero_state_formula(z, psi, P if z else 1, b_p, master_b, b_p if z <= 1 else (4 if master_b else b_p),
                                  2 * (4 if master_b else b_p)) if dense else {}
     return dict(rank=dist.get_rank(), coords=dict(mesh.coords), state=state, host=host, activations=activations,
+                activations_measured=measured, activations_formula=formula_activations,
                 buffers=buffers, total=total, formula=formula, psi=psi, group=P, per_step=_per_step(args, trainer, mesh),
                 layers=layers, tokens=tokens, held=held)
 
@@ -191,13 +250,17 @@ def print_plan(args, plans: list[dict]) -> None:
         f = p["formula"]
         print(f"rank {p['rank']} {p['coords']}: {p['layers']} layers, {p['tokens']:,} tokens per micro-batch, "
               f"{p['held']:g} held at once")
-        print(f"  {'':14s} {'GB on the device':>17s} {'ZeRO formula':>13s}   (Ψ = {p['psi'] / 1e9:.3f}B over "
+        print(f"  {'':14s} {'GB on the device':>17s} {'formula':>13s}   (Ψ = {p['psi'] / 1e9:.3f}B over "
               f"{p['group']} ranks)")
         for k in ("parameters", "master", "gradients", "optimizer"):
             where = " (host)" if k in p["host"] else ""
             print(f"  {k:14s} {p['state'][k] / gb:17.3f} {f.get(k, 0) / gb:13.3f}{where}")
         act = "not modelled (experts)" if p["activations"] is None else f"{p['activations'] / gb:.3f}"
-        print(f"  {'activations':14s} {act:>17s}\n  {'buffers':14s} {p['buffers'] / gb:17.3f}\n"
+        formula = "" if p["activations_formula"] is None else f"{p['activations_formula'] / gb:13.3f}"
+        how = ("   (one micro-batch run on meta, x the micro-batches held)" if p["activations_measured"] is not None
+               else "   (formula alone: meta tensors cannot route experts or pass context-parallel rings)"
+               if p["activations"] is not None else "")
+        print(f"  {'activations':14s} {act:>17s} {formula}{how}\n  {'buffers':14s} {p['buffers'] / gb:17.3f}\n"
               f"  {'total':14s} {p['total'] / gb:17.3f}"
               + ("" if limit is None else f"   fits {args.device_memory}: "
                  + ("yes" if p["total"] <= limit else f"NO, {p['total'] / limit:.2f}x of it")))

@@ -83,6 +83,43 @@ def test_the_planner_holds_what_a_real_run_holds(world):
             assert planned["state"][k] == held[k], (lay["flags"], k, planned["state"][k], held[k])
 
 
+ACTIVATIONS = {2: [["--dp-shard", "2", "--zero-stage", "3"], ["--tp", "2", "--sequence-parallel"],
+                   ["--pp", "2", "--microbatches", "2", "--schedule", "zb"],
+                   ["--dp-shard", "2", "--activation-checkpointing", "selective", "--dtype", "bfloat16"]],
+               4: [["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2",
+                    "--layers", "4", "--tp", "2"], ["--dp-replicate", "2", "--dp-shard", "2",
+                                                    "--activation-checkpointing", "full"]]}
+
+
+def _real_activations(layouts, common):
+    """Rank function: lab.plan.step_activations on a real Trainer of each layout (real tensors, gloo)."""
+    from lab.plan import step_activations
+    from mesh import DIMS, Mesh
+    from train import Trainer
+    out = []
+    for flags in layouts:
+        args = parse_args(common + flags)
+        mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
+        out.append(step_activations(Trainer(args, mesh, torch.device("cpu")), args, mesh))
+    return out
+
+
+@pytest.mark.parametrize("world", sorted(ACTIVATIONS))
+def test_the_planners_activations_are_a_real_runs(world):
+    """The planner runs one micro-batch's forward and backward of the real sharded model on the meta device
+    (under the fake process group, with the fused attention kernel a real run takes) and counts what stays alive
+    for the backward; a real run of the same function on P gloo ranks keeps exactly as many bytes. (The formula
+    printed beside it is the per-block one tested above, plus each layer's input and the logits: it leaves out
+    the final norm, the rotary tables and the loss's own tensors.)"""
+    from lab.plan import plan_rank
+    common = ["--global-batch-size", "8", "--seq-len", "16"]
+    real = run_ranks(_real_activations, world, ACTIVATIONS[world], common, timeout=300)[0]
+    for flags, kept in zip(ACTIVATIONS[world], real):
+        planned = plan_rank(parse_args(common + flags), 0)
+        assert planned["activations_measured"] == kept > 0, (flags, planned["activations_measured"], kept)
+        assert planned["activations"] == kept * planned["held"]
+
+
 def test_the_planner_runs_at_scale_in_seconds():
     """The 8B model on 8, 64 and 1024 ranks: the seeds' figures for ZeRO-3 over 8 ranks in bf16 (about 2 GB of
     parameters, 4 of gradients, 12 of optimizer state with the fp32 master per GPU), 1/P of them further out."""
