@@ -543,9 +543,9 @@ class _WeightGrads(torch.autograd.Function):
     parameters: its backward computes their gradients and autograd accumulates them as in an ordinary backward —
     into .grad, each post-accumulate-grad hook once. Why nodes: handing autograd ready-made tensors,
     torch.autograd.backward(params, grads), made it copy every gradient we still held (a quarter of W's time);
-    why one per linear: computing all of a stage's weight gradients before autograd took any kept a whole
-    model's worth of fresh memory alive at once, which the allocator fetched from the OS anew every W — page
-    faults, thousands per step (measured). One linear at a time, autograd consumes each before the next."""
+    why one per linear: computing all of a stage's weight gradients before autograd took any kept them all
+    alive at once, fresh memory the allocator fetched from the OS anew every W — page faults, thousands per
+    step (measured). One linear at a time, autograd consumes each before the next."""
 
     @staticmethod
     def forward(ctx, item: list, *params):   # item: [what backward computes from], emptied there
