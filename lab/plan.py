@@ -14,7 +14,7 @@ off what that rank holds, by category:
                  through the real model, what stays alive for the backward counted, × the micro-batches the
                  rank holds at once (pipeline.held_formula); beside it the formula: activation_formula
                  (measured to the byte per block) × layers × tokens, plus each layer's input and the head's
-                 logits (b·H and 2·4·V/t per token) — dense models; under cp the formula alone
+                 logits (b·H and 2·4·V/t per token) — dense models
     buffers      the reduce's packed gradient of the largest unit, b_m·N, and under stage 3 two gathered
                  units (the one computing and the prefetched next), 2·b_p·N; at stage 0 in bf16, data
                  parallel's fp32 buckets, 4 bytes per parameter (in fp32 the gradients live in them)
@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import train
 from lab.fsdp_demo import zero_comm_formula, zero_state_formula
@@ -73,21 +74,23 @@ def activation_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False) -> 
 
 
 @contextmanager
-def _fused_attention_on_meta(model):
+def _fused_attention_on_meta():
     """On the meta device SDPA would take its math fallback, which keeps the S×S scores; a real run takes a
     fused kernel (flash on GPUs, its CPU twin here), which keeps the output and a log-sum-exp per row. Plan
-    for the fused kernel: while inside, the model's causal attention modules call it (in the forward and in
-    activation checkpointing's recompute alike)."""
-    from lab.model import SDPA
-    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    mods = [m for m in model.modules() if isinstance(m, SDPA)]
-    for m in mods:
-        m.forward = lambda q, k, v: fused(q, k, v, 0.0, True)[0]
+    for the fused kernel: while inside, F.scaled_dot_product_attention on meta tensors without a mask calls it
+    (every caller — the model's attention, Ulysses' — in the forward and in checkpointing's recompute alike)."""
+    sdpa, fused = F.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def planned(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.is_meta and attn_mask is None and dropout_p == 0.0:   # (the fused kernel takes GQA's k, v as they are)
+            return fused(q, k, v, 0.0, is_causal, scale=scale)[0]
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    F.scaled_dot_product_attention = planned
     try:
         yield
     finally:
-        for m in mods:
-            del m.forward
+        F.scaled_dot_product_attention = sdpa
 
 
 def step_activations(trainer, args, mesh) -> int:
@@ -97,15 +100,14 @@ def step_activations(trainer, args, mesh) -> int:
     forward made that is still alive when it ends — what autograd, or activation checkpointing, keeps — but
     for the parameters and the output the next stage receives; then its backward (the reductions wait:
     opt.accumulating). On the meta device nothing is allocated; on real tensors (tests) the same function
-    measures a real run. Not for experts (tokens are routed by value, which meta tensors do not have) nor
-    context parallel (the fake group moves no meta tensors point to point)."""
+    measures a real run. Not for experts: tokens are routed by value, which meta tensors do not have."""
     from lab.instruments import HeldBytes
     model, opt = trainer.model, trainer.opt
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype   # (the compute copy's)
     b, S = args.global_batch_size // (mesh.size("dp") * args.microbatches), args.seq_len // mesh.size("cp")
     keep = [*model.parameters(), *(t for u in opt.units for t in (u.buf, u.shard, u.master))]
     x, kept, outs = torch.zeros(b, S, dtype=torch.long, device=device), 0, []
-    with opt.accumulating(), _fused_attention_on_meta(model) if device.type == "meta" else nullcontext():
+    with opt.accumulating(), _fused_attention_on_meta() if device.type == "meta" else nullcontext():
         for chunk in range(getattr(model, "v", 1)):
             if trainer.pipe is None:
                 inp, last = x, True
@@ -134,14 +136,17 @@ def plan_rank(args, rank: int) -> dict:
     this rank's bytes by category, the formulas beside them, and the bytes per step on each mesh dimension."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     world = math.prod(getattr(args, d) for d in DIMS)
+    devices = dist.Backend.backend_capability["fake"]
+    dist.Backend.backend_capability["fake"] = devices + ["meta"]   # the step runs on meta: the fake group takes it
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
         trainer = train.Trainer(args, mesh, None, shapes_only=True)
-        measurable = not args.experts and mesh.size("cp") == 1
+        measurable = not args.experts
         return _read(args, trainer, mesh, step_activations(trainer, args, mesh) if measurable else None)
     finally:
         dist.destroy_process_group()
+        dist.Backend.backend_capability["fake"] = devices
 
 
 def _read(args, trainer, mesh, measured=None) -> dict:
@@ -257,9 +262,7 @@ def print_plan(args, plans: list[dict]) -> None:
             print(f"  {k:14s} {p['state'][k] / gb:17.3f} {f.get(k, 0) / gb:13.3f}{where}")
         act = "not modelled (experts)" if p["activations"] is None else f"{p['activations'] / gb:.3f}"
         formula = "" if p["activations_formula"] is None else f"{p['activations_formula'] / gb:13.3f}"
-        how = ("   (one micro-batch run on meta, x the micro-batches held)" if p["activations_measured"] is not None
-               else "   (formula alone: meta tensors cannot route experts or pass context-parallel rings)"
-               if p["activations"] is not None else "")
+        how = "   (one micro-batch run on meta, x the micro-batches held)" if p["activations_measured"] is not None else ""
         print(f"  {'activations':14s} {act:>17s} {formula}{how}\n  {'buffers':14s} {p['buffers'] / gb:17.3f}\n"
               f"  {'total':14s} {p['total'] / gb:17.3f}"
               + ("" if limit is None else f"   fits {args.device_memory}: "
