@@ -83,7 +83,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 import ddp
 import expert_parallel
@@ -755,6 +755,15 @@ SAVED_BY_SELECTIVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, t
     if hasattr(torch.ops.aten, name)]
 
 
+def _selective(ctx, op, *args, **kwargs):
+    """The selective policy: keep what SAVED_BY_SELECTIVE's ops return where autograd records them — not inside
+    an autograd.Function's own forward, which runs without grad and saves what its backward needs itself
+    (ring attention's blocks: keeping their S/cp × S/cp scores made selective hold 3× more than no
+    checkpointing at all, found by the planner)."""
+    keep = op in SAVED_BY_SELECTIVE and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _checkpointed(block, how: str):
     """Activation checkpointing of one block, `full`: only its input is kept, its whole forward runs again in
     backward; `selective`: PyTorch's selective-checkpoint contexts also keep what SAVED_BY_SELECTIVE's ops
@@ -764,7 +773,7 @@ def _checkpointed(block, how: str):
 
     def contexts():  # (around the forward, around its recompute in backward; under zero bubble the recompute
         #  runs inside B's DeferWeightGrads, so its linears split their backward again)
-        return create_selective_checkpoint_contexts(SAVED_BY_SELECTIVE) if how == "selective" else noop_context_fn()
+        return create_selective_checkpoint_contexts(_selective) if how == "selective" else noop_context_fn()
     block.forward = lambda h, cos, sin: checkpoint(inner, h, cos, sin, use_reentrant=False, context_fn=contexts)
 
 

@@ -86,7 +86,8 @@ def test_the_planner_holds_what_a_real_run_holds(world):
 ACTIVATIONS = {2: [["--dp-shard", "2", "--zero-stage", "3"], ["--tp", "2", "--sequence-parallel"],
                    ["--pp", "2", "--microbatches", "2", "--schedule", "zb"],
                    ["--dp-shard", "2", "--activation-checkpointing", "selective", "--dtype", "bfloat16"],
-                   ["--cp", "2"], ["--cp", "2", "--cp-method", "ulysses"]],
+                   ["--cp", "2"], ["--cp", "2", "--cp-method", "ulysses"],
+                   ["--cp", "2", "--activation-checkpointing", "selective"]],
                4: [["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2",
                     "--layers", "4", "--tp", "2"], ["--dp-replicate", "2", "--dp-shard", "2",
                                                     "--activation-checkpointing", "full"]]}
@@ -122,6 +123,17 @@ def test_the_planners_activations_are_a_real_runs(world):
         assert kept > 0 and (planned["activations_measured"] == kept if exact else
                              abs(planned["activations_measured"] - kept) <= 1e-3 * kept), (flags, planned, kept)
         assert planned["activations"] == planned["activations_measured"] * planned["held"]
+
+
+def test_selective_keeps_less_than_none_under_context_parallel():
+    """Ring attention's blocks run inside an autograd.Function that saves what it needs itself; a selective
+    policy that also kept their matmuls (S/cp × S/cp scores per block) held more than no checkpointing."""
+    from lab.plan import plan_rank
+    common = ["--model", "medium", "--layers", "2", "--global-batch-size", "2", "--seq-len", "1024"]
+    for cp in (["--cp", "2"], ["--cp", "4"], ["--cp", "2", "--cp-method", "ulysses"]):
+        kept = {how: plan_rank(parse_args(common + cp + ["--activation-checkpointing", how]), 0)["activations"]
+                for how in ("none", "selective", "full")}
+        assert kept["none"] > kept["selective"] > kept["full"] > 0, (cp, kept)
 
 
 def test_the_planner_runs_at_scale_in_seconds():
