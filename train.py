@@ -427,18 +427,19 @@ class Trainer:
         store = store_dtype(args)
         self.dp, self.cp, self.tp, self.m = mesh.size("dp"), mesh.size("cp"), mesh.size("tp"), args.microbatches
         sp = args.sequence_parallel and self.tp > 1
-        # Meta device: shapes only, each rank materialises just its ZeRO-3 shards (fp32 models; the
-        # flat units' masters are fp32, so float64 runs are built for real).
-        self.meta = args.zero_stage == 3 and self.dp * self.cp > 1 and store == torch.float32 and args.pp == 1
+        # Built on the meta device, every layout: shapes only, no values, until ZeRO (step 6) makes each
+        # rank's flat units from init_fn — only what the rank keeps: its stage's layers, its tp slice, its
+        # experts, and (ZeRO-3) its shard of those. No rank ever holds the whole model.
+        self.meta = True
 
         # 1. pipeline split: this rank's layers (v chunks), named as in the whole model
         if args.pp > 1:
             self.pipe = pipeline.PipeGroup.from_ranks(mesh.ranks("pp"))
             self.actions = pipeline.SCHEDULES[args.schedule](args.pp, self.m, args.virtual_stages)[self.pipe.r]
-            model = pipeline.Stage(cfg, self.pipe.r, args.pp, args.seed, device, store, v=args.virtual_stages)
+            model = pipeline.Stage(cfg, self.pipe.r, args.pp, args.seed, "meta", store, v=args.virtual_stages)
         else:
             self.pipe = None
-            model = build_model(cfg, seed=args.seed, dtype=store, device="meta" if self.meta or shapes_only else device)
+            model = build_model(cfg, seed=args.seed, dtype=store, device="meta")
         full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         blocks = list(model.layers.values() if self.pipe is not None else model.layers)
         # (compile: each block's forward, before anything below swaps its parts or hooks it; it is traced at
@@ -507,7 +508,7 @@ class Trainer:
                     reshard_after_forward=self.pipe is None,  # a pipeline keeps units gathered over its micro-batches
                     before_reduce=before_reduce if partial_grads else None,
                     param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
-                    init_fn=init_fn if self.meta and not shapes_only else None, offload=args.offload,
+                    init_fn=None if shapes_only else init_fn, offload=args.offload,
                     shapes_only=shapes_only, lr=args.lr)
         self.ddp = None
         if args.zero_stage == 0:  # every gradient all-reduced over dp x cp, by lesson 1's buckets during backward

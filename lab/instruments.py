@@ -16,6 +16,7 @@ SavedActivations    which micro-batches still hold saved activations (weak refer
 idle_share, ascii_timeline   a step's idle share per rank, and its timeline as text, from Timeline spans.
 Timeline            named (start, end) spans on this rank, for timelines and overlap.
 time_calls, watch_calls   seconds (and host memory) of each call of a method, wrapped from outside.
+BuildPeak           the most bytes a region held at once, of the storages it made (building a model).
 """
 from __future__ import annotations
 
@@ -510,3 +511,33 @@ def time_side_by_side(steps: dict, rounds: int = 3, per_round: int = 2, group=No
                 dist.barrier(group=group)
             times[k].append(time_steps(steps[k], per_round, warmup=1 if r == 0 else 0, device=device))
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ---- memory while a model is built -----------------------------------------------------------------
+
+class BuildPeak(TorchDispatchMode):
+    """The most bytes held at once by the storages a region makes (every op's outputs, told apart by storage
+    identity: views count once; each storage at its size then, so a buffer ZeRO-3 frees with resize_(0) stops
+    counting), and what is still held at the end — building a sharded model: the whole model materialised on
+    every rank first shows as a peak far above what the rank keeps. `meta`: count meta-device storages too (a
+    plan's, which stand for real memory); by default they are shapes only and count nothing. Checked after
+    every op: for building models, not for training steps."""
+
+    def __init__(self, meta: bool = False):
+        super().__init__()
+        self.meta, self.live, self.peak = meta, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor) and (self.meta or not t.is_meta):
+                s = t.untyped_storage()  # (one Python object per storage while it lives: a weak reference
+                self.live.setdefault(s._cdata, weakref.ref(s))  # to it dies with the storage)
+        self.peak = max(self.peak, self.held())
+        return out
+
+    def held(self) -> int:
+        """Bytes of the storages made so far that are alive now."""
+        alive = [(k, w()) for k, w in self.live.items()]
+        self.live = {k: w for k, w in self.live.items() if w() is not None}
+        return sum(s.nbytes() for _, s in alive if s is not None)

@@ -184,9 +184,29 @@ def _read(args, trainer, mesh, measured=None) -> dict:
     formula = zero_state_formula(z, psi, P if z else 1, b_p, master_b, b_p if z <= 1 else (4 if master_b else b_p),
                                  2 * (4 if master_b else b_p)) if dense else {}
     return dict(rank=dist.get_rank(), coords=dict(mesh.coords), state=state, host=host, activations=activations,
+                building=_building(args, trainer, mesh, state),
                 activations_measured=measured, activations_formula=formula_activations,
                 buffers=buffers, total=total, formula=formula, psi=psi, group=P, per_step=_per_step(args, trainer, mesh),
                 layers=layers, tokens=tokens, held=held)
+
+
+def _building(args, trainer, mesh, state) -> dict:
+    """The most this rank holds while train.Trainer builds its part of the model. Every layout is built on the
+    meta device (shapes, no values) and ZeRO makes each flat unit from my slice alone (fsdp.shard_model's
+    init_fn), so a rank holds what it keeps — its compute copies and master, and at ZeRO-0 under data parallel
+    ddp.BucketedDDP's buckets — plus, for a moment, one unit's flat buffer and one whole parameter (init_tensor
+    draws it whole from its seed, then the rank takes its slice). Built whole and then cut, as before, a rank
+    held its whole model (or pipeline stage) first: `whole` beside it."""
+    from lab.model import num_params
+    b_p = _bytes_of(torch.bfloat16 if args.dtype == "bfloat16" else train.store_dtype(args))
+    opt, z = trainer.opt, args.zero_stage
+    kept = state["parameters"] + state["master"]   # (an offloaded master: in host memory, counted all the same)
+    if z == 0 and mesh.size("dp_cp") > 1:   # data parallel's buckets, made with the model: fp32 under bf16
+        kept += (4 if args.dtype == "bfloat16" else b_p) * sum(sum(u.numels) for u in opt.units)
+    unit = max(max(u.flat_numel * _bytes_of(u.dtype), u.master.numel() * u.master.element_size()) for u in opt.units)
+    param = 4 * max(math.prod(s) for s in train.model_shapes(args).values())
+    whole = train.store_dtype(args).itemsize * num_params(trainer.cfg)
+    return dict(kept=kept, peak=kept + unit + param, whole=whole)
 
 
 def _per_step(args, trainer, mesh) -> dict:
@@ -267,5 +287,8 @@ def print_plan(args, plans: list[dict]) -> None:
               f"  {'total':14s} {p['total'] / gb:17.3f}"
               + ("" if limit is None else f"   fits {args.device_memory}: "
                  + ("yes" if p["total"] <= limit else f"NO, {p['total'] / limit:.2f}x of it")))
+        b = p["building"]
+        print(f"  {'building':14s} {b['peak'] / gb:17.3f}   (at most: what it keeps {b['kept'] / gb:.3f} + one unit and one "
+              f"parameter; built on the meta device, never the whole model, {b['whole'] / gb:.3f})")
         for dim, ops in p["per_step"].items():
             print(f"  bytes per step, {dim}: " + ", ".join(f"{op} {n / gb:.3f} GB" for op, n in ops.items()))

@@ -157,12 +157,12 @@ FOUR_MOE = [["--dp-shard", "2", "--ep", "2", "--tp", "2"], ["--dp-shard", "2", "
 
 
 def test_combinations_on_4_ranks():
-    # float32 ZeRO-3 is built on the meta device: each rank materialises only its shard of its tp slice
+    # float32 too (every layout is built on the meta device: each rank materialises only its shard of its tp slice)
     meta = ["--dp-shard", "2", "--tp", "2", "--dtype", "float32"]
     res = run_ranks(run_layouts, 4, FOUR + [MOE + lay for lay in FOUR_MOE] + [meta], COMMON, timeout=600)
     _check([r[:-1] for r in res], TOL64, "4 ranks")
     _check([r[-1:] for r in res], TOL32, "float32 meta-initialised")
-    assert all(r[-1]["meta_init"] for r in res) and not any(lay["meta_init"] for lay in res[0][:-1])
+    assert all(lay["meta_init"] for r in res for lay in r)
     _check_composed_bytes(_by_flags(res[0]))
 
 
