@@ -216,25 +216,31 @@ def test_zero_stage_0_is_lesson_1s_buckets_overlapped_with_the_last_backward():
     """At ZeRO-0 the gradients are averaged by ddp.BucketedDDP: one all-reduce per bucket, in bucket order, ONCE a
     step — not per micro-batch, nor per pipeline action — then its used flags (a byte per parameter) and the
     clipping norm; the ZeRO units move nothing. Experts get buckets on their own group (edp). Equal to one process
-    on dp, cp, tp, pp (1F1B, zero bubble, interleaved) and ep, with micro-batches; the step log's share of
-    all-reduce time hidden in backward is measured, and with several buckets some of it is hidden."""
+    on dp, cp, tp, pp (every schedule, 2 and 4 micro-batches) and ep. On EVERY rank — every pipeline stage — the
+    buckets are launched inside the last backward that adds to a gradient (counted: the autograd pass that launched
+    each, train_demo.StepMeter), none after it by synchronize(), and, but under interleaved 1F1B, some by their hooks
+    while it computes; the step log's share of all-reduce time hidden in backward is measured."""
     from lab.model import get_config, num_params
     small = ["--bucket-mb", "0.02"]  # tiny's 273 KiB of fp64 gradients in several buckets
+    v2 = ["--virtual-stages", "2", "--layers", "4"]
     two = [["--dp-replicate", "2", "--microbatches", "2"] + small, ["--cp", "2"] + small, ["--dp-replicate", "2"]]
+    pipes = [["--pp", "2", "--dp-replicate", "2", "--schedule", s, "--microbatches", m, "--steps", "3"] + small
+             + (v2 if s == "interleaved" else []) for s, m in (("gpipe", "2"), ("gpipe", "4"), ("1f1b", "2"),
+                                                               ("1f1b", "4"), ("zb", "2"), ("interleaved", "4"))]
     four = [["--pp", "2", "--dp-replicate", "2", "--schedule", "zb", "--microbatches", "4"] + small,
-            ["--pp", "2", "--dp-replicate", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--layers", "4",
-             "--microbatches", "2"] + small,
+            ["--pp", "2", "--dp-replicate", "2", "--schedule", "interleaved", "--microbatches", "2"] + v2 + small,
             ["--dp-replicate", "2", "--tp", "2", "--microbatches", "2"] + small,
-            MOE + ["--dp-replicate", "4", "--ep", "2"] + small]
+            MOE + ["--dp-replicate", "4", "--ep", "2"] + small] + pipes
     res2, res4 = run_ranks(run_layouts, 2, two, COMMON, timeout=300), run_ranks(run_layouts, 4, four, COMMON, timeout=400)
     _check(res2, TOL64, "ZeRO-0, 2 ranks")
     _check(res4, TOL64, "ZeRO-0, 4 ranks")
     whole = num_params(get_config("tiny"))
-    for lay in res2[0] + res4[0]:
+    for rank, lay in ((r, lay) for res in (res2, res4) for r, lays in enumerate(res) for lay in lays):
         buckets, flags = lay["ddp_buckets"], lay["flags"]
-        assert buckets and all(size == 1 for _, _, size, _ in lay["zero_units"]), flags   # ZeRO moves nothing
+        where = f"rank {rank} [{flags}]"
+        assert buckets and all(size == 1 for _, _, size, _ in lay["zero_units"]), where   # ZeRO moves nothing
         if "--bucket-mb 0.02" in flags:
-            assert len(buckets) >= 3, (flags, buckets)
+            assert len(buckets) >= 3, (where, buckets)
         if flags == "--dp-replicate 2":
             assert len(buckets) == 1 and buckets[0][0] == whole   # 137 KiB: one bucket of every gradient
         by_group = {}
@@ -246,10 +252,21 @@ def test_zero_stage_0_is_lesson_1s_buckets_overlapped_with_the_last_backward():
             # the buckets once, then the flags (and, where the group is the world, the clipping norm's float64;
             # a MoE also all-reduces its routing statistics on the same ranks, left out here)
             got = [b for b in got if b in sizes or b == flag_bytes] if "--experts" in flags else got
-            assert got[:len(sizes) + 1] == sizes + [flag_bytes] and got[len(sizes) + 1:] in ([], [8]), (flags, got)
-        assert 0 <= lay["ddp_overlap"] <= 1, flags
+            assert got[:len(sizes) + 1] == sizes + [flag_bytes] and got[len(sizes) + 1:] in ([], [8]), (where, got)
+        # every step: the buckets' bytes once, all launched inside the last of the m·v backwards that add to a
+        # gradient (its hooks, or its end), none by synchronize() after it
+        m = int(flags.split("--microbatches ")[1].split()[0]) if "--microbatches" in flags else 1
+        v = 2 if "--virtual-stages 2" in flags else 1
+        once = sum(n * e for n, e, ranks, _ in buckets if len(ranks) > 1)
+        for step in lay["ddp_launches"]:
+            assert step["backwards"] == m * v, (where, step)
+            assert step["bytes"] == step["in_last_backward"] == once and step["after_backward"] == 0, (where, step)
+            # interleaved: the rank's last backward is its first chunk's, whose buckets come last in bucket order
+            # (backward's order of the stage's parameters): they wait for the second chunk's, launched at its end
+            assert step["by_hooks"] > 0 or "interleaved" in flags, (where, step)
+        assert 0 <= lay["ddp_overlap"] <= 1, where
     assert res2[0][0]["ddp_overlap"] > 0 and res2[0][1]["ddp_overlap"] > 0, [lay["ddp_overlap"] for lay in res2[0]]
-    moe = res4[0][-1]["ddp_buckets"]
+    moe = res4[0][3]["ddp_buckets"]
     assert {len(ranks) for _, _, ranks, _ in moe} == {4, 2}   # dense over dp 4, my experts over the 2 ranks holding them
 
 
