@@ -5,7 +5,8 @@ torch.optim.AdamW, torch's clip_grad_norm_, the same warm-up/cosine learning rat
 batches. Each run_ranks call trains MANY layouts of one world size in turn (lab.train_demo.run_layouts). The
 parity matrix covers every pair of dimensions — ZeRO 0-3, HSDP, tp, sequence parallel, cp (ring,
 Ulysses, both), pp (every schedule), ep, micro-batches and padded (token-weighted) losses — in
-float64 over 10 steps, with clipping active.
+float64 over 10 steps, with clipping active; the README's headline compositions too (HSDP x tp on 8 ranks;
+HSDP x tp x pp and pp x dp x cp x tp, with and without sequence parallel, on 16, over 3 steps).
 """
 import json
 import os
@@ -276,8 +277,25 @@ def test_8_ranks():
                ["--dp-shard", "2", "--cp", "4", "--cp-method", "ulysses"],
                ["--pp", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"],
                ["--dp-shard", "2", "--tp", "4", "--zero-stage", "3"],
-               ["--pp", "2", "--dp-shard", "2", "--tp", "2", "--sequence-parallel"] + MOE + ["--ep", "2"]]
+               ["--pp", "2", "--dp-shard", "2", "--tp", "2", "--sequence-parallel"] + MOE + ["--ep", "2"],
+               # the README's 2-node HSDP x tp command (dp_replicate 2 x dp_shard 2 x tp 4), at tp 2
+               ["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"]]
     _check(run_ranks(run_layouts, 8, layouts, COMMON, timeout=600), TOL64, "8 ranks")
+
+
+def test_16_ranks_hsdp_tp_pp_and_4d():
+    """The README's headline compositions at 16 ranks: HSDP x tp x pp, and pp x dp x cp x tp with and without
+    sequence parallel (zigzag cp 2 and sp over tp 2 both divide --seq-len 16). Every rank's losses equal rank 0's
+    and one process's in float64, over 3 steps (16 gloo processes on a small machine are slow)."""
+    common = COMMON + ["--steps", "3"]
+    layouts = [["--pp", "2", "--dp-replicate", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"],
+               ["--pp", "2", "--dp-shard", "2", "--cp", "2", "--tp", "2", "--microbatches", "2"],
+               ["--pp", "2", "--dp-shard", "2", "--cp", "2", "--tp", "2", "--microbatches", "2", "--sequence-parallel"]]
+    res = run_ranks(run_layouts, 16, layouts, common, timeout=600)
+    _check(res, TOL64, "16 ranks", common=common)
+    for i, flags in enumerate(layouts):   # each rank a different place on the mesh: every dimension is used
+        places = {tuple(r[i]["coords"].values()) for r in res}
+        assert len(places) == 16 and all(len(r[i]["losses"]) == 3 for r in res), flags
 
 
 def test_token_weighted_loss_differs_from_a_mean_of_means():
