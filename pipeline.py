@@ -455,12 +455,14 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
     # nothing from the split: it runs as one ordinary backward and its W has nothing left to do.
     whole = {(g[0].mb, g[0].chunk) for g, h in zip(groups, groups[1:])
              if g[0].op == "B" and h[0].op == "W" and (g[0].mb, g[0].chunk) == (h[0].mb, h[0].chunk)}
-    last = max((i for i, g in enumerate(groups)   # the action that adds to .grad last
-                if g[0].op == "B" and (not split or (g[0].mb, g[0].chunk) in whole)
-                or g[0].op == "W" and (g[0].mb, g[0].chunk) not in whole), default=None)
+    # the group whose action adds to .grad last: a B that runs whole (a split B leaves .grad to its W), or a W
+    # that has something left to do. (Its own name: `last` below is whether a chunk is the model's last.)
+    final_grads = max((i for i, g in enumerate(groups)
+                       if g[0].op == "B" and (not split or (g[0].mb, g[0].chunk) in whole)
+                       or g[0].op == "W" and (g[0].mb, g[0].chunk) not in whole), default=None)
     for i, group in enumerate(groups):
         a, key = group[0], (group[0].mb, group[0].chunk)
-        if i == last and before_last_backward is not None:
+        if i == final_grads and before_last_backward is not None:
             before_last_backward()
         first, last = stage.is_first and a.chunk == 0, stage.is_last and a.chunk == stage.v - 1
         split_here = split and key not in whole and a.op in ("F", "B")

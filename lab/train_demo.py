@@ -60,7 +60,8 @@ class StepMeter:
         self.rank0, self.world = dist.get_rank() == 0, dist.get_world_size()
         self.comm = CommCounter()
         self.out = dict(tokens_per_s=[], comm_bytes=[], peak_memory_bytes=[], grad_norms=[], state_bytes=None,
-                        offload_bytes=[], ddp_overlap=None)
+                        offload_bytes=[], ddp_overlap=None, ddp_launches=[])
+        self.launched, self.grad_passes = [], []  # this step's bucket launches, and the backwards that added to them
         self.transfers = ([], [])  # FlatUnit.download / upload calls (measured_train watches them)
 
     def begin(self, trainer, start: int) -> None:
@@ -68,6 +69,8 @@ class StepMeter:
         # ZeRO-0's buckets (ddp.BucketedDDP): one step (the second, past the first's warm-up) runs under
         # torch.profiler, for the share of all-reduce time that lay inside backward
         self.profile_step = min(start + 1, (a.stop_at or a.steps) - 1) if trainer.ddp is not None else None
+        if trainer.ddp is not None:
+            self._watch_buckets(trainer.ddp)
         self.fpt = flops_per_token(trainer.cfg, a.seq_len)
         self.peak = _peak_flops(self.device) if a.dtype == "bfloat16" else None
         if self.verbose and self.rank0:
@@ -76,6 +79,41 @@ class StepMeter:
                   f"parameters), {dtype}, global batch {a.global_batch_size}x{a.seq_len}, {self.device}"
                   + (f", resuming after step {start}" if start else ""), flush=True)
 
+    def _watch_buckets(self, dp) -> None:
+        """ZeRO-0: where each of ddp.BucketedDDP's bucket all-reduces is launched — by which backward pass (autograd
+        numbers each: its graph task), or by none (synchronize(), after the step's backwards) — and which backward
+        passes added to a bucketed gradient: counted, not timed, so the same on a busy machine."""
+        launch, finish, ending = dp._launch_in_order, dp._finish_backward, [False]
+        # (the hooks call self._launch_in_order, autograd and synchronize() self._finish_backward: instance
+        #  attributes win over the class's methods)
+
+        def launch_watched():
+            first = dp._next
+            launch()
+            task = torch._C._current_graph_task_id()   # -1: outside any backward
+            self.launched += [(b.nbytes, task, ending[0]) for b in dp.buckets[first:dp._next]
+                              if dist.get_world_size(b.group) > 1]
+
+        def finish_watched():   # the backward's end (or synchronize()): what no hook launched during it
+            ending[0] = True
+            try:
+                finish()
+            finally:
+                ending[0] = False
+        dp._launch_in_order, dp._finish_backward = launch_watched, finish_watched
+        for p in dp.params:
+            p.register_post_accumulate_grad_hook(lambda _: self.grad_passes.append(torch._C._current_graph_task_id()))
+
+    def _bucket_launches(self) -> dict:
+        """This step's bucket all-reduces: bytes launched; of them, inside the last backward that added to a
+        gradient — and of those, by its hooks while it computed (overlapped) — and outside any backward (by
+        synchronize(), after it); and the number of backwards that added to a bucketed gradient."""
+        last = max(self.grad_passes, default=None)
+        return dict(bytes=sum(n for n, _, _ in self.launched), backwards=len(set(self.grad_passes)),
+                    in_last_backward=sum(n for n, t, _ in self.launched if t == last and t != -1),
+                    by_hooks=sum(n for n, t, end in self.launched if t == last and t != -1 and not end),
+                    after_backward=sum(n for n, t, _ in self.launched if t == -1))
+
     @contextmanager
     def around(self, trainer, step: int):
         if self.device.type == "cuda":
@@ -83,6 +121,7 @@ class StepMeter:
         sync(self.device)
         t0 = time.perf_counter()
         self.comm.reset()
+        self.launched, self.grad_passes = [], []
         moved = [len(calls) for calls in self.transfers]
         tracker = memory_tracker(trainer.model, trainer.opt.inner) if self.args.track_memory else nullcontext()
         # (one process has nothing to count; and under --compile a dispatch mode around the step would make
@@ -109,6 +148,8 @@ class StepMeter:
         norm = None if trainer.grad_norm is None else float(trainer.grad_norm)
         hidden = overlap_fraction(self.spans.spans) if step == self.profile_step else None
         self.out["ddp_overlap"] = hidden if hidden is not None else self.out["ddp_overlap"]
+        if trainer.ddp is not None:
+            self.out["ddp_launches"].append(self._bucket_launches())
         for k, v in [("tokens_per_s", tps), ("comm_bytes", nbytes), ("peak_memory_bytes", mem), ("grad_norms", norm)]:
             self.out[k].append(v)
         if self.rank0 and self.verbose and not a.quiet:

@@ -5,7 +5,8 @@ torch.optim.AdamW, torch's clip_grad_norm_, the same warm-up/cosine learning rat
 batches. Each run_ranks call trains MANY layouts of one world size in turn (lab.train_demo.run_layouts). The
 parity matrix covers every pair of dimensions — ZeRO 0-3, HSDP, tp, sequence parallel, cp (ring,
 Ulysses, both), pp (every schedule), ep, micro-batches and padded (token-weighted) losses — in
-float64 over 10 steps, with clipping active.
+float64 over 10 steps, with clipping active; the README's headline compositions too (HSDP x tp on 8 ranks;
+HSDP x tp x pp and pp x dp x cp x tp, with and without sequence parallel, on 16, over 3 steps).
 """
 import json
 import os
@@ -216,25 +217,31 @@ def test_zero_stage_0_is_lesson_1s_buckets_overlapped_with_the_last_backward():
     """At ZeRO-0 the gradients are averaged by ddp.BucketedDDP: one all-reduce per bucket, in bucket order, ONCE a
     step — not per micro-batch, nor per pipeline action — then its used flags (a byte per parameter) and the
     clipping norm; the ZeRO units move nothing. Experts get buckets on their own group (edp). Equal to one process
-    on dp, cp, tp, pp (1F1B, zero bubble, interleaved) and ep, with micro-batches; the step log's share of
-    all-reduce time hidden in backward is measured, and with several buckets some of it is hidden."""
+    on dp, cp, tp, pp (every schedule, 2 and 4 micro-batches) and ep. On EVERY rank — every pipeline stage — the
+    buckets are launched inside the last backward that adds to a gradient (counted: the autograd pass that launched
+    each, train_demo.StepMeter), none after it by synchronize(), and, but under interleaved 1F1B, some by their hooks
+    while it computes; the step log's share of all-reduce time hidden in backward is measured."""
     from lab.model import get_config, num_params
     small = ["--bucket-mb", "0.02"]  # tiny's 273 KiB of fp64 gradients in several buckets
+    v2 = ["--virtual-stages", "2", "--layers", "4"]
     two = [["--dp-replicate", "2", "--microbatches", "2"] + small, ["--cp", "2"] + small, ["--dp-replicate", "2"]]
+    pipes = [["--pp", "2", "--dp-replicate", "2", "--schedule", s, "--microbatches", m, "--steps", "3"] + small
+             + (v2 if s == "interleaved" else []) for s, m in (("gpipe", "2"), ("gpipe", "4"), ("1f1b", "2"),
+                                                               ("1f1b", "4"), ("zb", "2"), ("interleaved", "4"))]
     four = [["--pp", "2", "--dp-replicate", "2", "--schedule", "zb", "--microbatches", "4"] + small,
-            ["--pp", "2", "--dp-replicate", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--layers", "4",
-             "--microbatches", "2"] + small,
+            ["--pp", "2", "--dp-replicate", "2", "--schedule", "interleaved", "--microbatches", "2"] + v2 + small,
             ["--dp-replicate", "2", "--tp", "2", "--microbatches", "2"] + small,
-            MOE + ["--dp-replicate", "4", "--ep", "2"] + small]
+            MOE + ["--dp-replicate", "4", "--ep", "2"] + small] + pipes
     res2, res4 = run_ranks(run_layouts, 2, two, COMMON, timeout=300), run_ranks(run_layouts, 4, four, COMMON, timeout=400)
     _check(res2, TOL64, "ZeRO-0, 2 ranks")
     _check(res4, TOL64, "ZeRO-0, 4 ranks")
     whole = num_params(get_config("tiny"))
-    for lay in res2[0] + res4[0]:
+    for rank, lay in ((r, lay) for res in (res2, res4) for r, lays in enumerate(res) for lay in lays):
         buckets, flags = lay["ddp_buckets"], lay["flags"]
-        assert buckets and all(size == 1 for _, _, size, _ in lay["zero_units"]), flags   # ZeRO moves nothing
+        where = f"rank {rank} [{flags}]"
+        assert buckets and all(size == 1 for _, _, size, _ in lay["zero_units"]), where   # ZeRO moves nothing
         if "--bucket-mb 0.02" in flags:
-            assert len(buckets) >= 3, (flags, buckets)
+            assert len(buckets) >= 3, (where, buckets)
         if flags == "--dp-replicate 2":
             assert len(buckets) == 1 and buckets[0][0] == whole   # 137 KiB: one bucket of every gradient
         by_group = {}
@@ -246,10 +253,21 @@ def test_zero_stage_0_is_lesson_1s_buckets_overlapped_with_the_last_backward():
             # the buckets once, then the flags (and, where the group is the world, the clipping norm's float64;
             # a MoE also all-reduces its routing statistics on the same ranks, left out here)
             got = [b for b in got if b in sizes or b == flag_bytes] if "--experts" in flags else got
-            assert got[:len(sizes) + 1] == sizes + [flag_bytes] and got[len(sizes) + 1:] in ([], [8]), (flags, got)
-        assert 0 <= lay["ddp_overlap"] <= 1, flags
+            assert got[:len(sizes) + 1] == sizes + [flag_bytes] and got[len(sizes) + 1:] in ([], [8]), (where, got)
+        # every step: the buckets' bytes once, all launched inside the last of the m·v backwards that add to a
+        # gradient (its hooks, or its end), none by synchronize() after it
+        m = int(flags.split("--microbatches ")[1].split()[0]) if "--microbatches" in flags else 1
+        v = 2 if "--virtual-stages 2" in flags else 1
+        once = sum(n * e for n, e, ranks, _ in buckets if len(ranks) > 1)
+        for step in lay["ddp_launches"]:
+            assert step["backwards"] == m * v, (where, step)
+            assert step["bytes"] == step["in_last_backward"] == once and step["after_backward"] == 0, (where, step)
+            # interleaved: the rank's last backward is its first chunk's, whose buckets come last in bucket order
+            # (backward's order of the stage's parameters): they wait for the second chunk's, launched at its end
+            assert step["by_hooks"] > 0 or "interleaved" in flags, (where, step)
+        assert 0 <= lay["ddp_overlap"] <= 1, where
     assert res2[0][0]["ddp_overlap"] > 0 and res2[0][1]["ddp_overlap"] > 0, [lay["ddp_overlap"] for lay in res2[0]]
-    moe = res4[0][-1]["ddp_buckets"]
+    moe = res4[0][3]["ddp_buckets"]
     assert {len(ranks) for _, _, ranks, _ in moe} == {4, 2}   # dense over dp 4, my experts over the 2 ranks holding them
 
 
@@ -259,8 +277,25 @@ def test_8_ranks():
                ["--dp-shard", "2", "--cp", "4", "--cp-method", "ulysses"],
                ["--pp", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"],
                ["--dp-shard", "2", "--tp", "4", "--zero-stage", "3"],
-               ["--pp", "2", "--dp-shard", "2", "--tp", "2", "--sequence-parallel"] + MOE + ["--ep", "2"]]
+               ["--pp", "2", "--dp-shard", "2", "--tp", "2", "--sequence-parallel"] + MOE + ["--ep", "2"],
+               # the README's 2-node HSDP x tp command (dp_replicate 2 x dp_shard 2 x tp 4), at tp 2
+               ["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"]]
     _check(run_ranks(run_layouts, 8, layouts, COMMON, timeout=600), TOL64, "8 ranks")
+
+
+def test_16_ranks_hsdp_tp_pp_and_4d():
+    """The README's headline compositions at 16 ranks: HSDP x tp x pp, and pp x dp x cp x tp with and without
+    sequence parallel (zigzag cp 2 and sp over tp 2 both divide --seq-len 16). Every rank's losses equal rank 0's
+    and one process's in float64, over 3 steps (16 gloo processes on a small machine are slow)."""
+    common = COMMON + ["--steps", "3"]
+    layouts = [["--pp", "2", "--dp-replicate", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"],
+               ["--pp", "2", "--dp-shard", "2", "--cp", "2", "--tp", "2", "--microbatches", "2"],
+               ["--pp", "2", "--dp-shard", "2", "--cp", "2", "--tp", "2", "--microbatches", "2", "--sequence-parallel"]]
+    res = run_ranks(run_layouts, 16, layouts, common, timeout=600)
+    _check(res, TOL64, "16 ranks", common=common)
+    for i, flags in enumerate(layouts):   # each rank a different place on the mesh: every dimension is used
+        places = {tuple(r[i]["coords"].values()) for r in res}
+        assert len(places) == 16 and all(len(r[i]["losses"]) == 3 for r in res), flags
 
 
 def test_token_weighted_loss_differs_from_a_mean_of_means():
