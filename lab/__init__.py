@@ -11,6 +11,7 @@ rest of the package imports whatever it measures; the tests and notebooks import
     launch.py         N gloo ranks from Python (tests, notebooks), and a torchrun entry point's clean end
     baseline.py       single_process: the one-process run every strategy must equal; snapshot, max_diff
     report.py         print0, print_by_rank, all_agree, bytes_table: what demos print and agree on
+    hf.py             the course's model <-> Hugging Face Llama / Mixtral: configs and state dicts, both ways
     references.py     PyTorch's own implementation of each lesson that has one (DDP, FSDP2, DTensor TP,
                       pipelining, the autograd all-to-all): what every --compare and the tests put beside ours
     <lesson>_demo.py  each lesson's demo (what `torchrun ... <lesson>.py` runs) and the measurements its
