@@ -13,6 +13,9 @@ model_state_bytes   parameters, gradients and optimizer state held by this rank,
 memory_tracker      PyTorch's MemTracker (torch.distributed._tools) around a region: peak by category.
 peak_memory_bytes   the CUDA allocator's peak on a GPU.
 SavedActivations    which micro-batches still hold saved activations (weak references), and their bytes;
+SavedBytes          the bytes autograd (and activation checkpointing) keeps for a region's backward, to the byte
+                    and on the meta device too: what the activation tests and the planner count;
+HeldBytes           the bytes of every tensor a region made that is still alive, whoever holds it;
 idle_share, ascii_timeline   a step's idle share per rank, and its timeline as text, from Timeline spans.
 Timeline            named (start, end) spans on this rank, for timelines and overlap.
 time_calls, watch_calls   seconds (and host memory) of each call of a method, wrapped from outside.
@@ -21,6 +24,7 @@ BuildPeak           the most bytes a region held at once, of the storages it mad
 from __future__ import annotations
 
 import bisect
+import gc
 import math
 import os
 import time
@@ -247,7 +251,9 @@ class HeldBytes(TorchDispatchMode):
     reference, and `held()` sums the distinct storages still alive (views count once) — after a forward,
     what autograd (or activation checkpointing) keeps for the backward. `exclude`: tensors not to count
     (the region's output, which the next layer keeps). Storages are told apart by identity, not address,
-    so it counts tensors on the meta device too (shapes, no memory: what a run would hold)."""
+    so it counts tensors on the meta device too (shapes, no memory: what a run would hold). It counts what
+    anyone holds — a finished gloo collective's buffer its thread has not let go of yet too, so on gloo ranks
+    its reading can vary with the machine's load: byte-exact activation counts use SavedBytes."""
 
     def __init__(self):
         super().__init__()
@@ -267,6 +273,88 @@ class HeldBytes(TorchDispatchMode):
         live = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (w() for w in self.made)
                 if t is not None}
         return sum(n for ptr, n in live.items() if ptr not in skip)
+
+
+class _Kept:
+    """What autograd keeps in place of a saved tensor while SavedBytes counts: the tensor, detached (the same
+    storage and version counter; without its grad_fn, so an op's saved output makes no reference cycle)."""
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+class SavedBytes:
+    """The bytes autograd keeps for the backward of a region: `with SavedBytes() as saved: out = f(x)`, then
+    `saved.held(exclude=...)` sums the distinct storages (a view, or a tensor two ops save, counts once) of
+
+      1. every tensor autograd saves inside it: ops', autograd.Functions' save_for_backward, non-reentrant
+         checkpointing's inputs (torch.autograd.graph.saved_tensors_hooks: its pack hook sees each one);
+      2. what selective checkpointing caches: the outputs of the ops its policy keeps. It stores them in its
+         own dispatch mode, not through autograd's saving, and inside a checkpoint PyTorch applies only the
+         innermost saved-tensor hooks, the checkpoint's own (they keep nothing: backward recomputes). So while
+         counting, torch.utils.checkpoint's caching mode is a subclass that hands its cache to the counter.
+
+    still held when `held()` reads them: autograd holds a small object per saved tensor, the counter only a
+    weak reference to it, so a part of the graph freed by then does not count. Only what the backward needs
+    counts, never a tensor only something else holds — a finished gloo collective's buffer its thread has not
+    let go of yet: on a busy machine the same bytes as on an idle one. Storages are told apart by identity, not
+    address, and sized by their nbytes, so it counts meta tensors too (shapes, no memory: what a run keeps).
+    `exclude`: tensors whose storages do not count — the parameters (model state, not activations), the
+    region's input (its producer's activation) and its output (what the next layer keeps).
+    Not seen: a tensor an autograd.Function stashes on ctx as an attribute (ctx.x = ...) instead of saving it
+    (the lessons' Functions stash groups, shapes and flags; tensor_parallel.VocabParallelCE its 8-byte count
+    of targets), and the 5 KB CPU random-number state each checkpointed region keeps to replay its forward."""
+
+    def __init__(self):
+        self.kept: list = []    # weak references to the _Kept objects autograd holds
+        self.cached: list = []  # weak references to selective checkpointing's cached tensors (after exit)
+        self._caches: list = []
+
+    def _pack(self, t):
+        k = _Kept(t.detach())
+        self.kept.append(weakref.ref(k))
+        return k
+
+    def __enter__(self):
+        import torch.utils.checkpoint as ckpt
+        caching, caches = ckpt._CachingTorchDispatchMode, self._caches
+
+        class Counted(caching):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                caches.append(self.storage)   # {op key: {call index: its output (wrapped) or a marker}}
+
+        self._restore = (ckpt, caching)
+        ckpt._CachingTorchDispatchMode = Counted
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda k: k.t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        ckpt, caching = self._restore
+        ckpt._CachingTorchDispatchMode = caching
+        from torch.utils._pytree import tree_leaves
+        for storage in self._caches:   # follow the cached tensors, not the caches (no reference kept)
+            for entry in (e for per_op in storage.values() for e in per_op.values()):
+                for leaf in tree_leaves(entry):
+                    if isinstance(getattr(leaf, "val", None), torch.Tensor):   # a _VersionWrapper
+                        self.cached.append(weakref.ref(leaf.val))
+        self._caches = []
+        return False
+
+    def tensors(self) -> list:
+        """The saved and cached tensors still held."""
+        kept = [k.t for k in (w() for w in self.kept) if k is not None]
+        return kept + [t for t in (w() for w in self.cached) if t is not None]
+
+    def held(self, exclude=()) -> int:
+        """Bytes of the distinct storages autograd (and checkpointing) still keeps, but for those of `exclude`."""
+        gc.collect()   # a part of the graph only a reference cycle kept: gone, whenever the collector last ran
+        skip = {t.untyped_storage()._cdata for t in exclude}
+        live = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self.tensors()}
+        return sum(n for key, n in live.items() if key not in skip)
 
 
 def idle_share(spans_per_rank, busy=("F", "B", "W")) -> tuple[list[float], float]:

@@ -11,7 +11,7 @@ off what that rank holds, by category:
     gradients    held between steps: stages 0-1 the local gradient b_p per parameter, 2-3 the reduced slice b_m·n
     optimizer    AdamW's two moments, 2·b_m per element of its pieces, and a 4-byte step per piece
     activations  step_activations below: one micro-batch's forward and backward run on the meta device
-                 through the real model, what stays alive for the backward counted, × the micro-batches the
+                 through the real model, what autograd keeps for the backward counted, × the micro-batches the
                  rank holds at once (pipeline.held_formula); beside it the formula: activation_formula
                  (measured to the byte per block) × layers × tokens, plus each layer's input and the head's
                  logits (b·H and 2·4·V/t per token) — dense models
@@ -96,12 +96,14 @@ def _fused_attention_on_meta():
 def step_activations(trainer, args, mesh) -> int:
     """Bytes this rank keeps for the backward of ONE micro-batch, measured by running it: the real forward of
     its model (or pipeline stage, every chunk of it) through every hook and collective (ZeRO-3's gathers,
-    tensor parallel's; under the fake group they move nothing), counting with instruments.HeldBytes what the
-    forward made that is still alive when it ends — what autograd, or activation checkpointing, keeps — but
-    for the parameters and the output the next stage receives; then its backward (the reductions wait:
+    tensor parallel's; under the fake group they move nothing), counting with instruments.SavedBytes what
+    autograd, and activation checkpointing, keep for the backward when the forward ends — but for the
+    parameters and ZeRO's buffers (model state), the chunk's input (the tokens, or the activation the previous
+    stage sent) and the output the next stage receives; then its backward (the reductions wait:
     opt.accumulating). On the meta device nothing is allocated; on real tensors (tests) the same function
-    measures a real run. Not for experts: tokens are routed by value, which meta tensors do not have."""
-    from lab.instruments import HeldBytes
+    measures a real run, to the byte: what autograd saves does not depend on when a collective's thread lets
+    go of its buffers. Not for experts: tokens are routed by value, which meta tensors do not have."""
+    from lab.instruments import SavedBytes
     model, opt = trainer.model, trainer.opt
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype   # (the compute copy's)
     b, S = args.global_batch_size // (mesh.size("dp") * args.microbatches), args.seq_len // mesh.size("cp")
@@ -116,10 +118,10 @@ def step_activations(trainer, args, mesh) -> int:
                 t = mesh.size("tp") if getattr(model, "sequence_parallel", False) else 1
                 inp = x if first else torch.zeros(b, S // t, model.cfg.dim, dtype=dtype, device=device,
                                                    requires_grad=True)   # a stage boundary [b, S/t, H]
-            with HeldBytes() as held:
+            with SavedBytes() as saved:
                 out = (model(inp, x, positions=trainer.positions) if trainer.pipe is None
                        else model(inp, x if last else None, chunk=chunk))
-            kept += held.held(exclude=keep + [inp] + ([] if last else [out]))
+            kept += saved.held(exclude=keep + [inp] + ([] if last else [out]))
             outs.append((out, None if last else torch.zeros_like(out)))
         for out, grad in outs:
             out.backward(grad)

@@ -375,11 +375,11 @@ def main(argv=None) -> None:
 def activation_profile(model_name: str = "tiny", hows=("none", "selective", "full"), dtype=torch.float32,
                        batch: int = 4, seq: int = 32, sp: bool = False, repeats: int = 3) -> dict:
     """Rank function (a tp group of the whole world): for each checkpointing policy, the bytes one block keeps
-    after its forward per token (instruments.HeldBytes around block 0's forward, its input and output and the
-    parameters left out) beside activation_formula, and the median time of a whole model's forward +
-    backward. tp = the world size (1: no tensor parallel)."""
+    after its forward per token (instruments.SavedBytes around block 0's forward: what autograd and checkpointing
+    keep for its backward, its input and output and the parameters left out) beside activation_formula, and
+    the median time of a whole model's forward + backward. tp = the world size (1: no tensor parallel)."""
     import tensor_parallel
-    from lab.instruments import HeldBytes, time_steps
+    from lab.instruments import SavedBytes, time_steps
     from lab.model import get_config, rope_cos_sin
     cfg, t = get_config(model_name), dist.get_world_size()
     tokens = load_corpus()
@@ -395,11 +395,11 @@ def activation_profile(model_name: str = "tiny", hows=("none", "selective", "ful
         block, s_local = model.layers[0], seq // t if sp else seq
         cos, sin = rope_cos_sin(torch.arange(seq), cfg.head_dim, cfg.rope_theta, dtype)
         h = torch.randn(batch, s_local, cfg.dim, dtype=dtype, requires_grad=True) * 1.0  # a block's input
-        with HeldBytes() as held:
+        with SavedBytes() as saved:
             o = block(h, cos, sin)
-        if t > 1:
-            dist.barrier()  # gloo holds a finished collective's tensor until its queue moves on
-        kept = held.held(exclude=[o, h, cos, sin, *model.parameters()]) / (batch * seq)
+        # what autograd keeps for the backward, but for the block's input (the previous block's output, which
+        # the formula leaves out), its output (the next block's input), the rotary tables and the parameters
+        kept = saved.held(exclude=[o, h, cos, sin, *model.parameters()]) / (batch * seq)
         o.float().sum().backward()
         step = lambda: model(x, y).backward()  # noqa: E731
         out[how] = dict(bytes_per_token=kept, seconds=time_steps(step, repeats),

@@ -5,7 +5,7 @@ import torch.distributed._functional_collectives as funcol
 
 from harness import run_ranks
 from mesh import all_gather_single, reduce_scatter_single
-from lab.instruments import CommCounter, Timeline, memory_tracker, model_state_bytes, wire_bytes
+from lab.instruments import CommCounter, HeldBytes, SavedBytes, Timeline, memory_tracker, model_state_bytes, wire_bytes
 
 K = 7  # an odd element count: a count off by one element shows
 
@@ -138,3 +138,41 @@ def test_timeline_spans_are_ordered():
         pass
     a, b = tl.spans
     assert a["name"] == "a" and a["mb"] == 0 and 0 <= a["start"] <= a["end"] <= b["start"] <= b["end"]
+
+
+def test_saved_bytes_counts_what_autograd_keeps_for_backward():
+    """SavedBytes sums the storages autograd saves, once each, on real and meta tensors alike: not the
+    parameters, not a tensor only something else holds (as gloo's thread may hold a finished collective's
+    buffer: HeldBytes counts it), nothing once backward ran; under checkpointing, what the checkpoint keeps."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def keep_mm(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    for device in ("cpu", "meta"):
+        w = torch.nn.Parameter(torch.ones(8, 16, device=device))
+        elsewhere = []
+
+        def f(x):
+            h = x * 2                    # [4, 8]; a product with a number saves nothing
+            y = h @ w                    # saves h (128 B) and w (a parameter)
+            z = y.relu()                 # saves its output z [4, 16] (256 B)
+            elsewhere.append(y)          # alive, but not for the backward (unless selective keeps it)
+            return (z[:, :8] * z[:, 8:]).sum()   # saves two views of z: its storage once
+
+        for how, want in (("none", 128 + 256), ("full", 128), ("selective", 128 + 256)):
+            x = torch.ones(4, 8, device=device, requires_grad=True)   # (128 B)
+            elsewhere.clear()
+            with SavedBytes() as saved, HeldBytes() as held:
+                if how == "none":
+                    out = f(x)
+                else:   # full keeps x; selective also the mm's output y (256 B); both recompute the rest
+                    ctx = (lambda: create_selective_checkpoint_contexts(keep_mm)) if how == "selective" else None
+                    out = checkpoint(f, x, use_reentrant=False, **({"context_fn": ctx} if ctx else {}))
+            assert saved.held(exclude=[w]) == want, (device, how, saved.held(exclude=[w]))
+            assert saved.held(exclude=[w, x]) == want - (128 if how != "none" else 0)
+            if how == "none":   # all it made, y kept elsewhere too
+                assert held.held(exclude=[w, out]) == want + 256
+            out.backward()
+            elsewhere.clear()   # (selective's recompute put the cached y there again)
+            assert saved.held(exclude=[w]) == 0, (device, how)
