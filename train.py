@@ -748,7 +748,7 @@ class Trainer:
 # Selective activation checkpointing keeps the outputs of these ops — the matmuls and attention, which
 # cost the most to recompute — and recomputes everything else of a block in backward (the norms, rotary,
 # SwiGLU's silu and product, the residual adds: cheap, and together most of the bytes). Change the list
-# and watch the activation bytes and the step time move (lab/train_demo.py's activation_bytes).
+# and watch the activation bytes and the step time move (lab/train_demo.py's activation_profile).
 SAVED_BY_SELECTIVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default] + [
     getattr(torch.ops.aten, name).default for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
