@@ -125,7 +125,7 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
         dist.all_reduce(loss := loss.double())  # the global batch's loss, for printing (outside the counter)
         losses.append(loss.item() / (P * R))
     numel, k, root = sum(u.flat_numel for u in opt.units), sum(len(u.params) for u in opt.units), opt.units[-1]
-    root_numel = root.flat_numel if "tok_embeddings.weight" in root.names else 0
+    root_numel = sum(u.flat_numel for u in opt.units if u.root)  # the course's model: 0 (no parameter outside a unit)
     pb, gb, mb = root.buf.element_size(), root.master.element_size(), 0 if root.dtype == root.master.dtype else 4
     rs = shard_kwargs.get("reshard_after_forward", True)
     return dict(state={k: v.cpu() for k, v in opt.full_state_dict().items()}, losses=losses, peak=peak, stage=stage,
