@@ -15,9 +15,11 @@ plus an all-gather); stages 1-2 reduce-scatter the gradients and all-gather the 
 stage 3 all-gathers each unit before its forward and again before its backward and reduce-scatters its
 gradient, 3Ψ. The tests count API bytes, what is handed to a collective (a reduce-scatter of 4Ψ for fp32
 gradients, an all-gather of b_p·Ψ); a ring sends (P-1)/P of that per rank (all-reduce: 2(P-1)/P).
-Exactly, stage 3 gathers b_p·(2Ψ − Ψ_root): the root unit (embedding, final norm, head) stays gathered
-into its backward, which follows its forward at once (as FSDP2's root); with reshard_after_forward=False
-every unit does: b_p·Ψ. Each step also all-reduces one int32 per parameter tensor, which parameters got
+Exactly, stage 3 gathers b_p·(2Ψ − Ψ_root): the root unit — what no unit encloses — stays gathered into
+its backward, which follows its forward at once (as FSDP2's root). For the course's model Ψ_root = 0: the
+embedding is a unit and the final norm + head another (default_units), each freed after its forward like
+every block, so stage 3 gathers b_p·2Ψ and holds at most a unit or two at once, not the embedding and head
+from forward to backward. With reshard_after_forward=False every unit stays gathered: b_p·Ψ. Each step also all-reduces one int32 per parameter tensor, which parameters got
 a gradient on any rank (as DDP's find_unused_parameters), so one no rank used gets none.
 
 How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of this file:
@@ -31,7 +33,10 @@ How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of 
      the reduction over several backwards (FSDP §3.4).
   4. Stage 3, parameters gathered before a unit's forward and backward and freed after each.
   5. shard_model(model, stage): cuts the model into units and returns the optimizer. The loop stays
-     loss.backward(); opt.step(); opt.zero_grad(). offload=True keeps the master and optimizer state in host
+     loss.backward(); opt.step(); opt.zero_grad(). Any nn.Module: units found by a documented rule or named
+     (units=), any forward output (tensor, tuple, dict, dataclass); between uses a ZeRO-3 parameter is a
+     placeholder whose values cannot be read (one error naming full_state_dict, never freed memory read).
+     Gradient clipping is opt.clip_grad_norm_ / max_grad_norm=, not torch's utility (see shard_model). offload=True keeps the master and optimizer state in host
      memory (ZeRO-Offload): per step b_m·n down and b_p·n up per unit.
   6. State dicts: full ({name: whole tensor}, loads into the plain model) and sharded (this rank's
      slices and optimizer state, for resuming on the same layout) (FSDP §3.3).
@@ -158,7 +163,7 @@ class FlatUnit:
         self.wait()
         self.buf.untyped_storage().resize_(0)  # every parameter view now has no bytes ...
         for p, names in zip(self.params, self.aliases):  # ... so no parameter may be read: see _Resharded
-            _Resharded.mark(p, names[0])
+            _Resharded.mark(p, names[0], self.shard)
 
     def reduce(self):
         """Pack the gradients into one [N] (zeros where a parameter has none: every rank hands over the
@@ -196,8 +201,8 @@ def _my_slice(u, entries, init_fn):
 class _Resharded(nn.Parameter):
     """What a stage-3 parameter is while its unit is freed: the same Parameter object (autograd, the
     optimizer's hooks and every module holding it keep it), its class switched to this one and its data to
-    one zero broadcast to its shape (1 element: nothing can read past its bytes, which a view of a freed
-    buffer would). Its shape, dtype, device, requires_grad and grad stay readable (numel() counts, loops over
+    one element of the unit's shard broadcast to its shape (nothing can read past its bytes, which a view of
+    the freed buffer would; no new memory). Its shape, dtype, device, requires_grad and grad stay readable (numel() counts, loops over
     parameters work); anything that reads its values — model.state_dict(), torch.save, print, arithmetic —
     raises one error naming fsdp.full_state_dict, which gathers the true values on every rank. The unit's
     next gather gives it back its class and its view of the gathered buffer."""
@@ -221,10 +226,10 @@ class _Resharded(nn.Parameter):
             f"every rank, then save or print that; opt.load_full_state_dict(sd) loads one")
 
     @staticmethod
-    def mark(p, name):
+    def mark(p, name, shard):
         if type(p) is nn.Parameter:
-            with torch._C.DisableTorchFunctionSubclass():
-                p.data = p.data.new_zeros(1).expand(p.shape)  # (same device and dtype: set_data allows it)
+            with torch._C.DisableTorchFunctionSubclass():  # (the shard's bytes: no new memory; same dtype, device)
+                p.data = shard.detach()[:1].expand(p.shape)
             p.__class__, p._resharded_name = _Resharded, name
 
     @staticmethod
@@ -538,9 +543,25 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                 shapes_only=False, averaged=False, **optimizer_kwargs) -> ZeroOptimizer:
     """Shard `model` in place by ZeRO stage 0-3 and return the optimizer that owns the shards.
 
-    units          module classes (default: model.Block) or a list of submodules, one unit each; the rest
-                   is the root unit. A parameter goes to the innermost unit containing every module that
-                   holds it (a tied weight: the unit enclosing both uses); frozen ones stay whole.
+    units          what is gathered, reduced and freed together (unit_groups): a module class (units=
+                   LlamaDecoderLayer), a tuple or list of classes — every submodule of them, one unit each —
+                   or a list of submodules, where an item may be a list of sibling modules forming ONE unit,
+                   in the order they run ([model.emb, *model.layers, [model.norm, model.head]], as FSDP2's
+                   fully_shard([norm, head])). None: default_units' rule — each block of the largest
+                   nn.ModuleList, each embedding before it, the modules after it (final norm + head) as one;
+                   a model without an nn.ModuleList must name them (ValueError, never one silent unit).
+                   A parameter goes to the innermost unit containing every module that holds it (a tied
+                   weight: the unit enclosing both uses); frozen ones stay whole. The root unit is the model
+                   itself with every parameter no unit encloses: nothing for the course's model; a weight
+                   tied across units (transformers' tied embedding and head), or parameters of the model's
+                   own. Its backward starts right after its forward (the loss), so stage 3 keeps it gathered
+                   from forward into backward instead of freeing and re-gathering it at once (as FSDP2's root).
+    max_grad_norm  clip the global gradient norm to this in step() (opt.clip_grad_norm_, torch's formula over
+                   the averaged gradients of every rank). NOT torch.nn.utils.clip_grad_norm_(model.parameters()):
+                   between backward and step a parameter's .grad is this rank's own, unaveraged gradient
+                   (stages 0-1; they are reduced in step()) or None (stages 2-3: the reduced gradient lives
+                   in the optimizer's flat shard), so torch's utility clips by a local norm, or clips
+                   nothing; call opt.clip_grad_norm_(max_norm) there instead (it returns the global norm)
     group          the ranks parameters are sharded over (stage 0: averaged over); default the world
     divide_by      what summed gradients are divided by (default: the number of ranks in `group`)
     after_reduce   after_reduce(t) runs on each reduced gradient shard and on the used-flags, before the

@@ -193,15 +193,18 @@ def _read(args, trainer, mesh, measured=None) -> dict:
 def _buffers(units, z, b_p, keep_gathered=False) -> int:
     """The transient bytes of a step beyond the model state, at their peak (units in forward order, the root's
     last). Every stage packs a unit's gradient into one flat [N] in the master dtype to reduce it, b_m·N. At
-    stages 0-1 that happens at step(), one unit at a time: b_m·N of the largest. At stage 3 a unit's reduction
+    stages 0-1 that happens at step(), one unit at a time: b_m·N of the largest. At stage 2 it happens in
+    backward, beside the unit's local gradients, b_p·N, which it then drops. At stage 3 a unit's reduction
     happens at the end of its backward, while it is gathered (b_p·N), its local gradients still exist (b_p·N,
     packed, then dropped) and the unit before it is being prefetched (b_p·N_prev): the peak over units of
     b_p·(2N_i + N_(i-1)) + b_m·N_i, plus the root unit's b_p·N_root, which stays gathered from its forward
     through backward (the course's model has no root parameters: embedding and norm + head are units).
     A pipeline keeps every unit gathered over its micro-batches: b_p·ΣN + the largest packed gradient."""
     packed = max(u.master.element_size() * u.flat_numel for u in units)
-    if z < 3:
+    if z < 2:
         return packed
+    if z == 2:  # a unit's local gradients (b_p·N) meet its packed one at its reduction, in backward
+        return max((b_p + u.master.element_size()) * u.flat_numel for u in units)
     if keep_gathered:
         return b_p * sum(u.flat_numel for u in units) + packed
     root = b_p * sum(u.flat_numel for u in units if u.root)
