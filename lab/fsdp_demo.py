@@ -10,7 +10,8 @@ Bytes per rank, for Ψ elements sharded over P ranks, b_p bytes per parameter, b
 K per element of optimizer state and fp32 master (Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054
 §5): stage 0 (b_p + b_g + K)Ψ; stage 1 (b_p + b_g)Ψ + KΨ/P; stage 2 b_pΨ + (b_g + K)Ψ/P; stage 3
 (b_p + b_g + K)Ψ/P. API bytes per step: stage 0 all-reduces 4Ψ; stages 1-2 reduce-scatter 4Ψ and
-all-gather b_pΨ; stage 3 all-gathers b_p(2Ψ − Ψ_root) (b_pΨ if units stay gathered) and
+all-gather b_pΨ; stage 3 all-gathers b_p(2Ψ − Ψ_root) (b_pΨ if units stay gathered; Ψ_root = 0 for
+the course's model, whose embedding and norm + head are units) and
 reduce-scatters 4Ψ; plus one int32 per parameter tensor (which parameters got a gradient).
 """
 from __future__ import annotations

@@ -142,6 +142,39 @@ def clipping(stage):
     return dict(torch=float(theirs), ours=float(opt.clip_grad_norm_(1e9)))
 
 
+class _Box:  # an output our hooks cannot look into: neither a tensor, a sequence, a dict nor a dataclass
+    def __init__(self, t):
+        self.t = t
+
+
+class _BoxedLinear(nn.Linear):
+    def forward(self, x):
+        return _Box(super().forward(x))
+
+
+class _Opaque(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_BoxedLinear(4, 4)])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def hidden_output(stage):
+    """A model (and its one unit) whose output hides its tensor: step() raises one clear error, not a
+    misleading 'arrived after its unit was reduced' (and at stage 3 nothing reads freed memory)."""
+    from fsdp import shard_model
+    model = _Opaque().double()
+    opt = shard_model(model, stage, lr=LR)  # the rule finds layers.0; nothing is left to the root
+    model(torch.ones(2, 4, dtype=torch.float64)).t.sum().backward()
+    try:
+        opt.step()
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
 def on_ranks():
     from mesh import Mesh
     P = dist.get_world_size()
@@ -149,6 +182,7 @@ def on_ranks():
     out = {(m, s): run_case(m, s, mesh) for m in MODELS for s in STRATEGIES}
     out["reading"] = reading_after_stage3()
     out["clip"] = {stage: clipping(stage) for stage in (1, 2, 3)}
+    out["hidden"] = {stage: hidden_output(stage) for stage in (2, 3)}
     return out
 
 
@@ -237,3 +271,12 @@ def test_units_in_every_form_and_a_clear_error_without_blocks():
     for bad in ([seq[1], seq[1]], [nn.Linear(2, 2)], ["layers"], [seq]):
         with pytest.raises(ValueError):
             unit_groups(seq, bad)
+
+
+def test_an_output_the_hooks_cannot_see_gets_a_clear_error(world):
+    """Any tensor, tuple, list, dict or dataclass output is seen (the models above return ModelOutput dicts);
+    an object that hides its tensors gets one error saying so, on every rank, not a misleading 'late' one."""
+    P, results = world
+    for rank, res in enumerate(results):
+        for stage, msg in res["hidden"].items():
+            assert "no backward hook of the sharded model ran" in msg and "dict" in msg, (rank, stage, msg)
