@@ -19,8 +19,9 @@ Exactly, stage 3 gathers b_p·(2Ψ − Ψ_root): the root unit — what no unit 
 its backward, which follows its forward at once (as FSDP2's root). For the course's model Ψ_root = 0: the
 embedding is a unit and the final norm + head another (default_units), each freed after its forward like
 every block, so stage 3 gathers b_p·2Ψ and holds at most a unit or two at once, not the embedding and head
-from forward to backward. With reshard_after_forward=False every unit stays gathered: b_p·Ψ. Each step also all-reduces one int32 per parameter tensor, which parameters got
-a gradient on any rank (as DDP's find_unused_parameters), so one no rank used gets none.
+from forward to backward. With reshard_after_forward=False every unit stays gathered: b_p·Ψ. Each step
+also all-reduces one int32 per parameter tensor, which parameters got a gradient on any rank (as DDP's
+find_unused_parameters), so one no rank used gets none.
 
 How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of this file:
   1. The flat parameter (FlatUnit): a unit's parameters are views of one flat buffer [N], N padded to
@@ -36,8 +37,9 @@ How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of 
      loss.backward(); opt.step(); opt.zero_grad(). Any nn.Module: units found by a documented rule or named
      (units=), any forward output (tensor, tuple, dict, dataclass); between uses a ZeRO-3 parameter is a
      placeholder whose values cannot be read (one error naming full_state_dict, never freed memory read).
-     Gradient clipping is opt.clip_grad_norm_ / max_grad_norm=, not torch's utility (see shard_model). offload=True keeps the master and optimizer state in host
-     memory (ZeRO-Offload): per step b_m·n down and b_p·n up per unit.
+     Gradient clipping is opt.clip_grad_norm_ / max_grad_norm=, not torch's utility (see shard_model).
+     offload=True keeps the master and optimizer state in host memory (ZeRO-Offload): per step b_m·n down
+     and b_p·n up per unit.
   6. State dicts: full ({name: whole tensor}, loads into the plain model) and sharded (this rank's
      slices and optimizer state, for resuming on the same layout) (FSDP §3.3).
 Hybrid sharding (hsdp.py) enters through one seam, shard_model's `after_reduce`.
@@ -107,7 +109,6 @@ class FlatUnit:
         self.master = nn.Parameter(master)
         self.pieces = [(i, a, b, nn.Parameter(self.master.detach()[a:b])) for i, a, b in self.spans()]
         self.params = [_repoint(e, view) for e, view in zip(entries, self.views(self.buf.data))]
-        self.holders = [e[1] for e in entries]  # stage 3 swaps what each parameter holds while freed (free)
         self.used = torch.zeros(len(self.params), dtype=torch.int32, device=device)  # got a gradient here
         self.gather_work, self.unreduced = None, False  # unreduced: a reduction deferred by accumulating()
         self.averaged = False  # stage 0: True when the gradients arrive averaged already (ddp.py's buckets)
@@ -202,10 +203,11 @@ class _Resharded(nn.Parameter):
     """What a stage-3 parameter is while its unit is freed: the same Parameter object (autograd, the
     optimizer's hooks and every module holding it keep it), its class switched to this one and its data to
     one element of the unit's shard broadcast to its shape (nothing can read past its bytes, which a view of
-    the freed buffer would; no new memory). Its shape, dtype, device, requires_grad and grad stay readable (numel() counts, loops over
-    parameters work); anything that reads its values — model.state_dict(), torch.save, print, arithmetic —
-    raises one error naming fsdp.full_state_dict, which gathers the true values on every rank. The unit's
-    next gather gives it back its class and its view of the gathered buffer."""
+    the freed buffer would; no new memory). Its shape, dtype, device, requires_grad and grad stay readable
+    (numel() counts, loops over parameters work), and autograd takes it by identity (zero bubble's W);
+    anything that reads its values — model.state_dict(), torch.save, print, arithmetic — raises one error
+    naming fsdp.full_state_dict, which gathers the true values on every rank. The unit's next gather gives
+    it back its class and its view of the gathered buffer (the trick FSDP1 played with .data)."""
 
     _metadata = {"shape", "dtype", "device", "requires_grad", "grad", "size", "dim", "numel", "ndim", "is_leaf",
                  "layout", "__hash__", "is_meta", "is_cuda", "untyped_storage", "is_floating_point", "is_complex",
@@ -651,7 +653,8 @@ def default_units(model: nn.Module) -> list:
         run (as FSDP2's fully_shard([norm, output])).
     A model with no nn.ModuleList holding trainable parameters (an nn.Sequential, a hand-written net) has no
     blocks to find: ValueError naming units=, never one silent unit of everything."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and any(p.requires_grad for p in m.parameters())]
+    lists = [m for m in model.modules()
+             if isinstance(m, nn.ModuleList) and any(p.requires_grad for p in m.parameters())]
     if not lists:
         raise ValueError(f"shard_model found no repeated blocks in {type(model).__name__} (no nn.ModuleList with "
                          f"trainable parameters): name the units, e.g. units=MyBlock (a class), units=[model.a, "

@@ -45,9 +45,10 @@ def build(name, seed=0):
                                        tie_word_embeddings=name == "llama_tied", **common)
         return transformers.LlamaForCausalLM(cfg).double()
     if name == "mixtral":
-        cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1,
-                                         max_position_embeddings=32, experts_implementation="eager", **common)
+        cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=1, max_position_embeddings=32,
+                                         experts_implementation="eager", **common)  # (grouped_mm: no float64)
         return transformers.MixtralForCausalLM(cfg).double()
     cfg = transformers.GPT2Config(n_positions=32, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_pdrop=0.0, **common)
@@ -68,10 +69,12 @@ def batches():
     return [torch.randint(0, V, (B, S), generator=g) for _ in range(STEPS)]
 
 
-def units_of(name, model):
-    """None (the documented rule finds a transformer's blocks); the Sequential names its own: each Linear a unit
-    by class, or the same as a list with the last two modules as one unit."""
-    return (nn.Linear,) if name == "sequential" else None
+def units_of(name, model, strategy):
+    """None: the documented rule finds a transformer's blocks. The Sequential names its own: each Linear a unit
+    by class (stage 1), or a list whose second item, two modules that run in turn, is one unit (stages 2-3)."""
+    if name != "sequential":
+        return None
+    return (nn.Linear,) if strategy == "zero1" else [model[0], [model[1], model[3]], model[5], model[8]]
 
 
 def run_case(name, strategy, mesh):
@@ -87,9 +90,9 @@ def run_case(name, strategy, mesh):
     elif strategy == "zero1_params":
         wrapped, opt = model, shard_optimizer(model.parameters(), torch.optim.AdamW, lr=LR)
     elif strategy == "hsdp":
-        wrapped, opt = model, shard_hybrid(model, mesh, units=units_of(name, model), lr=LR)
+        wrapped, opt = model, shard_hybrid(model, mesh, units=units_of(name, model, strategy), lr=LR)
     else:
-        wrapped, opt = model, shard_model(model, int(strategy[-1]), units=units_of(name, model), lr=LR)
+        wrapped, opt = model, shard_model(model, int(strategy[-1]), units=units_of(name, model, strategy), lr=LR)
     losses = []
     for x in batches():
         loss = loss_fn(wrapped, x[r * B // P:(r + 1) * B // P])
@@ -260,7 +263,8 @@ def test_units_in_every_form_and_a_clear_error_without_blocks():
         assert unit_groups(llama, form) == blocks, form
     assert default_units(llama) == [(llama.model.embed_tokens,), *blocks, (llama.model.norm, llama.lm_head)]
     gpt2 = build("gpt2")
-    assert default_units(gpt2) == [(gpt2.transformer.wte,), (gpt2.transformer.wpe,), *[(b,) for b in gpt2.transformer.h],
+    blocks = [(b,) for b in gpt2.transformer.h]
+    assert default_units(gpt2) == [(gpt2.transformer.wte,), (gpt2.transformer.wpe,), *blocks,
                                    (gpt2.transformer.ln_f, gpt2.lm_head)]
     seq = build("sequential")
     assert unit_groups(seq, [seq[1], [seq[5], seq[8]]]) == [(seq[1],), (seq[5], seq[8])]
