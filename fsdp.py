@@ -15,10 +15,13 @@ plus an all-gather); stages 1-2 reduce-scatter the gradients and all-gather the 
 stage 3 all-gathers each unit before its forward and again before its backward and reduce-scatters its
 gradient, 3Ψ. The tests count API bytes, what is handed to a collective (a reduce-scatter of 4Ψ for fp32
 gradients, an all-gather of b_p·Ψ); a ring sends (P-1)/P of that per rank (all-reduce: 2(P-1)/P).
-Exactly, stage 3 gathers b_p·(2Ψ − Ψ_root): the root unit (embedding, final norm, head) stays gathered
-into its backward, which follows its forward at once (as FSDP2's root); with reshard_after_forward=False
-every unit does: b_p·Ψ. Each step also all-reduces one int32 per parameter tensor, which parameters got
-a gradient on any rank (as DDP's find_unused_parameters), so one no rank used gets none.
+Exactly, stage 3 gathers b_p·(2Ψ − Ψ_root): the root unit — what no unit encloses — stays gathered into
+its backward, which follows its forward at once (as FSDP2's root). For the course's model Ψ_root = 0: the
+embedding is a unit and the final norm + head another (default_units), each freed after its forward like
+every block, so stage 3 gathers b_p·2Ψ and holds at most a unit or two at once, not the embedding and head
+from forward to backward. With reshard_after_forward=False every unit stays gathered: b_p·Ψ. Each step
+also all-reduces one int32 per parameter tensor, which parameters got a gradient on any rank (as DDP's
+find_unused_parameters), so one no rank used gets none.
 
 How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of this file:
   1. The flat parameter (FlatUnit): a unit's parameters are views of one flat buffer [N], N padded to
@@ -31,8 +34,12 @@ How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of 
      the reduction over several backwards (FSDP §3.4).
   4. Stage 3, parameters gathered before a unit's forward and backward and freed after each.
   5. shard_model(model, stage): cuts the model into units and returns the optimizer. The loop stays
-     loss.backward(); opt.step(); opt.zero_grad(). offload=True keeps the master and optimizer state in host
-     memory (ZeRO-Offload): per step b_m·n down and b_p·n up per unit.
+     loss.backward(); opt.step(); opt.zero_grad(). Any nn.Module: units found by a documented rule or named
+     (units=), any forward output (tensor, tuple, dict, dataclass); between uses a ZeRO-3 parameter is a
+     placeholder whose values cannot be read (one error naming full_state_dict, never freed memory read).
+     Gradient clipping is opt.clip_grad_norm_ / max_grad_norm=, not torch's utility (see shard_model).
+     offload=True keeps the master and optimizer state in host memory (ZeRO-Offload): per step b_m·n down
+     and b_p·n up per unit.
   6. State dicts: full ({name: whole tensor}, loads into the plain model) and sharded (this rank's
      slices and optimizer state, for resuming on the same layout) (FSDP §3.3).
 Hybrid sharding (hsdp.py) enters through one seam, shard_model's `after_reduce`.
@@ -41,14 +48,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab.model import Block
 from mesh import all_gather_single, collective_device, reduce_scatter_single, resolve_group
 
 
@@ -104,6 +112,7 @@ class FlatUnit:
         self.used = torch.zeros(len(self.params), dtype=torch.int32, device=device)  # got a gradient here
         self.gather_work, self.unreduced = None, False  # unreduced: a reduction deferred by accumulating()
         self.averaged = False  # stage 0: True when the gradients arrive averaged already (ddp.py's buckets)
+        self.root = False  # of the root unit (the model itself: what no unit encloses), kept gathered into backward
         self.publish()
 
     def spans(self):
@@ -143,6 +152,8 @@ class FlatUnit:
         if self.gather_work is None and self.buf.untyped_storage().size() == 0:
             self.buf.untyped_storage().resize_(self.flat_numel * self.buf.element_size())
             self.gather_work = all_gather_single(self.buf, self.shard, group=self.group, async_op=True)
+            for p, view in zip(self.params, self.views(self.buf.data)):
+                _Resharded.restore(p, view)
 
     def wait(self):
         if self.gather_work is not None:
@@ -151,7 +162,9 @@ class FlatUnit:
 
     def free(self):
         self.wait()
-        self.buf.untyped_storage().resize_(0)  # every parameter view now has no bytes
+        self.buf.untyped_storage().resize_(0)  # every parameter view now has no bytes ...
+        for p, names in zip(self.params, self.aliases):  # ... so no parameter may be read: see _Resharded
+            _Resharded.mark(p, names[0], self.shard)
 
     def reduce(self):
         """Pack the gradients into one [N] (zeros where a parameter has none: every rank hands over the
@@ -186,6 +199,50 @@ def _my_slice(u, entries, init_fn):
     return master
 
 
+class _Resharded(nn.Parameter):
+    """What a stage-3 parameter is while its unit is freed: the same Parameter object (autograd, the
+    optimizer's hooks and every module holding it keep it), its class switched to this one and its data to
+    one element of the unit's shard broadcast to its shape (nothing can read past its bytes, which a view of
+    the freed buffer would; no new memory). Its shape, dtype, device, requires_grad and grad stay readable
+    (numel() counts, loops over parameters work), and autograd takes it by identity (zero bubble's W);
+    anything that reads its values — model.state_dict(), torch.save, print, arithmetic — raises one error
+    naming fsdp.full_state_dict, which gathers the true values on every rank. The unit's next gather gives
+    it back its class and its view of the gathered buffer (the trick FSDP1 played with .data)."""
+
+    _metadata = {"shape", "dtype", "device", "requires_grad", "grad", "size", "dim", "numel", "ndim", "is_leaf",
+                 "layout", "__hash__", "is_meta", "is_cuda", "untyped_storage", "is_floating_point", "is_complex",
+                 "element_size", "nelement", "grad_fn", "_version", "is_sparse", "names", "_base", "requires_grad_",
+                 "new_zeros", "new_empty", "apply"}  # apply, grad (torch.autograd.grad): autograd, by identity
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")  # a property's getter or setter
+        if name in cls._metadata or name == "__set__" or (name == "__get__" and prop in cls._metadata):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        what = prop if name in ("__get__", "__set__") else name
+        raise RuntimeError(
+            f"{getattr(args[0], '_resharded_name', 'this parameter') if args else 'this parameter'} is sharded by "
+            f"ZeRO-3: between uses each rank keeps only its slice, so its values cannot be read here ({what}). "
+            f"fsdp.full_state_dict(opt) (opt.full_state_dict()) gathers every parameter's true values — call it on "
+            f"every rank, then save or print that; opt.load_full_state_dict(sd) loads one")
+
+    @staticmethod
+    def mark(p, name, shard):
+        if type(p) is nn.Parameter:
+            with torch._C.DisableTorchFunctionSubclass():  # (the shard's bytes: no new memory; same dtype, device)
+                p.data = shard.detach()[:1].expand(p.shape)
+            p.__class__, p._resharded_name = _Resharded, name
+
+    @staticmethod
+    def restore(p, view):
+        if type(p) is _Resharded:
+            p.__class__ = nn.Parameter
+            with torch._C.DisableTorchFunctionSubclass():
+                p.data = view
+
+
 def _repoint(entry, view):
     """Every holder of the parameter now holds `view` (of buf). `.data`-made views get their own version
     counter, so refilling buf (stage 3) does not trip autograd's check on saved tensors. No holders (a bare
@@ -217,6 +274,7 @@ class ZeroOptimizer:
         # threads would compete with compute (measured slower when ranks share cores): wait at once.
         self.async_reduce = all(dist.get_backend(u.group) == "nccl" for u in units)
         self.pending, self.deferring, self.in_backward, self.reduced, self.grad_norm = [], False, False, False, None
+        self.saw_backward = False  # a backward hook ran since the last step (stages 2-3)
 
     param_groups = property(lambda self: self.inner.param_groups)  # what LR schedulers set
 
@@ -225,7 +283,7 @@ class ZeroOptimizer:
             for p in u.params + [u.master] + [q for *_, q in u.pieces]:
                 p.grad = None
             u.used.zero_()
-        self.reduced = self.in_backward = False
+        self.reduced = self.in_backward = self.saw_backward = False
 
     @contextlib.contextmanager
     def accumulating(self):
@@ -257,6 +315,10 @@ class ZeroOptimizer:
             u.master.grad = out if u.master.grad is None else u.master.grad.add_(out)
         self.pending.clear()
         late = [n for u in self.units for n, p in zip(u.names, u.params) if self.stage >= 2 and p.grad is not None]
+        if late and not self.saw_backward:  # no backward hook ran: the output hid its tensors from them
+            raise RuntimeError(f"{late[0]} has a gradient but no backward hook of the sharded model ran: the loss "
+                               f"was not computed from a tensor, tuple, list, dict or dataclass the model's forward "
+                               f"returned (or a unit's); return the output (or its tensors) from forward")
         if late:  # stages 2-3 pack every gradient when they reduce: this one came after its unit's reduction
             raise RuntimeError(f"the gradient of {late[0]} arrived after its unit was reduced: if it is used outside "
                                f"its unit's forward, pass units= so that one unit encloses all its uses; if its "
@@ -300,7 +362,7 @@ class ZeroOptimizer:
                     q.grad = None
                 u.master.grad = None
             u.publish()  # my new compute slice; stages 1-2 gather the others', stage 3 drops a gathered copy
-        self.reduced = False
+        self.reduced = self.saw_backward = False
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, group=None, weight_of=None) -> torch.Tensor:
@@ -377,24 +439,44 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _tensors(out):
+    """Every tensor in a forward's output: a tensor, or any nesting of tuples, lists, dicts (a Hugging Face
+    ModelOutput is one) and dataclasses."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for x in out:
+            yield from _tensors(x)
+    elif isinstance(out, Mapping):
+        for x in out.values():
+            yield from _tensors(x)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        for f in dataclasses.fields(out):
+            yield from _tensors(getattr(out, f.name))
+
+
 def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
-    """units [(module, [FlatUnit per group])]: forward and backward hooks on each unit's module."""
+    """units [((module, ...), [FlatUnit per group])]: forward and backward hooks on each unit's modules. A unit
+    of several modules (the final norm and the head) runs as one: gathered before any of them runs, its
+    backward's end marked on its first module's inputs, freed after its last module's forward."""
     stage3, order, done = opt.stage == 3, [], set()  # order: units by first forward, for the prefetch
 
     # -- stage 2: reduce each unit's gradient as soon as its backward is done; at the end of backward,
     #    every unit not reduced yet (one order on every rank: a branch some ranks skip cannot hang)
-    def mark_end_of_backward(i, args):
-        want = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    def mark_end_of_backward(i, args, kwargs):
+        want = [(args, k) for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        want += [(kwargs, k) for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
         if not (want and torch.is_grad_enabled()):
             return None  # no input gradient will mark the end of its backward: end_of_backward reduces it
-        args = list(args)
-        for k, a in zip(want, _PostBackward.apply(lambda: post_backward(i), *[args[k] for k in want])):
-            args[k] = a
-        return tuple(args)
+        args, kwargs = list(args), dict(kwargs)
+        where = [(args if box is not kwargs else kwargs, k) for box, k in want]
+        for (box, k), a in zip(where, _PostBackward.apply(lambda: post_backward(i), *[box[k] for box, k in where])):
+            box[k] = a
+        return tuple(args), kwargs
 
     def start_of_backward():
         if not opt.in_backward:  # the first unit of this backward: finish every unit at its end
-            opt.in_backward = True
+            opt.in_backward = opt.saw_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
 
     def post_backward(i):
@@ -418,7 +500,7 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
     # -- stage 3: gather a unit (all its groups together) before its forward and its backward, free it after
     def gather(i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
         j = order.index(i) + step  # (pre_forward listed i before its first gather)
-        ahead = units[order[j]][1] if prefetch and 0 <= j < len(order) and units[order[j]][0] is not root else []
+        ahead = units[order[j]][1] if prefetch and 0 <= j < len(order) and units[order[j]][0][0] is not root else []
         for u in units[i][1] + ahead:
             u.unshard()
         for u in units[i][1]:
@@ -429,19 +511,19 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
             u.free()
 
     # -- the module hooks, which call both
-    def pre_forward(i, args):
+    def pre_forward(i, first, args, kwargs):
         if stage3:
             if i not in order:
                 order.append(i)
-            gather(i, +1)
-        return mark_end_of_backward(i, args)
+            gather(i, +1)  # (a unit's later modules find it gathered already)
+        return mark_end_of_backward(i, args, kwargs) if first else None
 
-    def post_forward(i, output):
+    def post_forward(i, last, output):
         # The root's backward starts right after its forward: keep it gathered, unless none follows.
-        if stage3 and reshard_after_forward and (units[i][0] is not root or not torch.is_grad_enabled()):
+        if last and stage3 and reshard_after_forward and (units[i][0][0] is not root or not torch.is_grad_enabled()):
             free(i)
-        for t in output if isinstance(output, (tuple, list)) else [output]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in _tensors(output):  # every tensor the output holds, however nested (a dict, a dataclass)
+            if t.requires_grad:
                 t.register_hook(lambda g: pre_backward(i))  # runs before the unit's backward
 
     def pre_backward(i):
@@ -449,9 +531,11 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
         if stage3:
             gather(i, -1)
 
-    for i, (module, _) in enumerate(units):
-        module.register_forward_pre_hook(lambda m, args, i=i: pre_forward(i, args))
-        module.register_forward_hook(lambda m, args, out, i=i: post_forward(i, out))
+    for i, (modules, _) in enumerate(units):
+        for m in modules:
+            m.register_forward_pre_hook(lambda m, args, kwargs, i=i, first=m is modules[0]:
+                                        pre_forward(i, first, args, kwargs), with_kwargs=True)
+            m.register_forward_hook(lambda m, args, out, i=i, last=m is modules[-1]: post_forward(i, last, out))
 
 
 # ---- 5. the entry point ------------------------------------------------------------------------------
@@ -462,9 +546,25 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                 shapes_only=False, averaged=False, **optimizer_kwargs) -> ZeroOptimizer:
     """Shard `model` in place by ZeRO stage 0-3 and return the optimizer that owns the shards.
 
-    units          module classes (default: model.Block) or a list of submodules, one unit each; the rest
-                   is the root unit. A parameter goes to the innermost unit containing every module that
-                   holds it (a tied weight: the unit enclosing both uses); frozen ones stay whole.
+    units          what is gathered, reduced and freed together (unit_groups): a module class (units=
+                   LlamaDecoderLayer), a tuple or list of classes — every submodule of them, one unit each —
+                   or a list of submodules, where an item may be a list of sibling modules forming ONE unit,
+                   in the order they run ([model.emb, *model.layers, [model.norm, model.head]], as FSDP2's
+                   fully_shard([norm, head])). None: default_units' rule — each block of the largest
+                   nn.ModuleList, each embedding before it, the modules after it (final norm + head) as one;
+                   a model without an nn.ModuleList must name them (ValueError, never one silent unit).
+                   A parameter goes to the innermost unit containing every module that holds it (a tied
+                   weight: the unit enclosing both uses); frozen ones stay whole. The root unit is the model
+                   itself with every parameter no unit encloses: nothing for the course's model; a weight
+                   tied across units (transformers' tied embedding and head), or parameters of the model's
+                   own. Its backward starts right after its forward (the loss), so stage 3 keeps it gathered
+                   from forward into backward instead of freeing and re-gathering it at once (as FSDP2's root).
+    max_grad_norm  clip the global gradient norm to this in step() (opt.clip_grad_norm_, torch's formula over
+                   the averaged gradients of every rank). NOT torch.nn.utils.clip_grad_norm_(model.parameters()):
+                   between backward and step a parameter's .grad is this rank's own, unaveraged gradient
+                   (stages 0-1; they are reduced in step()) or None (stages 2-3: the reduced gradient lives
+                   in the optimizer's flat shard), so torch's utility clips by a local norm, or clips
+                   nothing; call opt.clip_grad_norm_(max_norm) there instead (it returns the global norm)
     group          the ranks parameters are sharded over (stage 0: averaged over); default the world
     divide_by      what summed gradients are divided by (default: the number of ranks in `group`)
     after_reduce   after_reduce(t) runs on each reduced gradient shard and on the used-flags, before the
@@ -498,12 +598,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
         raise ValueError("the model is on the meta device: pass init_fn(name, shape) to materialise the shards")
     group = resolve_group(group)
     divide_by = divide_by or dist.get_world_size(group)
-    units = (Block,) if units is None else units
-    if isinstance(units, tuple) and all(isinstance(c, type) for c in units):
-        units = [m for m in model.modules() if isinstance(m, units) and m is not model]
-    elif not all(isinstance(m, nn.Module) and any(m is k for k in model.modules()) and m is not model for m in units):
-        raise ValueError("units must be module classes or a list of submodules of the model")
-    units = list(dict.fromkeys(units))  # each module once
+    units = unit_groups(model, units)  # [(module, ...)]: one unit each (before any collective: errors alike)
 
     trainable = {}  # every trainable parameter once: its names and every (module, attribute) holding it
     for mname, m in model.named_modules(remove_duplicate=False):
@@ -512,8 +607,9 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                 names, holders, _ = trainable.setdefault(id(p), ([], [], p))
                 names.append(f"{mname}.{attr}" if mname else attr)
                 holders.append((m, attr))
-    inside = [{id(m) for m in um.modules()} for um in units]
-    buffers_of = {id(um): {} for um in [*units, model]}  # unit -> {(group, divide_by, after_reduce): entries}
+    inside = [{id(m) for member in um for m in member.modules()} for um in units]
+    units = [*units, (model,)]  # the root unit last: every parameter no unit encloses
+    buffers_of = {id(um): {} for um in units}  # unit -> {(group, divide_by, after_reduce): entries}
     for names, holders, p in trainable.values():
         enclosing = [(len(s), k) for k, s in enumerate(inside) if {id(m) for m, _ in holders} <= s]
         g = groups_of(names[0], p) if groups_of is not None else None
@@ -522,7 +618,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
             raise ValueError(f"groups_of({names[0]!r}) must return None or (a process group holding this rank, "
                              f"divide_by > 0), got {g!r}")
         key = (group, divide_by, after_reduce) if g is None else (*g, None)
-        unit = units[min(enclosing)[1]] if enclosing else model
+        unit = units[min(enclosing)[1] if enclosing else -1]
         buffers_of[id(unit)].setdefault(key, []).append((tuple(names), holders, p))
     for mname, m in model.named_modules():  # frozen parameters stay whole on every rank
         for attr, p in m._parameters.items():
@@ -532,7 +628,9 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
 
     flat_units = [(um, [FlatUnit(entries, stage, g, d, a, param_dtype, init_fn, offload)
                         for (g, d, a), entries in buffers_of[id(um)].items()])
-                  for um in [*units, model] if buffers_of[id(um)]]
+                  for um in units if buffers_of[id(um)]]
+    for u in flat_units[-1][1] if flat_units and flat_units[-1][0][0] is model else []:
+        u.root = True
     for u in (u for _, us in flat_units for u in us):
         if averaged:
             u.averaged, u.divide_by = True, 1
@@ -541,6 +639,62 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
     if stage >= 2:
         _add_hooks(opt, flat_units, model, reshard_after_forward, prefetch)
     return opt
+
+
+def default_units(model: nn.Module) -> list:
+    """shard_model's units when none are named, found by one rule that fits the course's model, transformers'
+    decoders (Llama, Mistral, Qwen, GPT-2, Mixtral) and nanoGPT alike:
+      - the blocks: each child of the model's largest nn.ModuleList (by trainable parameters), one unit each
+        (lab.model's `layers`, Llama's `model.layers`, GPT-2's `transformer.h`);
+      - the input side: each module outside the blocks that holds a trainable parameter and is registered
+        before them (the token embedding; GPT-2's position embedding too), one unit each;
+      - the output side: the modules that hold a trainable parameter and are registered after them (the
+        final norm and the head), ONE unit together, in the order registered, which must be the order they
+        run (as FSDP2's fully_shard([norm, output])).
+    A model with no nn.ModuleList holding trainable parameters (an nn.Sequential, a hand-written net) has no
+    blocks to find: ValueError naming units=, never one silent unit of everything."""
+    lists = [m for m in model.modules()
+             if isinstance(m, nn.ModuleList) and any(p.requires_grad for p in m.parameters())]
+    if not lists:
+        raise ValueError(f"shard_model found no repeated blocks in {type(model).__name__} (no nn.ModuleList with "
+                         f"trainable parameters): name the units, e.g. units=MyBlock (a class), units=[model.a, "
+                         f"model.b] (submodules) or units=[model.emb, [model.norm, model.head]] (a list is one unit)")
+    blocks = max(lists, key=lambda l: sum(p.numel() for p in l.parameters() if p.requires_grad))
+    in_blocks = {id(m) for m in blocks.modules()}
+    before, after, seen = [], [], False
+    for m in model.modules():
+        if m is blocks:
+            seen = True
+        elif id(m) not in in_blocks and m is not model and any(p is not None and p.requires_grad
+                                                               for p in m._parameters.values()):
+            (after if seen else before).append(m)
+    return [(m,) for m in before] + [(b,) for b in blocks] + ([tuple(after)] if after else [])
+
+
+def unit_groups(model: nn.Module, units) -> list:
+    """shard_model's `units` as [(module, ...)], one tuple per unit: None -> default_units(model); a module
+    class or a tuple/list of classes -> every submodule of those classes, one unit each; a list of submodules,
+    where an item may itself be a list or tuple of sibling modules forming ONE unit (in the order they run)."""
+    if units is None:
+        return default_units(model)
+    items = [units] if isinstance(units, type) else list(units) if isinstance(units, (list, tuple)) else None
+    if items and all(isinstance(c, type) and issubclass(c, nn.Module) for c in items):
+        found = [(m,) for m in model.modules() if isinstance(m, tuple(items)) and m is not model]
+        if not found:
+            raise ValueError(f"no submodule of {type(model).__name__} is a {' or '.join(c.__name__ for c in items)}: "
+                             f"units= names the classes (or the submodules) of the model's repeated blocks")
+        return found
+    mine = {id(m) for m in model.modules()}
+    groups = [tuple(i) if isinstance(i, (list, tuple)) else (i,) for i in items or []]
+    flat = [m for g in groups for m in g]
+    if not groups or not all(g and all(isinstance(m, nn.Module) and id(m) in mine and m is not model for m in g)
+                             for g in groups):
+        raise ValueError("units must be a module class, a tuple or list of module classes, or a list of the "
+                         "model's submodules (an item may be a list of submodules forming one unit, e.g. "
+                         f"[model.norm, model.output]); got {units!r:.200}")
+    if len({id(m) for m in flat}) != len(flat):
+        raise ValueError("units lists a module twice: each module belongs to one unit")
+    return groups
 
 
 # ---- 6. state dicts: full (the plain model's) and sharded (this rank's, for the same layout) ----------
@@ -557,7 +711,8 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
 def _unsharded(opt) -> dict:
     """The module's frozen parameters and buffers: every rank keeps them whole."""
     sharded = {n for u in opt.units for names in u.aliases for n in names}
-    return {} if opt.module is None else {k: v for k, v in opt.module.state_dict().items() if k not in sharded}
+    return {} if opt.module is None else {k: v.detach() for k, v in opt.module.state_dict(keep_vars=True).items()
+                                          if k not in sharded}  # (keep_vars: a stage-3 parameter is not read)
 
 
 @torch.no_grad()

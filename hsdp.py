@@ -19,6 +19,7 @@ gradients) and in brackets what one rank sends on a ring:
     shard dim      all-gather b_p·(2Ψ − Ψ_root)   reduce-scatter 4Ψ      [× (S−1)/S]
     replicate dim  all-reduce 4Ψ/S                                       [× 2(R−1)/R]
     both dims      all-reduce 4k: one int32 per parameter tensor (k of them), the used-flags
+(Ψ_root: the root unit's parameters, gathered once; 0 for the course's model: fsdp.default_units.)
 Model state per rank: (b_p + b_g + K)·Ψ/S — sharded S ways, not R·S: HSDP trades memory for keeping
 the big collectives on the fast links (ZeRO's formulas, Rajbhandari et al. 2020 §5, with P = S).
 

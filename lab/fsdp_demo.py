@@ -10,7 +10,8 @@ Bytes per rank, for Ψ elements sharded over P ranks, b_p bytes per parameter, b
 K per element of optimizer state and fp32 master (Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054
 §5): stage 0 (b_p + b_g + K)Ψ; stage 1 (b_p + b_g)Ψ + KΨ/P; stage 2 b_pΨ + (b_g + K)Ψ/P; stage 3
 (b_p + b_g + K)Ψ/P. API bytes per step: stage 0 all-reduces 4Ψ; stages 1-2 reduce-scatter 4Ψ and
-all-gather b_pΨ; stage 3 all-gathers b_p(2Ψ − Ψ_root) (b_pΨ if units stay gathered) and
+all-gather b_pΨ; stage 3 all-gathers b_p(2Ψ − Ψ_root) (b_pΨ if units stay gathered; Ψ_root = 0 for
+the course's model, whose embedding and norm + head are units) and
 reduce-scatters 4Ψ; plus one int32 per parameter tensor (which parameters got a gradient).
 """
 from __future__ import annotations
@@ -125,7 +126,7 @@ def train_and_measure(stage, model_name="tiny", steps=3, batch=8, seq=32, lr=1e-
         dist.all_reduce(loss := loss.double())  # the global batch's loss, for printing (outside the counter)
         losses.append(loss.item() / (P * R))
     numel, k, root = sum(u.flat_numel for u in opt.units), sum(len(u.params) for u in opt.units), opt.units[-1]
-    root_numel = root.flat_numel if "tok_embeddings.weight" in root.names else 0
+    root_numel = sum(u.flat_numel for u in opt.units if u.root)  # the course's model: 0 (no parameter outside a unit)
     pb, gb, mb = root.buf.element_size(), root.master.element_size(), 0 if root.dtype == root.master.dtype else 4
     rs = shard_kwargs.get("reshard_after_forward", True)
     return dict(state={k: v.cpu() for k, v in opt.full_state_dict().items()}, losses=losses, peak=peak, stage=stage,

@@ -313,7 +313,7 @@ def init_tensor(cfg: ModelConfig, name: str, shape: tuple, seed: int = 0) -> tor
     std = 0.02
     if name.endswith(("wo.weight", "w2.weight", ".w2")):  # residual outputs: GPT-2's 1/sqrt(2L)
         std /= math.sqrt(2 * cfg.n_layers)
-    return torch.randn(shape, generator=gen) * std
+    return torch.randn(shape, generator=gen).mul_(std)  # (in place: one whole tensor at a time while building)
 
 
 def build_model(cfg: ModelConfig | str = "tiny", seed: int = 0, dtype=torch.float32, device=None):

@@ -15,9 +15,11 @@ off what that rank holds, by category:
                  rank holds at once (pipeline.held_formula); beside it the formula: activation_formula
                  (measured to the byte per block) × layers × tokens, plus each layer's input and the head's
                  logits (b·H and 2·4·V/t per token) — dense models
-    buffers      the reduce's packed gradient of the largest unit, b_m·N, and under stage 3 two gathered
-                 units (the one computing and the prefetched next), 2·b_p·N; at stage 0 in bf16, data
-                 parallel's fp32 buckets, 4 bytes per parameter (in fp32 the gradients live in them)
+    buffers      the reduce's packed gradient of the largest unit, b_m·N; under stage 3 the peak of a unit's
+                 backward: it gathered and its local gradients (2·b_p·N), the unit before it prefetched
+                 (b_p·N_prev) and its packed gradient (b_m·N), plus a root unit kept gathered (_buffers); at
+                 stage 0 in bf16, data parallel's fp32 buckets, 4 bytes per parameter (in fp32 the gradients
+                 live in them)
 
 next to ZeRO's formula (Rajbhandari et al. 2020 §5) for the same Ψ and P, and the bytes per step on each
 mesh dimension from the lessons' formulas. The planned model state equals what a real run holds, to the
@@ -173,8 +175,7 @@ def _read(args, trainer, mesh, measured=None) -> dict:
         per_token += 2 * 4 * cfg.vocab_size / t  # the head's logits and log-softmax, in fp32
     formula_activations = None if cfg.n_experts else per_token * tokens * held
     activations = formula_activations if measured is None else measured * held
-    largest = max(u.flat_numel for u in opt.units)
-    buffers = 4 * largest + (2 * b_p * largest if z == 3 else 0)
+    buffers = _buffers(opt.units, z, b_p, keep_gathered=trainer.pipe is not None)
     if z == 0 and mesh.size("dp_cp") > 1 and args.dtype == "bfloat16":  # ddp.BucketedDDP's fp32 buckets
         buffers += 4 * sum(sum(u.numels) for u in opt.units)
     device = {k: v for k, v in state.items() if k not in host}
@@ -211,6 +212,29 @@ def _building(args, trainer, mesh, state) -> dict:
     return dict(kept=kept, peak=kept + unit + param, whole=whole)
 
 
+def _buffers(units, z, b_p, keep_gathered=False) -> int:
+    """The transient bytes of a step beyond the model state, at their peak (units in forward order, the root's
+    last). Every stage packs a unit's gradient into one flat [N] in the master dtype to reduce it, b_m·N. At
+    stages 0-1 that happens at step(), one unit at a time: b_m·N of the largest. At stage 2 it happens in
+    backward, beside the unit's local gradients, b_p·N, which it then drops. At stage 3 a unit's reduction
+    happens at the end of its backward, while it is gathered (b_p·N), its local gradients still exist (b_p·N,
+    packed, then dropped) and the unit before it is being prefetched (b_p·N_prev): the peak over units of
+    b_p·(2N_i + N_(i-1)) + b_m·N_i, plus the root unit's b_p·N_root, which stays gathered from its forward
+    through backward (the course's model has no root parameters: embedding and norm + head are units).
+    A pipeline keeps every unit gathered over its micro-batches: b_p·ΣN + the largest packed gradient."""
+    packed = max(u.master.element_size() * u.flat_numel for u in units)
+    if z < 2:
+        return packed
+    if z == 2:  # a unit's local gradients (b_p·N) meet its packed one at its reduction, in backward
+        return max((b_p + u.master.element_size()) * u.flat_numel for u in units)
+    if keep_gathered:
+        return b_p * sum(u.flat_numel for u in units) + packed
+    root = b_p * sum(u.flat_numel for u in units if u.root)
+    order = [u for u in units if not u.root]
+    return root + max(b_p * (2 * u.flat_numel + (order[i - 1].flat_numel if i else 0)) + u.master.element_size()
+                      * u.flat_numel for i, u in enumerate(order))
+
+
 def _per_step(args, trainer, mesh) -> dict:
     """API bytes per step on each mesh dimension this rank talks on, from the lessons' formulas."""
     cfg, z, opt = trainer.cfg, args.zero_stage, trainer.opt
@@ -223,7 +247,7 @@ def _per_step(args, trainer, mesh) -> dict:
         groups.setdefault((tuple(dist.get_process_group_ranks(u.group)), u.after_reduce is not None), []).append(u)
     for (ranks, hybrid), us in groups.items():
         if len(ranks) > 1 or hybrid:
-            root = sum(u.flat_numel for u in us if "tok_embeddings.weight" in u.names)
+            root = sum(u.flat_numel for u in us if u.root)
             f = zero_comm_formula(z, sum(u.flat_numel for u in us), len(ranks) if z else len(ranks), b, root,
                                   trainer.pipe is None, mesh.size("dp_replicate") if hybrid else 1,
                                   sum(len(u.params) for u in us), us[0].master.element_size(), args.microbatches

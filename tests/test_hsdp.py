@@ -113,7 +113,7 @@ def _check_replicate_1(out):
 
 
 def _check_bf16(out):
-    assert _bytes(out, "dp_shard", "all_gather") == [107_072] * 4  # bf16 parameters: half of 214,144
+    assert _bytes(out, "dp_shard", "all_gather") == [139_904] * 4  # bf16 parameters: half of 279,808 (b_p·2Ψ)
     assert _bytes(out, "dp_replicate", "all_reduce") == [70_036] * 4  # fp32 gradient shards, as without --bf16
 
 

@@ -151,3 +151,40 @@ def test_the_planner_runs_at_scale_in_seconds():
         assert abs(p["state"]["gradients"] - 4 * psi / world) < 2e-3 * 4 * psi / world
         assert abs(p["state"]["master"] + p["state"]["optimizer"] - 12 * psi / world) < 2e-3 * 12 * psi / world
     assert time.perf_counter() - t0 < 60
+
+
+def _measure_buffers(stage, param_dtype):
+    """Rank function: a real ZeRO step of the tiny model; at each unit's reduction (the moment lab.plan._buffers
+    says the transient bytes peak) the bytes of every gathered unit buffer, of the unit's local gradients and
+    of the packed gradient it is about to make, counted from the tensors themselves (the optimizer's
+    reduce_unit wrapped from outside). Returns (the largest, lab.plan._buffers for the same units)."""
+    import torch.distributed as dist
+    from fsdp import shard_model
+    from lab.model import build_model
+    from lab.plan import _buffers
+    model = build_model("tiny", dtype=torch.float32)
+    opt = shard_model(model, stage, param_dtype=param_dtype, lr=1e-3)
+    seen, reduce_unit = [], opt.reduce_unit
+
+    def measured(u):
+        gathered = sum(v.buf.untyped_storage().nbytes() for v in opt.units) if stage == 3 else 0
+        local = sum(p.grad.untyped_storage().nbytes() for p in u.params if p.grad is not None)
+        seen.append(gathered + local + u.master.element_size() * u.flat_numel)
+        return reduce_unit(u)
+    opt.reduce_unit = measured
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x, x).backward()
+    opt.step()
+    b_p = torch.finfo(param_dtype or torch.float32).bits // 8
+    return max(seen), _buffers(opt.units, stage, b_p)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_planners_buffers_are_a_real_runs_peak(stage):
+    """The planner's buffers (lab.plan._buffers) equal, to the byte, the largest transient a real run holds at a
+    unit's reduction — at stage 3 the unit gathered with its local gradients, the unit before it prefetched and
+    the packed fp32 gradient; no root unit stays gathered (the embedding and norm + head are units) — in fp32
+    and with bf16 compute copies, on every rank."""
+    for dtype in (None, torch.bfloat16):
+        for measured, planned in run_ranks(_measure_buffers, 2, stage, dtype, timeout=120):
+            assert measured == planned, (stage, dtype, measured, planned)
