@@ -74,16 +74,14 @@ time, bytes, memory per step, the per-step lines, --check and --compare — atta
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import math
 import os
-import shutil
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import checkpoint as recompute
 
 import ddp
 import expert_parallel
@@ -92,6 +90,7 @@ import hsdp
 import pipeline
 import ring_attention
 import tensor_parallel
+from lab import checkpoint
 from lab.data import IGNORE, get_batch, load_corpus
 from lab.model import CONFIGS, build_model, get_config, init_tensor, use_float8
 from mesh import DIMS, Mesh, mesh_problems
@@ -209,6 +208,11 @@ def model_shapes(args) -> dict:
     return {n: list(p.shape) for n, p in build_model(config_of(args), device="meta").named_parameters()}
 
 
+def resume_path(args) -> str | None:
+    """The checkpoint --resume names (None: a fresh start): lab.checkpoint.resume_path."""
+    return checkpoint.resume_path(args.resume, args.save)
+
+
 def _divisors(n: int, limit: int = 64) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
@@ -283,12 +287,12 @@ def check_args(args, world_size: int) -> None:
         problems.append("--resume auto continues from the newest checkpoint under --save: give --save DIR too")
     resume = resume_path(args)
     if resume is not None:
-        problems += checkpoint_problems(resume, args)
+        problems += checkpoint.checkpoint_problems(resume, args.stop_at or args.steps, model_shapes(args))
     elif args.resume not in (None, "auto"):
         problems.append(f"--resume {args.resume!r} holds no complete checkpoint (a step_N directory with "
                         f"meta.json): give one, or a directory of them, or --resume auto")
     if args.init_from is not None and resume is None:
-        problems += state_dict_problems(args.init_from, args)
+        problems += checkpoint.state_dict_problems(args.init_from, model_shapes(args))
     if args.export is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
         problems.append(f"--export {args.export!r}: its directory does not exist")
     if args.compare and (pp > 1 or cp > 1 or args.experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
@@ -296,113 +300,6 @@ def check_args(args, world_size: int) -> None:
                         "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
     if problems:
         raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
-
-
-# ---- checkpoints on disk: which are complete, and whether one may be loaded --------------------------------
-#
-#   DIR/step_00000006/   meta.json (written last) and one file per rank that owned pieces: rank0.pt, ...
-#   DIR/step_00000006.partial/   a checkpoint being written: never read, replaced by the next save
-# A save writes under the .partial name and renames the directory once every rank's file is complete and
-# flushed and meta.json (sizes and sha256 of every file) is written: the rename is atomic, so a crash at
-# any moment leaves every earlier checkpoint as it was, and never a half one under a complete name.
-
-STEP_DIR = "step_{:08d}"
-
-
-def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint directly under root, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    out = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith("step_") and name[5:].isdigit() and os.path.isfile(os.path.join(path, "meta.json")):
-            out.append((int(name[5:]), path))
-    return sorted(out)
-
-
-def resume_path(args) -> str | None:
-    """The checkpoint --resume names: auto -> the newest under --save (None: none yet, a fresh start);
-    a step directory; or a directory of them -> its newest."""
-    if args.resume is None:
-        return None
-    root = args.save if args.resume == "auto" else args.resume
-    if root and os.path.isfile(os.path.join(root, "meta.json")):
-        return root
-    found = complete_checkpoints(root) if root else []
-    return found[-1][1] if found else None
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def checkpoint_problems(path: str, args) -> list[str]:
-    """Everything that forbids loading the checkpoint at `path`, found by reading it alone — so every rank
-    finds the same, before any collective: meta.json unreadable; nothing left to train; another model
-    (names or shapes differ); a rank file missing, truncated, altered (size or sha256 differ from what
-    meta.json recorded) or holding anything but tensors (read with weights_only=True: no code runs)."""
-    meta_path = os.path.join(path, "meta.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        step, files, shapes = int(meta["step"]), meta["files"], meta["params"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"{meta_path} cannot be read as a checkpoint's meta.json ({e}): resume another checkpoint"]
-    problems, last = [], args.stop_at or args.steps
-    if step >= last:
-        problems.append(f"{path} already holds step {step}, and this run stops at step {last}: nothing is left to "
-                        f"train; raise --steps or resume an earlier checkpoint")
-    mine = model_shapes(args)
-    if shapes != mine:
-        differ = sorted(n for n in set(shapes) | set(mine) if shapes.get(n) != mine.get(n))
-        problems.append(f"{meta_path} was written for another model: {len(differ)} parameters differ in name or "
-                        f"shape (first {differ[0]}: saved {shapes.get(differ[0])}, this run's {mine.get(differ[0])}); "
-                        f"resume with its --model/--layers/--experts")
-    for name, info in sorted(files.items()):
-        f = os.path.join(path, name)
-        if not os.path.isfile(f):
-            problems.append(f"{f} is missing: this checkpoint is incomplete; resume an earlier one")
-        elif os.path.getsize(f) != info["bytes"]:
-            problems.append(f"{f} holds {os.path.getsize(f)} bytes, meta.json recorded {info['bytes']}: it was "
-                            f"truncated or altered; resume an earlier checkpoint")
-        elif _sha256(f) != info["sha256"]:
-            problems.append(f"{f} does not match the sha256 meta.json recorded: it was altered after it was written; "
-                            f"resume an earlier checkpoint")
-        else:
-            problems += _loadable(f)
-    return problems
-
-
-def _loadable(f: str) -> list[str]:
-    try:  # memory-mapped: reads the file's index, not its tensors
-        torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, it is refused here, on every rank
-        return [f"{f} cannot be read safely ({type(e).__name__}: {str(e).splitlines()[0][:200]}): it holds more than "
-                f"tensors, and weights_only loading refuses to run code from a file"]
-    return []
-
-
-def state_dict_problems(path: str, args) -> list[str]:
-    """What forbids starting from the plain state dict at `path` (--init-from): missing, not loadable with
-    weights_only=True, or not this model's names and shapes."""
-    if not os.path.isfile(path):
-        return [f"--init-from {path!r} does not exist: give a state dict file (--export writes one)"]
-    bad = _loadable(path)
-    if bad:
-        return bad
-    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    got = {k: list(v.shape) for k, v in sd.items()} if isinstance(sd, dict) else {}
-    mine = model_shapes(args)
-    if got != mine:
-        differ = sorted(n for n in set(got) | set(mine) if got.get(n) != mine.get(n))
-        return [f"--init-from {path!r} is not a state dict of this model: {len(differ)} names or shapes differ "
-                f"(first {differ[0]}: file {got.get(differ[0])}, model {mine.get(differ[0])})"]
-    return []
 
 
 def lr_at(step: int, args) -> float:
@@ -599,150 +496,27 @@ class Trainer:
         dist.all_reduce(v)
         return v.item()
 
-    # ---- checkpoints: every piece with its place in the whole model, so any layout can load them ------------
+    # ---- checkpoints (lab/checkpoint.py: the files; fsdp.py section 7: the pieces any layout can load) ----------
     def where(self, name):
+        """(the whole parameter's shape, the narrow this rank holds of it: a tp slice, my experts, or None)."""
         return self.places[name]
 
-    def owned_places(self):
-        """This rank's pieces [(unit, piece, place)] that it writes — a piece several ranks hold (data-parallel
-        replicas, tp ranks sharing a kv head) is written by the first of them — and every rank's places."""
-        mine = fsdp.places(self.opt, self.where)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, [p for _, _, p in mine])  # metadata only: names and ranges
-        first = {}
-        for r, ps in enumerate(every):
-            for p in ps:
-                first.setdefault(p, r)
-        return [(k, j, p) for k, j, p in mine if first[p] == dist.get_rank()], every
-
     def save(self, root: str, step: int) -> tuple[str, int]:
-        """Write checkpoint `step` under root atomically: every rank its pieces (with their places and the
-        optimizer state) into root/step_N.partial, flushed; rank 0 then meta.json (sizes and sha256 of every
-        file, the places of every piece) and renames the directory to root/step_N. Keeps the newest --keep.
-        Returns root/step_N and the bytes this rank wrote."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        final = os.path.join(root, STEP_DIR.format(step))
-        partial = final + ".partial"
-        if rank == 0:
-            os.makedirs(root, exist_ok=True)
-            for stale in [n for n in os.listdir(root) if n.startswith("step_") and n.endswith(".partial")]:
-                shutil.rmtree(os.path.join(root, stale))  # what a save that died left behind
-            os.makedirs(partial)
-        dist.barrier()
-        owned, _ = self.owned_places()
-        name = f"rank{rank}.pt"
-        pieces = [fsdp.piece_tensors(self.opt, k, j) for k, j, _ in owned]
-        with open(os.path.join(partial, name), "wb") as f:
-            torch.save(dict(pieces=pieces, rng=torch.get_rng_state()), f)
-            f.flush()
-            os.fsync(f.fileno())  # on the disk before anyone calls the checkpoint complete
-        path = os.path.join(partial, name)
-        files = [None] * world
-        dist.all_gather_object(files, (name, os.path.getsize(path), _sha256(path), [list(p) for _, _, p in owned]))
-        if rank == 0:
-            meta = dict(step=step, world_size=world, layout=layout_of(self.args), params=model_shapes(self.args),
-                        files={n: dict(bytes=size, sha256=digest, pieces=places)
-                               for n, size, digest, places in files})
-            with open(os.path.join(partial, "meta.json"), "w") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if os.path.isdir(final):  # the same step saved again: the new one replaces it
-                shutil.rmtree(final)
-            os.rename(partial, final)  # atomic: from here on the checkpoint is complete
-            fd = os.open(root, os.O_RDONLY)
-            os.fsync(fd)  # the rename itself on the disk
-            os.close(fd)
-            for _, old in complete_checkpoints(root)[:-self.args.keep or None] if self.args.keep else []:
-                shutil.rmtree(old)
-        dist.barrier()
-        return final, files[rank][1]
+        return checkpoint.save(self.opt, self.where, root, step, layout=layout_of(self.args),
+                               shapes=model_shapes(self.args), keep=self.args.keep)
 
     def load(self, path: str) -> int:
-        """Continue from the checkpoint at `path`, written on any layout (checkpoint_problems has vetted it):
-        each piece this rank owns is filled from the saved pieces it overlaps (fsdp.load_places), read from
-        memory-mapped files, so only those pieces come off the disk. Returns the step it holds."""
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-        opened = {}
+        return checkpoint.load(self.opt, self.where, path)
 
-        def file(name):  # memory-mapped: a tensor's bytes are read only where it is indexed
-            if name not in opened:
-                opened[name] = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True, mmap=True)
-            return opened[name]
-
-        saved = [((p[0], tuple(p[1]), p[2] and tuple(p[2]), p[3], p[4]), (name, n))
-                 for name, info in meta["files"].items() for n, p in enumerate(info["pieces"])]
-        fsdp.load_places(self.opt, saved, lambda handle: file(handle[0])["pieces"][handle[1]], self.where)
-        # the random-number state: this rank's where the world is the same size, else rank 0's
-        mine = f"rank{dist.get_rank()}.pt"
-        torch.set_rng_state(file(mine if meta["world_size"] == dist.get_world_size() else "rank0.pt")["rng"])
-        return int(meta["step"])
-
-    # ---- plain state dicts: out of a sharded run, and into one --------------------------------------------
-    @torch.no_grad()
     def export(self, path: str) -> None:
-        """Write the whole model as ONE plain state dict {name: tensor}, with lab/model.py's names (a tied weight
-        under each of its names), that load_state_dict(strict=True) accepts. Parameter by parameter, each rank
-        sends rank 0 the pieces it owns (point to point); rank 0 alone holds the whole model, as the file does."""
-        owned, every = self.owned_places()
-        rank, dtype, mine = dist.get_rank(), store_dtype(self.args), {p: (k, j) for k, j, p in owned}
-        first, out = {}, {}
-        for r, ps in enumerate(every):
-            for p in ps:
-                first.setdefault(p, r)
-        for name, shape in model_shapes(self.args).items():
-            full = torch.empty(math.prod(shape), dtype=dtype) if rank == 0 else None
-            for r, p in ((r, p) for r, ps in enumerate(every) for p in ps if p[0] == name and first[p] == r):
-                if r == rank:  # one order on every rank: the pieces of this parameter, rank by rank
-                    k, j = mine[p]
-                    values = self.opt.units[k].pieces[j][3].detach().to(dtype)
-                    if rank != 0:
-                        dist.send(values.contiguous(), 0)
-                elif rank == 0:
-                    values = torch.empty(p[4] - p[3], dtype=dtype, device=self.device)
-                    dist.recv(values, r)
-                if rank == 0:
-                    full[fsdp.full_indices(*p[1:])] = values.cpu()
-            if rank == 0:
-                out[name] = full.view(shape)
-        if rank == 0:
-            plain = build_model(config_of(self.args), device="meta")  # its state_dict's names, a tied weight's each
-            first_name = {id(p): n for n, p in plain.named_parameters()}
-            out = {n: out[first_name[id(t)]] for n, t in plain.state_dict(keep_vars=True).items()}
-            torch.save(out, path + ".partial")
-            os.replace(path + ".partial", path)  # atomic: never a half-written file under the name
-        dist.barrier()
+        plain = build_model(config_of(self.args), device="meta")  # its state_dict's names, a tied weight's each
+        first = {id(p): n for n, p in plain.named_parameters()}
+        names = {n: first[id(t)] for n, t in plain.state_dict(keep_vars=True).items()}
+        checkpoint.export(self.opt, self.where, path, shapes=model_shapes(self.args), names=names,
+                          dtype=store_dtype(self.args), device=self.device)
 
-    @torch.no_grad()
     def init_from(self, path: str, read: str = "every-rank") -> None:
-        """Start from a plain state dict (state_dict_problems has vetted it), the optimizer fresh. read:
-        every-rank  every rank loads the whole file and keeps its pieces: the whole model on every rank at once;
-        rank-0      rank 0 reads it (memory-mapped) and sends every rank exactly the elements of its pieces, point
-                    to point, piece by piece: the other ranks never hold more than their own pieces."""
-        if read == "every-rank":
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-            saved = [((n, tuple(t.shape), None, 0, t.numel()), n) for n, t in sd.items()]
-            fsdp.load_places(self.opt, saved, lambda n: dict(value=sd[n].reshape(-1)), self.where)
-            return
-        rank, dtype = dist.get_rank(), store_dtype(self.args)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, [p for _, _, p in fsdp.places(self.opt, self.where)])
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if rank == 0 else None
-        received = {}
-        for r, ps in enumerate(every):  # one order on every rank
-            for p in ps:
-                if rank == 0:
-                    values = sd[p[0]].reshape(-1)[fsdp.full_indices(*p[1:])].to(dtype)
-                    if r == 0:
-                        received[p] = values
-                    else:
-                        dist.send(values.to(self.device), r)
-                elif rank == r:
-                    values = torch.empty(p[4] - p[3], dtype=dtype, device=self.device)
-                    dist.recv(values, 0)
-                    received[p] = values.cpu()
-        fsdp.load_places(self.opt, [(p, p) for p in received], lambda p: dict(value=received[p]), self.where)
+        checkpoint.init_from(self.opt, self.where, path, read, dtype=store_dtype(self.args), device=self.device)
 
 
 # Selective activation checkpointing keeps the outputs of these ops — the matmuls and attention, which
@@ -775,7 +549,7 @@ def _checkpointed(block, how: str):
     def contexts():  # (around the forward, around its recompute in backward; under zero bubble the recompute
         #  runs inside B's DeferWeightGrads, so its linears split their backward again)
         return create_selective_checkpoint_contexts(_selective) if how == "selective" else noop_context_fn()
-    block.forward = lambda h, cos, sin: checkpoint(inner, h, cos, sin, use_reentrant=False, context_fn=contexts)
+    block.forward = lambda h, cos, sin: recompute(inner, h, cos, sin, use_reentrant=False, context_fn=contexts)
 
 
 def _pipeline_units(stage):
