@@ -99,217 +99,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 CP_LAYOUT = "zigzag"  # how context parallel splits a sequence (ring_attention.py): balanced causal work
 
 
-# ---- the command line ------------------------------------------------------------------------------------
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Capstone: every strategy composed by mesh sizes, with the same "
-                                            "losses as one process on every layout.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    arg = p.add_argument
-    for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
-        arg(f"--{dim}", type=int, default=1)
-    arg("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-        help="how the data-parallel ranks shard (default: 3 when dp-shard > 1, else 0)")
-    arg("--sequence-parallel", action="store_true",
-        help="with --tp: norms and residuals on S/tp tokens (all-gather/reduce-scatter for all-reduce)")
-    arg("--cp-method", choices=["ring", "ulysses"], default="ring",
-        help="context parallel by passing k/v blocks around a ring, or by all-to-all to head shards")
-    arg("--cp-ulysses", type=int, default=None,
-        help="with --cp-method ulysses: Ulysses over this many of the cp ranks, a ring over the rest "
-             "(default: all cp ranks, no ring)")
-    arg("--schedule", choices=sorted(pipeline.SCHEDULES), default="1f1b")
-    arg("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
-    arg("--microbatches", type=int, default=None,
-        help="micro-batches per step (default: pp; without pp they accumulate gradients)")
-    arg("--model", choices=sorted(CONFIGS), default="tiny")
-    arg("--layers", type=int, default=None, help="override the model's number of layers")
-    arg("--experts", type=int, default=0, help="0: dense MLP")
-    arg("--top-k", type=int, default=2)
-    arg("--global-batch-size", type=int, default=8, help="sequences per optimizer step")
-    for name, default in [("seq-len", 32), ("steps", 10), ("warmup", 2), ("seed", 0)]:
-        arg(f"--{name}", type=int, default=default)
-    arg("--pad-share", type=float, default=0.0,
-        help="pad up to this share of each sequence (its targets count nowhere): uneven tokens per rank")
-    arg("--lr", type=float, default=1e-3)
-    arg("--dtype", choices=sorted(DTYPES), default="float32",
-        help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
-    arg("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    arg("--data", default=None, help="a text file (default: the built-in corpus)")
-    arg("--compile", action="store_true",
-        help="torch.compile each block before anything wraps or shards it (its collectives break the graph)")
-    arg("--compile-backend", default="inductor", help="with --compile: inductor (fused kernels) or aot_eager, ...")
-    arg("--float8", action="store_true",
-        help="the linear layers' matmuls in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic scales; "
-             "emulated where the device has no float8 matmul); the embedding and head stay as they are")
-    arg("--bucket-mb", type=float, default=25,
-        help="ZeRO stage 0: data parallel's bucket size in MiB (ddp.BucketedDDP; its first bucket 1 MiB)")
-    arg("--offload", action="store_true",
-        help="ZeRO-Offload: fp32 master weights and optimizer state in host memory, the optimizer steps there")
-    arg("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
-        help="keep every activation; keep only what SAVED_BY_SELECTIVE's ops make (recompute the rest); "
-             "or keep only each block's input (recompute its whole forward in backward)")
-    arg("--log-file", default=None, help="append one JSON object per step")
-    arg("--save", default=None, help="directory to keep checkpoints in (one step_N directory each)")
-    arg("--save-every", type=int, default=0, help="a checkpoint every N steps (0: only at the end); always at the end")
-    arg("--keep", type=int, default=0, help="keep the newest K checkpoints under --save (0: all)")
-    arg("--stop-at", type=int, default=None,
-        help="stop after this step (the schedule still runs to --steps): an interrupted run")
-    arg("--resume", default=None,
-        help="continue from a checkpoint, on any layout: a step_N directory, a directory of them (its newest), or "
-             "'auto': the newest under --save, or a fresh start when there is none (one command line for the "
-             "first attempt and every restart)")
-    arg("--init-from", default=None, help="start from a plain state dict {name: tensor} (--export writes one)")
-    arg("--init-read", choices=["every-rank", "rank-0"], default="every-rank",
-        help="--init-from: every rank reads the whole file, or rank 0 reads it and sends each rank its part")
-    arg("--export", default=None, help="afterwards, write the trained model as one plain state dict to this file")
-    arg("--fail-at", type=int, default=None,
-        help="simulate a crash: the last rank dies right after this step, on torchrun's first attempt only")
-    arg("--check", action="store_true",
-        help="afterwards, train the same model in ONE process on rank 0 and compare the losses")
-    arg("--compare", action="store_true",
-        help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
-    arg("--quiet", action="store_true", help="no per-step lines")
-    arg("--track-memory", action="store_true",
-        help="measure each step's peak as the bytes of live tensors (PyTorch's MemTracker), on CPU too, where "
-             "the default is the process's resident size")
-    arg("--plan", action="store_true",
-        help="print what each rank would hold (by category, beside the formulas) and exit: no training, no "
-             "memory, no processes — the sizes multiply to the world it plans for")
-    arg("--device-memory", default=None, help="with --plan: say whether it fits, e.g. 80GB or 24GiB")
-    args = p.parse_args(argv)
-    if args.zero_stage is None:
-        args.zero_stage = 3 if args.dp_shard > 1 else 0
-    if args.microbatches is None:
-        args.microbatches = args.pp
-    if args.cp_ulysses is None:
-        args.cp_ulysses = args.cp if args.cp_method == "ulysses" else 1
-    return args
-
-
-def store_dtype(args) -> torch.dtype:
-    """The dtype parameters are stored in (bf16 runs compute in bf16 from fp32 master weights)."""
-    return torch.float64 if args.dtype == "float64" else torch.float32
-
-
-def config_of(args):
-    layers = {} if args.layers is None else dict(n_layers=args.layers)
-    return get_config(args.model, n_experts=args.experts, top_k=args.top_k, **layers)
-
-
-def layout_of(args) -> dict:
-    """The layout a run trains on (a checkpoint records it; another layout may load it)."""
-    return {k: getattr(args, k) for k in DIMS + ("ep", "zero_stage", "model", "layers", "experts", "top_k", "dtype",
-                                                  "sequence_parallel", "virtual_stages")}
-
-
-def model_shapes(args) -> dict:
-    """{name: shape} of every parameter of the whole model, the names of lab/model.py's unsharded model
-    (from the meta device: no memory)."""
-    return {n: list(p.shape) for n, p in build_model(config_of(args), device="meta").named_parameters()}
-
-
-def resume_path(args) -> str | None:
-    """The checkpoint --resume names (None: a fresh start): lab.checkpoint.resume_path."""
-    return checkpoint.resume_path(args.resume, args.save)
-
-
-def _divisors(n: int, limit: int = 64) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
-def check_args(args, world_size: int) -> None:
-    """Every invalid combination, found from the arguments alone — so every rank finds the same problems
-    before any collective. Each lesson's own check judges its dimension; what only the composition can
-    get wrong is checked here. Raises one ValueError listing what is wrong and what is valid."""
-    dims = {d: getattr(args, d) for d in DIMS}
-    counts = dict(dims, ep=args.ep, microbatches=args.microbatches, global_batch_size=args.global_batch_size,
-                  seq_len=args.seq_len, steps=args.steps, virtual_stages=args.virtual_stages,
-                  cp_ulysses=args.cp_ulysses, layers=args.layers or 1)
-    small = [f"--{k.replace('_', '-')} {v}" for k, v in counts.items() if v < 1]
-    if small:
-        raise ValueError("invalid training layout:\n  - " + ", ".join(small) + " must be >= 1")
-    problems = mesh_problems(dims, world_size, args.ep)  # the sizes multiply to the world, ep divides dp
-    try:
-        cfg = config_of(args)
-    except ValueError as e:
-        raise ValueError(f"invalid training layout:\n  - {e}") from None
-    tp, cp, pp, m, u = args.tp, args.cp, args.pp, args.microbatches, args.cp_ulysses
-    dp = args.dp_replicate * args.dp_shard
-
-    def lesson(check, *check_args, prefix="", hint=""):  # a lesson's own check: its message, and the flag
-        try:
-            check(*check_args)
-        except ValueError as e:
-            problems.append(f"{prefix}{e}{hint}")
-
-    lesson(tensor_parallel.check_divisible, cfg, tp, hint=" (--tp)")
-    if args.global_batch_size % (dp * m):
-        problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel size "
-                        f"{dp} times --microbatches {m}: use a multiple of {dp * m}")
-    if pp > 1 or args.virtual_stages > 1:  # schedule, micro-batches, layers per stage (the batch: just above)
-        lesson(pipeline.validate, pp, m, cfg.n_layers, m, args.schedule, args.virtual_stages, prefix="pipeline: ")
-    if cp > 1:
-        lesson(ring_attention.check_layout, args.seq_len, cp, CP_LAYOUT, hint=" (--seq-len)")
-    if u > 1 and (args.cp_method != "ulysses" or cp % u):
-        problems.append(f"--cp-ulysses {u} needs --cp-method ulysses and must divide --cp {cp}: "
-                        f"choose from {_divisors(cp)}")
-    elif u > 1:  # Ulysses splits each tp rank's query heads over u cp ranks
-        heads = cfg.n_heads // tp
-        lesson(ring_attention.check_ulysses, heads, u,
-               hint=f" (train.py's Ulysses splits each tp rank's {heads} query heads over {u} ranks: choose "
-                    f"--cp-ulysses from {[d for d in _divisors(cp) if heads % d == 0]}, or --cp-method ring)")
-    if args.seq_len > cfg.max_seq_len:
-        problems.append(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    if args.sequence_parallel and tp > 1 and (args.seq_len // cp) % tp:
-        problems.append(f"--sequence-parallel splits each rank's {args.seq_len // cp} tokens over tp={tp}: "
-                        f"use a --seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
-    if args.ep > 1 and not args.experts:
-        problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
-    if args.experts:
-        lesson(expert_parallel.validate_ep, args.experts, args.top_k, args.ep)
-    if args.zero_stage > 0 and dp * cp == 1:
-        problems.append(f"--zero-stage {args.zero_stage} shards over data-parallel (and cp) ranks, but there "
-                        f"is only one: use --zero-stage 0 or --dp-shard > 1")
-    if not 0.0 <= args.pad_share < 1.0:
-        problems.append(f"--pad-share {args.pad_share} must be in [0, 1)")
-    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
-        problems.append(f"--stop-at {args.stop_at} must be between 1 and --steps {args.steps}")
-    if args.data is not None and not os.path.isfile(args.data):
-        problems.append(f"--data {args.data!r} does not exist: give an existing text file or leave it out")
-    elif args.data is not None and os.path.getsize(args.data) < args.seq_len + 1:
-        problems.append(f"--data {args.data!r} holds {os.path.getsize(args.data)} bytes (byte tokens), fewer than "
-                        f"--seq-len + 1 = {args.seq_len + 1}: give a text of at least {args.seq_len + 1} bytes "
-                        f"or a shorter --seq-len")
-    for flag in ("save_every", "keep"):
-        if getattr(args, flag) < 0:
-            problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
-    if args.resume == "auto" and not args.save:
-        problems.append("--resume auto continues from the newest checkpoint under --save: give --save DIR too")
-    resume = resume_path(args)
-    if resume is not None:
-        problems += checkpoint.checkpoint_problems(resume, args.stop_at or args.steps, model_shapes(args))
-    elif args.resume not in (None, "auto"):
-        problems.append(f"--resume {args.resume!r} holds no complete checkpoint (a step_N directory with "
-                        f"meta.json): give one, or a directory of them, or --resume auto")
-    if args.init_from is not None and resume is None:
-        problems += checkpoint.state_dict_problems(args.init_from, model_shapes(args))
-    if args.export is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
-        problems.append(f"--export {args.export!r}: its directory does not exist")
-    if args.compare and (pp > 1 or cp > 1 or args.experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
-        problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
-                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
-    if problems:
-        raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
-
-
-def lr_at(step: int, args) -> float:
-    """Linear warm-up to --lr over --warmup steps, then cosine decay to 10% at --steps (step from 1)."""
-    if step <= args.warmup:
-        return args.lr * step / max(1, args.warmup)
-    t = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
-
-
 # ---- this rank's part of the model, lesson by lesson -------------------------------------------------
 
 class Trainer:
@@ -519,6 +308,41 @@ class Trainer:
         checkpoint.init_from(self.opt, self.where, path, read, dtype=store_dtype(self.args), device=self.device)
 
 
+# ---- the loop ------------------------------------------------------------------------------------------
+
+def train(args, device=None, observer=None) -> dict:
+    """Train on every rank of an initialised process group; returns (on every rank) the global loss of
+    each step and the first step (after --resume). `observer` attaches measurement from outside
+    (lab.train_demo.StepMeter): observer.begin(trainer, start) once, observer.around(trainer, step)
+    entered around each step's computation, observer.after(trainer, step, loss) once its loss is known.
+    The flags that report (--check, --compare, --log-file, --quiet) are the runner's: lab/train_demo.py."""
+    device = device or torch.device("cpu")
+    check_args(args, dist.get_world_size())                    # every rank, before any collective
+    mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
+    tokens = load_corpus(args.data)
+    trainer = Trainer(args, mesh, device)
+    resume = resume_path(args)  # --resume auto: the newest checkpoint under --save, or None on a first attempt
+    start = trainer.load(resume) if resume else 0
+    if resume is None and args.init_from:
+        trainer.init_from(args.init_from, args.init_read)
+    if observer is not None:
+        observer.begin(trainer, start)
+    losses, last = [], args.stop_at or args.steps
+    for s in range(start, last):
+        with observer.around(trainer, s) if observer is not None else nullcontext():
+            share = trainer.step(s, tokens)
+        losses.append(trainer.global_loss(share))
+        if args.save and (s + 1 == last or args.save_every and (s + 1) % args.save_every == 0):
+            trainer.save(args.save, s + 1)
+        if observer is not None:
+            observer.after(trainer, s, losses[-1])
+    if args.export:
+        trainer.export(args.export)
+    return dict(losses=losses, start=start, resumed_from=resume)
+
+
+# ---- what the composition uses: activation checkpointing, a pipeline's ZeRO units ----------------------
+
 # Selective activation checkpointing keeps the outputs of these ops — the matmuls and attention, which
 # cost the most to recompute — and recomputes everything else of a block in backward (the norms, rotary,
 # SwiGLU's silu and product, the residual adds: cheap, and together most of the bytes). Change the list
@@ -558,37 +382,234 @@ def _pipeline_units(stage):
                                                       getattr(stage, "output", None)) if m is not None]
 
 
-# ---- the loop ------------------------------------------------------------------------------------------
+# ---- the command line ------------------------------------------------------------------------------------
 
-def train(args, device=None, observer=None) -> dict:
-    """Train on every rank of an initialised process group; returns (on every rank) the global loss of
-    each step and the first step (after --resume). `observer` attaches measurement from outside
-    (lab.train_demo.StepMeter): observer.begin(trainer, start) once, observer.around(trainer, step)
-    entered around each step's computation, observer.after(trainer, step, loss) once its loss is known.
-    The flags that report (--check, --compare, --log-file, --quiet) are the runner's: lab/train_demo.py."""
-    device = device or torch.device("cpu")
-    check_args(args, dist.get_world_size())                    # every rank, before any collective
-    mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
-    tokens = load_corpus(args.data)
-    trainer = Trainer(args, mesh, device)
-    resume = resume_path(args)  # --resume auto: the newest checkpoint under --save, or None on a first attempt
-    start = trainer.load(resume) if resume else 0
-    if resume is None and args.init_from:
-        trainer.init_from(args.init_from, args.init_read)
-    if observer is not None:
-        observer.begin(trainer, start)
-    losses, last = [], args.stop_at or args.steps
-    for s in range(start, last):
-        with observer.around(trainer, s) if observer is not None else nullcontext():
-            share = trainer.step(s, tokens)
-        losses.append(trainer.global_loss(share))
-        if args.save and (s + 1 == last or args.save_every and (s + 1) % args.save_every == 0):
-            trainer.save(args.save, s + 1)
-        if observer is not None:
-            observer.after(trainer, s, losses[-1])
-    if args.export:
-        trainer.export(args.export)
-    return dict(losses=losses, start=start, resumed_from=resume)
+def parse_args(argv=None):
+    """The command line, grouped by the lesson each flag belongs to."""
+    p = argparse.ArgumentParser(description="Capstone: every strategy composed by mesh sizes, with the same "
+                                            "losses as one process on every layout.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mesh = p.add_argument_group("the mesh (lesson 0): sizes multiply to the world; ep borrows data-parallel ranks")
+    for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
+        mesh.add_argument(f"--{dim}", type=int, default=1)
+    dp = p.add_argument_group("data parallel, ZeRO, HSDP (lessons 1-3)")
+    dp.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                    help="how the data-parallel ranks shard (default: 3 when dp-shard > 1, else 0)")
+    dp.add_argument("--bucket-mb", type=float, default=25,
+                    help="ZeRO stage 0: data parallel's bucket size in MiB (ddp.BucketedDDP; its first bucket 1 MiB)")
+    dp.add_argument("--offload", action="store_true",
+                    help="ZeRO-Offload: fp32 master weights and optimizer state in host memory, the optimizer "
+                         "steps there")
+    tp = p.add_argument_group("tensor parallel (lesson 4)")
+    tp.add_argument("--sequence-parallel", action="store_true",
+                    help="with --tp: norms and residuals on S/tp tokens (all-gather/reduce-scatter for all-reduce)")
+    pp = p.add_argument_group("pipeline parallel (lesson 5)")
+    pp.add_argument("--schedule", choices=sorted(pipeline.SCHEDULES), default="1f1b")
+    pp.add_argument("--virtual-stages", type=int, default=1,
+                    help="model chunks per pipeline rank (--schedule interleaved)")
+    pp.add_argument("--microbatches", type=int, default=None,
+                    help="micro-batches per step (default: pp; without pp they accumulate gradients)")
+    cp = p.add_argument_group("context parallel (lesson 6)")
+    cp.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
+                    help="context parallel by passing k/v blocks around a ring, or by all-to-all to head shards")
+    cp.add_argument("--cp-ulysses", type=int, default=None,
+                    help="with --cp-method ulysses: Ulysses over this many of the cp ranks, a ring over the rest "
+                         "(default: all cp ranks, no ring)")
+    ep = p.add_argument_group("experts (lesson 7)")
+    ep.add_argument("--experts", type=int, default=0, help="0: dense MLP")
+    ep.add_argument("--top-k", type=int, default=2)
+    run = p.add_argument_group("the model, the data and the optimizer")
+    run.add_argument("--model", choices=sorted(CONFIGS), default="tiny")
+    run.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    run.add_argument("--global-batch-size", type=int, default=8, help="sequences per optimizer step")
+    for name, default in [("seq-len", 32), ("steps", 10), ("warmup", 2), ("seed", 0)]:
+        run.add_argument(f"--{name}", type=int, default=default)
+    run.add_argument("--pad-share", type=float, default=0.0,
+                     help="pad up to this share of each sequence (its targets count nowhere): uneven tokens per rank")
+    run.add_argument("--lr", type=float, default=1e-3)
+    run.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    run.add_argument("--data", default=None, help="a text file (default: the built-in corpus)")
+    fast = p.add_argument_group("memory and speed")
+    fast.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                      help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
+    fast.add_argument("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
+                      help="keep every activation; keep only what SAVED_BY_SELECTIVE's ops make (recompute the "
+                           "rest); or keep only each block's input (recompute its whole forward in backward)")
+    fast.add_argument("--compile", action="store_true",
+                      help="torch.compile each block before anything wraps or shards it (its collectives break the "
+                           "graph)")
+    fast.add_argument("--compile-backend", default="inductor",
+                      help="with --compile: inductor (fused kernels) or aot_eager, ...")
+    fast.add_argument("--float8", action="store_true",
+                      help="the linear layers' matmuls in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic "
+                           "scales; emulated where the device has no float8 matmul); the embedding and head stay")
+    ck = p.add_argument_group("checkpoints (lab/checkpoint.py)")
+    ck.add_argument("--save", default=None, help="directory to keep checkpoints in (one step_N directory each)")
+    ck.add_argument("--save-every", type=int, default=0,
+                    help="a checkpoint every N steps (0: only at the end); always at the end")
+    ck.add_argument("--keep", type=int, default=0, help="keep the newest K checkpoints under --save (0: all)")
+    ck.add_argument("--stop-at", type=int, default=None,
+                    help="stop after this step (the schedule still runs to --steps): an interrupted run")
+    ck.add_argument("--resume", default=None,
+                    help="continue from a checkpoint, on any layout: a step_N directory, a directory of them (its "
+                         "newest), or 'auto': the newest under --save, or a fresh start when there is none (one "
+                         "command line for the first attempt and every restart)")
+    ck.add_argument("--init-from", default=None,
+                    help="start from a plain state dict {name: tensor} (--export writes one)")
+    ck.add_argument("--init-read", choices=["every-rank", "rank-0"], default="every-rank",
+                    help="--init-from: every rank reads the whole file, or rank 0 reads it and sends each rank "
+                         "its part")
+    ck.add_argument("--export", default=None,
+                    help="afterwards, write the trained model as one plain state dict to this file")
+    ck.add_argument("--fail-at", type=int, default=None,
+                    help="simulate a crash: the last rank dies right after this step, on torchrun's first attempt "
+                         "only")
+    out = p.add_argument_group("what the run reports (lab/train_demo.py) and plans (lab/plan.py)")
+    out.add_argument("--check", action="store_true",
+                     help="afterwards, train the same model in ONE process on rank 0 and compare the losses")
+    out.add_argument("--compare", action="store_true",
+                     help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
+    out.add_argument("--log-file", default=None, help="append one JSON object per step")
+    out.add_argument("--quiet", action="store_true", help="no per-step lines")
+    out.add_argument("--track-memory", action="store_true",
+                     help="measure each step's peak as the bytes of live tensors (PyTorch's MemTracker), on CPU "
+                          "too, where the default is the process's resident size")
+    out.add_argument("--plan", action="store_true",
+                     help="print what each rank would hold (by category, beside the formulas) and exit: no "
+                          "training, no memory, no processes — the sizes multiply to the world it plans for")
+    out.add_argument("--device-memory", default=None, help="with --plan: say whether it fits, e.g. 80GB or 24GiB")
+    args = p.parse_args(argv)
+    if args.zero_stage is None:
+        args.zero_stage = 3 if args.dp_shard > 1 else 0
+    if args.microbatches is None:
+        args.microbatches = args.pp
+    if args.cp_ulysses is None:
+        args.cp_ulysses = args.cp if args.cp_method == "ulysses" else 1
+    return args
+
+
+def store_dtype(args) -> torch.dtype:
+    """The dtype parameters are stored in (bf16 runs compute in bf16 from fp32 master weights)."""
+    return torch.float64 if args.dtype == "float64" else torch.float32
+
+
+def config_of(args):
+    layers = {} if args.layers is None else dict(n_layers=args.layers)
+    return get_config(args.model, n_experts=args.experts, top_k=args.top_k, **layers)
+
+
+def layout_of(args) -> dict:
+    """The layout a run trains on (a checkpoint records it; another layout may load it)."""
+    return {k: getattr(args, k) for k in DIMS + ("ep", "zero_stage", "model", "layers", "experts", "top_k", "dtype",
+                                                  "sequence_parallel", "virtual_stages")}
+
+
+def model_shapes(args) -> dict:
+    """{name: shape} of every parameter of the whole model, the names of lab/model.py's unsharded model
+    (from the meta device: no memory)."""
+    return {n: list(p.shape) for n, p in build_model(config_of(args), device="meta").named_parameters()}
+
+
+def resume_path(args) -> str | None:
+    """The checkpoint --resume names (None: a fresh start): lab.checkpoint.resume_path."""
+    return checkpoint.resume_path(args.resume, args.save)
+
+
+def _divisors(n: int, limit: int = 64) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def check_args(args, world_size: int) -> None:
+    """Every invalid combination, found from the arguments alone — so every rank finds the same problems
+    before any collective. Each lesson's own check judges its dimension; what only the composition can
+    get wrong is checked here. Raises one ValueError listing what is wrong and what is valid."""
+    dims = {d: getattr(args, d) for d in DIMS}
+    counts = dict(dims, ep=args.ep, microbatches=args.microbatches, global_batch_size=args.global_batch_size,
+                  seq_len=args.seq_len, steps=args.steps, virtual_stages=args.virtual_stages,
+                  cp_ulysses=args.cp_ulysses, layers=args.layers or 1)
+    small = [f"--{k.replace('_', '-')} {v}" for k, v in counts.items() if v < 1]
+    if small:
+        raise ValueError("invalid training layout:\n  - " + ", ".join(small) + " must be >= 1")
+    problems = mesh_problems(dims, world_size, args.ep)  # the sizes multiply to the world, ep divides dp
+    try:
+        cfg = config_of(args)
+    except ValueError as e:
+        raise ValueError(f"invalid training layout:\n  - {e}") from None
+    tp, cp, pp, m, u = args.tp, args.cp, args.pp, args.microbatches, args.cp_ulysses
+    dp = args.dp_replicate * args.dp_shard
+
+    def lesson(check, *check_args, prefix="", hint=""):  # a lesson's own check: its message, and the flag
+        try:
+            check(*check_args)
+        except ValueError as e:
+            problems.append(f"{prefix}{e}{hint}")
+
+    lesson(tensor_parallel.check_divisible, cfg, tp, hint=" (--tp)")
+    if args.global_batch_size % (dp * m):
+        problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel size "
+                        f"{dp} times --microbatches {m}: use a multiple of {dp * m}")
+    if pp > 1 or args.virtual_stages > 1:  # schedule, micro-batches, layers per stage (the batch: just above)
+        lesson(pipeline.validate, pp, m, cfg.n_layers, m, args.schedule, args.virtual_stages, prefix="pipeline: ")
+    if cp > 1:
+        lesson(ring_attention.check_layout, args.seq_len, cp, CP_LAYOUT, hint=" (--seq-len)")
+    if u > 1 and (args.cp_method != "ulysses" or cp % u):
+        problems.append(f"--cp-ulysses {u} needs --cp-method ulysses and must divide --cp {cp}: "
+                        f"choose from {_divisors(cp)}")
+    elif u > 1:  # Ulysses splits each tp rank's query heads over u cp ranks
+        heads = cfg.n_heads // tp
+        lesson(ring_attention.check_ulysses, heads, u,
+               hint=f" (train.py's Ulysses splits each tp rank's {heads} query heads over {u} ranks: choose "
+                    f"--cp-ulysses from {[d for d in _divisors(cp) if heads % d == 0]}, or --cp-method ring)")
+    if args.seq_len > cfg.max_seq_len:
+        problems.append(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    if args.sequence_parallel and tp > 1 and (args.seq_len // cp) % tp:
+        problems.append(f"--sequence-parallel splits each rank's {args.seq_len // cp} tokens over tp={tp}: "
+                        f"use a --seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
+    if args.ep > 1 and not args.experts:
+        problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
+    if args.experts:
+        lesson(expert_parallel.validate_ep, args.experts, args.top_k, args.ep)
+    if args.zero_stage > 0 and dp * cp == 1:
+        problems.append(f"--zero-stage {args.zero_stage} shards over data-parallel (and cp) ranks, but there "
+                        f"is only one: use --zero-stage 0 or --dp-shard > 1")
+    if not 0.0 <= args.pad_share < 1.0:
+        problems.append(f"--pad-share {args.pad_share} must be in [0, 1)")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        problems.append(f"--stop-at {args.stop_at} must be between 1 and --steps {args.steps}")
+    if args.data is not None and not os.path.isfile(args.data):
+        problems.append(f"--data {args.data!r} does not exist: give an existing text file or leave it out")
+    elif args.data is not None and os.path.getsize(args.data) < args.seq_len + 1:
+        problems.append(f"--data {args.data!r} holds {os.path.getsize(args.data)} bytes (byte tokens), fewer than "
+                        f"--seq-len + 1 = {args.seq_len + 1}: give a text of at least {args.seq_len + 1} bytes "
+                        f"or a shorter --seq-len")
+    for flag in ("save_every", "keep"):
+        if getattr(args, flag) < 0:
+            problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
+    if args.resume == "auto" and not args.save:
+        problems.append("--resume auto continues from the newest checkpoint under --save: give --save DIR too")
+    resume = resume_path(args)
+    if resume is not None:
+        problems += checkpoint.checkpoint_problems(resume, args.stop_at or args.steps, model_shapes(args))
+    elif args.resume not in (None, "auto"):
+        problems.append(f"--resume {args.resume!r} holds no complete checkpoint (a step_N directory with "
+                        f"meta.json): give one, or a directory of them, or --resume auto")
+    if args.init_from is not None and resume is None:
+        problems += checkpoint.state_dict_problems(args.init_from, model_shapes(args))
+    if args.export is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
+        problems.append(f"--export {args.export!r}: its directory does not exist")
+    if args.compare and (pp > 1 or cp > 1 or args.experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
+        problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
+                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
+    if problems:
+        raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warm-up to --lr over --warmup steps, then cosine decay to 10% at --steps (step from 1)."""
+    if step <= args.warmup:
+        return args.lr * step / max(1, args.warmup)
+    t = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
 if __name__ == "__main__":  # measured, printed, --check and --compare: the capstone's runner in the package
