@@ -25,28 +25,21 @@ all-reduce, asynchronously, the moment its last gradient is ready, while backwar
 earlier layers. Big buckets: few calls, but the first starts late and a long tail is left after
 backward. Small buckets: an early start, but many calls, each paying a fixed latency. At the end of
 backward it waits for what is still in flight, so the loop is PyTorch's:
-`loss = model(x, y); loss.backward(); opt.step()`. `average_gradients` at the end is the same average
-without a wrapper, one flat all-reduce after backward: the later lessons call it where replicas agree.
+`loss = model(x, y); loss.backward(); opt.step()`. The file reads in that order: `average_gradients`,
+the idea in a few lines (one flat all-reduce after backward, which the later lessons call where replicas
+agree), then NaiveDDP, then BucketedDDP, then what the composition adds.
 
-The composed run (train.py, ZeRO stage 0) keeps this wrapper's buckets and hooks but calls the model
-itself: `sync_next_backward(False)` before each micro-batch's backward but the last, so only the last
-all-reduces (overlapped with it) while the others add up locally — a pipeline tells it before the rank's
-last backward of the schedule — and `synchronize()` reduces afterwards whatever is left. `groups_of`
-gives some parameters a group of their own (an expert's weights: the ranks holding that expert).
+Tied, frozen and unused parameters: a tied weight is one Parameter (one gradient, one all-reduce); a
+frozen one is not sent; one the batch of SOME ranks missed gets zeros from them and the average of all P.
+One that NO rank used must end the step with grad None, as in one process (with zeros, AdamW would still
+move it), and whether anyone used it is known only when backward ends: each rank sends one byte per
+parameter tensor in one all-reduce with MAX (= or) after the last bucket — Li et al.'s "globally unused
+parameters" bitmap, §4.2, which PyTorch's DDP pays only under find_unused_parameters=True.
 
-Tied, frozen and unused parameters
-----------------------------------
-A weight shared by two modules is one Parameter: listed once, one gradient (autograd sums both uses
-before its hook fires), one all-reduce. Frozen parameters (requires_grad=False) are not sent at all.
-A parameter the batch of SOME ranks did not reach gets zeros from them, so it receives the average
-over all P. A parameter that NO rank used must end the step with grad None, as in one process: with
-a zero gradient AdamW would still move it (momentum, weight decay) and count a step. Whether anyone
-used it is global knowledge, so the ranks agree on it every step: each sends one byte per parameter
-tensor (1 if it holds a gradient) in one all-reduce with MAX (= logical or) — Li et al.'s
-"globally unused parameters" bitmap, §4.2. That agreement costs n bytes and ONE more call per step
-(a latency, not bandwidth), and it cannot overlap backward: that a parameter got no gradient is known
-only when backward has ended, so it goes out after the last bucket (overlapping only the buckets
-still in flight). PyTorch's DDP pays the same only under find_unused_parameters=True.
+For the composition (train.py, ZeRO stage 0): `sync_next_backward(False)` before each micro-batch's backward
+but the last, so only the last all-reduces (overlapped with it) — a pipeline calls it before the rank's last
+backward of its schedule — `synchronize()` for what is left, and `groups_of` for parameters averaged over a
+group of their own (an expert's weights: the ranks holding that expert).
 
 Communication per step (Ψ gradient elements of b bytes each, n parameter tensors; "API bytes" are
 handed to the collective, "ring bytes" are what one rank sends on a ring)
@@ -74,6 +67,26 @@ from mesh import all_reduce_flat, resolve_group
 MiB = 1024 * 1024
 
 
+# ---- 1. the idea: one all-reduce of the gradients after backward ------------------------------------
+
+@torch.no_grad()
+def average_gradients(params, group=None, divide_by: int | None = None) -> None:
+    """Data parallel in its plainest form, called after loss.backward(): every gradient of `params` summed
+    over `group` in ONE flat all-reduce and divided by `divide_by` (default: the group's size) —
+    g = (1/P)·Σ_r g_r on every rank. A parameter without a gradient on this rank sends zeros (every rank must
+    hand over the same sizes) and receives the others' average — zeros if no rank used it, where the wrappers
+    below agree on who used what and leave it None. Later lessons call it where replicas must agree outside a
+    wrapper (expert_parallel.sync_gradients; the demos' training loops)."""
+    group = resolve_group(group, "dp")
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    all_reduce_flat([p.grad for p in params], group, divide_by or dist.get_world_size(group))
+
+
+# ---- 2. a wrapper: the first broadcast, no_sync, unused parameters; naive, one tensor at a time -------
+
 class _Replicated(nn.Module):
     """What both versions share: the first broadcast, forward, no_sync, and agreeing on what was used.
 
@@ -92,8 +105,7 @@ class _Replicated(nn.Module):
         self.names = {p: n for n, p in module.named_parameters()}
         self.compute_dtype, self.device = compute_dtype, self.params[0].device
         self._sync = self._sync_backward = True  # _sync: False inside no_sync()
-        self.where = {p: (groups_of(n, p) if groups_of else None) or (group, divide_by or self.world)
-                      for n, p in module.named_parameters()}  # p -> (group, divide_by)
+        self.where = placement(module, group, divide_by, groups_of)  # p -> (group, divide_by)
         with torch.no_grad():  # the ranks may have been initialised differently
             for t in [*module.parameters(), *module.buffers()]:
                 g = self.where.get(t, (group,))[0]
@@ -156,6 +168,8 @@ class NaiveDDP(_Replicated):
             p.grad.div_(divide_by)  # sum of g_r / P = the average
             dist.all_reduce(p.grad, group=group)
 
+
+# ---- 3. the full version: buckets all-reduced while backward runs ------------------------------------
 
 class BucketedDDP(_Replicated):
     """All-reduce buckets of gradients asynchronously while backward is still running.
@@ -290,6 +304,18 @@ class Bucket:
         return self.flat.numel() * self.flat.element_size()
 
 
+# ---- 4. for the composition: parameters on groups of their own (train.py's experts, lesson 7) ----------
+
+def placement(module: nn.Module, group, divide_by: int | None = None, groups_of=None) -> dict:
+    """{parameter: (the group it is averaged over, what its sum is divided by)}: `group` and its size for all,
+    unless groups_of(name, param) names another — an expert's weights, held only by the ranks holding that
+    expert (train.py passes it; the lesson alone never does)."""
+    default = (group, divide_by or dist.get_world_size(group))
+    return {p: (groups_of(n, p) if groups_of else None) or default for n, p in module.named_parameters()}
+
+
+# ---- checks, before any collective ------------------------------------------------------------------------
+
 def _check_module(module, compute_dtype) -> None:
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -309,24 +335,6 @@ def check_buckets(bucket_cap_mb, first_bucket_mb, reduce_dtype) -> None:
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise ValueError(f"reduce_dtype must be a floating torch.dtype (or None for the parameters' "
                          f"dtype), got {reduce_dtype!r}")
-
-
-# ---- the average, as every later lesson that keeps replicas calls it --------------------------------
-
-@torch.no_grad()
-def average_gradients(params, group=None, divide_by: int | None = None) -> None:
-    """The data-parallel average in its plainest form, after backward: every gradient of `params`
-    summed over `group` in ONE flat all-reduce and divided by `divide_by` (default: the group's size).
-    A parameter without a gradient on this rank sends zeros (every rank must hand over the same sizes)
-    and receives the others' average — zeros if no rank used it, where the wrappers above agree on who
-    used what and leave it None. Where replicas of some parameters must agree outside a wrapper, this
-    is the average to call (expert_parallel.sync_gradients; the demos' training loops)."""
-    group = resolve_group(group, "dp")
-    params = [p for p in params if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    all_reduce_flat([p.grad for p in params], group, divide_by or dist.get_world_size(group))
 
 
 if __name__ == "__main__":  # the demo (naive, bucketed and PyTorch's DDP side by side) is in the package

@@ -54,57 +54,12 @@ FLAT = {
 }
 
 
-# torch 2.13 renamed the flat-tensor all-gather and reduce-scatter (the old names now warn);
-# torch 2.11 has only the old names. Lessons call these two, which work on both.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def timeout_seconds() -> float:
-    """How long a collective may wait before it fails (COURSE_TIMEOUT, default 120 s)."""
-    return float(os.environ.get("COURSE_TIMEOUT", "120"))
-
-
-def init_distributed(backend: str | None = None) -> torch.device:
-    """Join the default process group and return this rank's device.
-
-    Under torchrun the environment names rank and world size. Under plain
-    `python file.py` there is none, and we start a world of one rank, so every
-    lesson runs unchanged (its collectives then move nothing).
-    NCCL when CUDA is available, gloo otherwise; `backend` overrides.
-
-    A job torchrun restarts (`--max-restarts`) needs one more thing. Every group is built through a
-    key-value store: each rank publishes its address under a key and reads its peers'. torchrun's
-    single-node launcher keeps ONE store across attempts, so after a restart the old attempt's keys are
-    still there, and a new rank can read a dead rank's address ("Gloo connectFullMesh failed ...
-    Connection refused") or hang. So under torchrun every attempt gets its own key namespace
-    (TORCHELASTIC_RESTART_COUNT), which every group built later inherits.
-    """
-    if "RANK" not in os.environ:  # plain `python file.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_seconds())
-        kwargs = dict(backend=backend, timeout=timeout)
-        if backend == "nccl":
-            kwargs["device_id"] = device  # binds the communicator to our GPU up front
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # the launcher's store (it serves it; we are clients), seen through this attempt's prefix
-            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-            kwargs.update(store=dist.PrefixStore(f"attempt_{attempt}", agent),
-                          rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        dist.init_process_group(**kwargs)
-    return device
+def rows_along(grid: torch.Tensor, names: tuple, along: tuple) -> list[list[int]]:
+    """Every group along the axes `along` of a grid of ranks whose axes are `names`: move those axes last and
+    read off the rows, one per setting of the other axes (members in grid order)."""
+    others = [n for n in names if n not in along]
+    size = math.prod(grid.shape[names.index(n)] for n in along)
+    return grid.permute([names.index(n) for n in others + list(along)]).reshape(-1, size).tolist()
 
 
 class Mesh:
@@ -136,23 +91,24 @@ class Mesh:
         self._ranks: dict[str, list[int]] = {}
         for name, dims in [(d, (d,)) for d in DIMS] + list(FLAT.items()):
             self._build(name, self.groups_along(dims))
-        # ep borrows ep consecutive dp ranks: a dp group [dp] viewed as [dp/ep, ep] has the ep
-        # groups as its rows and the edp groups (same experts) as its columns.
-        dp_rows = torch.tensor(self.groups_along(FLAT["dp"])).view(-1, (dp_replicate * dp_shard) // ep, ep)
-        self._build("ep", dp_rows.reshape(-1, ep).tolist())
-        self._build("edp", dp_rows.transpose(1, 2).reshape(-1, dp_rows.shape[1]).tolist())
-        # "edp_cp": the ranks holding the same experts across data AND context parallel (cp ranks hold
-        # other tokens of the same sequences, so they too hold copies of every expert).
-        n = (dp_replicate * dp_shard) // ep
-        g = self.grid.permute(0, 4, 1, 2, 3).reshape(pp, tp, n, ep, cp)
-        self._build("edp_cp", g.permute(0, 1, 3, 2, 4).reshape(-1, n * cp).tolist())
+        for name, groups in self._expert_groups(ep).items():
+            self._build(name, groups)
+
+    def _expert_groups(self, ep: int) -> dict:
+        """Expert parallel borrows ep consecutive data-parallel ranks (as torchtitan does): the flattened dp rank
+        d = r_i·D + d_i is split as d = e_out·ep + e_i, which views the grid as [pp, e_out, e_i, cp, tp].
+          ep      along e_i: ep ranks holding different experts, which exchange tokens all-to-all
+          edp     along e_out: the ranks holding copies of the same experts
+          edp_cp  along e_out and cp: cp ranks hold other tokens of the same sequences, so copies too"""
+        pp, cp, tp = self.shape["pp"], self.shape["cp"], self.shape["tp"]
+        names = ("pp", "e_out", "e_i", "cp", "tp")
+        grid = self.grid.reshape(pp, -1, ep, cp, tp)  # dp_replicate x dp_shard flattened, then split
+        return {"ep": rows_along(grid, names, ("e_i",)), "edp": rows_along(grid, names, ("e_out",)),
+                "edp_cp": rows_along(grid, names, ("e_out", "cp"))}
 
     def groups_along(self, dims: tuple[str, ...]) -> list[list[int]]:
-        """Every group along `dims`: move those axes of the grid last and read off the rows (one
-        row per setting of the other dimensions)."""
-        others = [d for d in DIMS if d not in dims]
-        size = math.prod(self.shape[d] for d in dims)
-        return self.grid.permute([DIMS.index(d) for d in others + list(dims)]).reshape(-1, size).tolist()
+        """Every group along `dims` of the mesh (rows_along its grid)."""
+        return rows_along(self.grid, DIMS, dims)
 
     def rank_of(self, coords: dict) -> int:
         return int(self.grid[tuple(coords[d] for d in DIMS)])
@@ -237,6 +193,69 @@ def validate_mesh(shape: dict, world_size: int, ep: int = 1) -> None:
     problems = mesh_problems(shape, world_size, ep)
     if problems:
         raise ValueError("; and ".join(problems))
+
+
+# ---- running for real: joining the job, torch's names, restarts --------------------------------------
+# Not the idea of a mesh, but what every run needs around it: how a process joins the job (torchrun or a plain
+# `python file.py`), how long a collective may wait, the flat collectives' names across torch versions, and a
+# torchrun restart's store (lesson 8's crash-and-resume).
+
+# torch 2.13 renamed the flat-tensor all-gather and reduce-scatter (the old names now warn);
+# torch 2.11 has only the old names. Lessons call these two, which work on both.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def timeout_seconds() -> float:
+    """How long a collective may wait before it fails (COURSE_TIMEOUT, default 120 s)."""
+    return float(os.environ.get("COURSE_TIMEOUT", "120"))
+
+
+def init_distributed(backend: str | None = None) -> torch.device:
+    """Join the default process group and return this rank's device.
+
+    Under torchrun the environment names rank and world size. Under plain
+    `python file.py` there is none, and we start a world of one rank, so every
+    lesson runs unchanged (its collectives then move nothing).
+    NCCL when CUDA is available, gloo otherwise; `backend` overrides.
+    """
+    if "RANK" not in os.environ:  # plain `python file.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_seconds())
+        kwargs = dict(backend=backend, timeout=timeout)
+        if backend == "nccl":
+            kwargs["device_id"] = device  # binds the communicator to our GPU up front
+        kwargs.update(_restart_store(timeout))
+        dist.init_process_group(**kwargs)
+    return device
+
+
+def _restart_store(timeout) -> dict:
+    """A job torchrun restarts (`--max-restarts`) needs one more thing. Every group is built through a
+    key-value store: each rank publishes its address under a key and reads its peers'. torchrun's
+    single-node launcher keeps ONE store across attempts, so after a restart the old attempt's keys are
+    still there, and a new rank can read a dead rank's address ("Gloo connectFullMesh failed ...
+    Connection refused") or hang. So under torchrun every attempt gets its own key namespace
+    (TORCHELASTIC_RESTART_COUNT), which every group built later inherits. Returns init_process_group's
+    extra arguments ({} outside torchrun's agent)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    # the launcher's store (it serves it; we are clients), seen through this attempt's prefix
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dict(store=dist.PrefixStore(f"attempt_{attempt}", agent),
+                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 if __name__ == "__main__":  # the demo (every collective once, checked and counted) is in the package

@@ -40,6 +40,7 @@ a unit's backward has reached its inputs, so the step must run inside opt.accumu
 """
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -466,7 +467,7 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
             before_last_backward()
         first, last = stage.is_first and a.chunk == 0, stage.is_last and a.chunk == stage.v - 1
         split_here = split and key not in whole and a.op in ("F", "B")
-        with trace(group), DeferWeightGrads(deferred.setdefault(key, [])) if split_here else nullcontext():
+        with trace(group), DeferWeightGrads(stage, deferred.setdefault(key, [])) if split_here else nullcontext():
             if a.op == "F":
                 forward(a, key, first, last)
             elif a.op == "B":
@@ -497,46 +498,54 @@ class _InputGradOnly(torch.autograd.Function):
 
 
 class DeferWeightGrads:
-    """Inside it, every linear layer split_linears reached, on a trainable weight and a differentiable input,
-    computes only dL/dx in backward, and leaves its (x, dL/dy) in `deferred`; weight_grads(deferred) does the
-    rest. `active` lists those entered and not left, for everyone to see — the linears, and activation
-    checkpointing's recompute, which autograd runs in backward, outside the forward's `with`."""
-    active: list = []
+    """`with DeferWeightGrads(module, deferred):` — inside it, every linear layer of `module` that split_linears
+    reached, on a trainable weight and a differentiable input, computes only dL/dx in backward, and leaves its
+    (x, dL/dy) in `deferred`; weight_grads(deferred) does the rest. Where the linears look: the module's own
+    switch, the stack of `deferred` lists entered and not left, which split_linears put on it — no global, so two
+    models never see each other's; activation checkpointing's recompute, which autograd runs in backward,
+    outside the forward's `with`, reads the same switch."""
 
-    def __init__(self, deferred: list):
-        self.deferred = deferred
+    def __init__(self, module: nn.Module, deferred: list):
+        if not hasattr(module, "deferring_weight_grads"):
+            raise ValueError("DeferWeightGrads(module, ...) needs split_linears(module) first: it routes the "
+                             "module's linear layers through the switch this context sets")
+        self.switch, self.deferred = module.deferring_weight_grads, deferred
 
     def __enter__(self):
-        DeferWeightGrads.active.append(self)
+        self.switch.append(self.deferred)
         return self
 
     def __exit__(self, *exc):
-        DeferWeightGrads.active.remove(self)
+        self.switch.remove(self.deferred)
 
 
-def deferring_linear(x, w, b=None):
-    """F.linear — unless a DeferWeightGrads is active, the weight trainable and the input differentiable: then
-    one whose backward returns dL/dx only (_InputGradOnly)."""
-    if not (DeferWeightGrads.active and torch.is_grad_enabled() and x.requires_grad and w.requires_grad):
+def deferring_linear(x, w, b=None, *, switch: list):
+    """F.linear — unless a `deferred` list is on the switch, the weight trainable and the input differentiable:
+    then one whose backward returns dL/dx only (_InputGradOnly), leaving (x, dL/dy) in the innermost list."""
+    if not (switch and torch.is_grad_enabled() and x.requires_grad and w.requires_grad):
         return F.linear(x, w, b)
     dev = x.device.type
     if torch.is_autocast_enabled(dev):   # cast as autocast would, outside the Function
         x, w, b = (t if t is None else t.to(torch.get_autocast_dtype(dev)) for t in (x, w, b))
     with torch.autocast(dev, enabled=False):
-        return _InputGradOnly.apply(x, (w, b), DeferWeightGrads.active[-1].deferred)
+        return _InputGradOnly.apply(x, (w, b), switch[-1])
 
 
 def split_linears(module: nn.Module) -> nn.Module:
     """Route every linear layer of `module` through deferring_linear — an nn.Linear's forward, or the `linear`
-    a layer calls (tensor_parallel's Column/RowParallelLinear) — in place, once; outside DeferWeightGrads they
-    compute as before. (A layer whose matmul was swapped already, a float8 one, is left alone: B computes its
-    weight gradient.) Swapping the layers rather than watching every torch call with a TorchFunctionMode
-    costs nothing per op: the mode's Python hook on every call cost 20% of the forward (measured)."""
+    a layer calls (tensor_parallel's Column/RowParallelLinear) — in place, once, all on one switch kept on the
+    module (`module.deferring_weight_grads`, which DeferWeightGrads sets); outside DeferWeightGrads they compute
+    as before. (A layer whose matmul was swapped already, a float8 one, is left alone: B computes its weight
+    gradient.) Swapping the layers rather than watching every torch call with a TorchFunctionMode costs nothing
+    per op: the mode's Python hook on every call cost 20% of the forward (measured)."""
+    if not hasattr(module, "deferring_weight_grads"):
+        module.deferring_weight_grads = []
+    linear = functools.partial(deferring_linear, switch=module.deferring_weight_grads)
     for m in module.modules():
         if isinstance(m, nn.Linear) and "forward" not in vars(m):
-            m.forward = lambda x, m=m: deferring_linear(x, m.weight, m.bias)
+            m.forward = lambda x, m=m: linear(x, m.weight, m.bias)
         elif getattr(m, "linear", None) is F.linear:
-            m.linear = deferring_linear
+            m.linear = linear
     return module
 
 

@@ -112,7 +112,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight, self.group, self.input_op = _shard(weight, 0, *rows), group, input_op   # [F/t, H]
 
-    linear = staticmethod(F.linear)  # the matmul itself (lab.model.use_float8 makes it a float8 one)
+    # The local matmul, named so that other lessons can swap it on one layer without forking this class:
+    # float8 training (lab.model.use_float8) makes it a float8 matmul, and zero bubble (pipeline.split_linears)
+    # one whose backward leaves the weight's gradient for later. Here it is plain F.linear.
+    linear = staticmethod(F.linear)
 
     def forward(self, x):
         if self.input_op is not None:
@@ -127,7 +130,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight, self.group, self.sp = _shard(weight, 1, *cols), group, sequence_parallel   # [H, F/t]
 
-    linear = staticmethod(F.linear)
+    linear = staticmethod(F.linear)  # (swappable, as ColumnParallelLinear's)
 
     def forward(self, x):                                                # [B, S, F/t]
         return exit_tp(self.linear(x, self.weight), self.group, self.sp)   # [B, S, H] or [B, S/t, H]

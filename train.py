@@ -74,16 +74,14 @@ time, bytes, memory per step, the per-step lines, --check and --compare — atta
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import math
 import os
-import shutil
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import checkpoint as recompute
 
 import ddp
 import expert_parallel
@@ -92,325 +90,13 @@ import hsdp
 import pipeline
 import ring_attention
 import tensor_parallel
+from lab import checkpoint
 from lab.data import IGNORE, get_batch, load_corpus
 from lab.model import CONFIGS, build_model, get_config, init_tensor, use_float8
 from mesh import DIMS, Mesh, mesh_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CP_LAYOUT = "zigzag"  # how context parallel splits a sequence (ring_attention.py): balanced causal work
-
-
-# ---- the command line ------------------------------------------------------------------------------------
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Capstone: every strategy composed by mesh sizes, with the same "
-                                            "losses as one process on every layout.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    arg = p.add_argument
-    for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
-        arg(f"--{dim}", type=int, default=1)
-    arg("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-        help="how the data-parallel ranks shard (default: 3 when dp-shard > 1, else 0)")
-    arg("--sequence-parallel", action="store_true",
-        help="with --tp: norms and residuals on S/tp tokens (all-gather/reduce-scatter for all-reduce)")
-    arg("--cp-method", choices=["ring", "ulysses"], default="ring",
-        help="context parallel by passing k/v blocks around a ring, or by all-to-all to head shards")
-    arg("--cp-ulysses", type=int, default=None,
-        help="with --cp-method ulysses: Ulysses over this many of the cp ranks, a ring over the rest "
-             "(default: all cp ranks, no ring)")
-    arg("--schedule", choices=sorted(pipeline.SCHEDULES), default="1f1b")
-    arg("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
-    arg("--microbatches", type=int, default=None,
-        help="micro-batches per step (default: pp; without pp they accumulate gradients)")
-    arg("--model", choices=sorted(CONFIGS), default="tiny")
-    arg("--layers", type=int, default=None, help="override the model's number of layers")
-    arg("--experts", type=int, default=0, help="0: dense MLP")
-    arg("--top-k", type=int, default=2)
-    arg("--global-batch-size", type=int, default=8, help="sequences per optimizer step")
-    for name, default in [("seq-len", 32), ("steps", 10), ("warmup", 2), ("seed", 0)]:
-        arg(f"--{name}", type=int, default=default)
-    arg("--pad-share", type=float, default=0.0,
-        help="pad up to this share of each sequence (its targets count nowhere): uneven tokens per rank")
-    arg("--lr", type=float, default=1e-3)
-    arg("--dtype", choices=sorted(DTYPES), default="float32",
-        help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
-    arg("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    arg("--data", default=None, help="a text file (default: the built-in corpus)")
-    arg("--compile", action="store_true",
-        help="torch.compile each block before anything wraps or shards it (its collectives break the graph)")
-    arg("--compile-backend", default="inductor", help="with --compile: inductor (fused kernels) or aot_eager, ...")
-    arg("--float8", action="store_true",
-        help="the linear layers' matmuls in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic scales; "
-             "emulated where the device has no float8 matmul); the embedding and head stay as they are")
-    arg("--bucket-mb", type=float, default=25,
-        help="ZeRO stage 0: data parallel's bucket size in MiB (ddp.BucketedDDP; its first bucket 1 MiB)")
-    arg("--offload", action="store_true",
-        help="ZeRO-Offload: fp32 master weights and optimizer state in host memory, the optimizer steps there")
-    arg("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
-        help="keep every activation; keep only what SAVED_BY_SELECTIVE's ops make (recompute the rest); "
-             "or keep only each block's input (recompute its whole forward in backward)")
-    arg("--log-file", default=None, help="append one JSON object per step")
-    arg("--save", default=None, help="directory to keep checkpoints in (one step_N directory each)")
-    arg("--save-every", type=int, default=0, help="a checkpoint every N steps (0: only at the end); always at the end")
-    arg("--keep", type=int, default=0, help="keep the newest K checkpoints under --save (0: all)")
-    arg("--stop-at", type=int, default=None,
-        help="stop after this step (the schedule still runs to --steps): an interrupted run")
-    arg("--resume", default=None,
-        help="continue from a checkpoint, on any layout: a step_N directory, a directory of them (its newest), or "
-             "'auto': the newest under --save, or a fresh start when there is none (one command line for the "
-             "first attempt and every restart)")
-    arg("--init-from", default=None, help="start from a plain state dict {name: tensor} (--export writes one)")
-    arg("--init-read", choices=["every-rank", "rank-0"], default="every-rank",
-        help="--init-from: every rank reads the whole file, or rank 0 reads it and sends each rank its part")
-    arg("--export", default=None, help="afterwards, write the trained model as one plain state dict to this file")
-    arg("--fail-at", type=int, default=None,
-        help="simulate a crash: the last rank dies right after this step, on torchrun's first attempt only")
-    arg("--check", action="store_true",
-        help="afterwards, train the same model in ONE process on rank 0 and compare the losses")
-    arg("--compare", action="store_true",
-        help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
-    arg("--quiet", action="store_true", help="no per-step lines")
-    arg("--track-memory", action="store_true",
-        help="measure each step's peak as the bytes of live tensors (PyTorch's MemTracker), on CPU too, where "
-             "the default is the process's resident size")
-    arg("--plan", action="store_true",
-        help="print what each rank would hold (by category, beside the formulas) and exit: no training, no "
-             "memory, no processes — the sizes multiply to the world it plans for")
-    arg("--device-memory", default=None, help="with --plan: say whether it fits, e.g. 80GB or 24GiB")
-    args = p.parse_args(argv)
-    if args.zero_stage is None:
-        args.zero_stage = 3 if args.dp_shard > 1 else 0
-    if args.microbatches is None:
-        args.microbatches = args.pp
-    if args.cp_ulysses is None:
-        args.cp_ulysses = args.cp if args.cp_method == "ulysses" else 1
-    return args
-
-
-def store_dtype(args) -> torch.dtype:
-    """The dtype parameters are stored in (bf16 runs compute in bf16 from fp32 master weights)."""
-    return torch.float64 if args.dtype == "float64" else torch.float32
-
-
-def config_of(args):
-    layers = {} if args.layers is None else dict(n_layers=args.layers)
-    return get_config(args.model, n_experts=args.experts, top_k=args.top_k, **layers)
-
-
-def layout_of(args) -> dict:
-    """The layout a run trains on (a checkpoint records it; another layout may load it)."""
-    return {k: getattr(args, k) for k in DIMS + ("ep", "zero_stage", "model", "layers", "experts", "top_k", "dtype",
-                                                  "sequence_parallel", "virtual_stages")}
-
-
-def model_shapes(args) -> dict:
-    """{name: shape} of every parameter of the whole model, the names of lab/model.py's unsharded model
-    (from the meta device: no memory)."""
-    return {n: list(p.shape) for n, p in build_model(config_of(args), device="meta").named_parameters()}
-
-
-def _divisors(n: int, limit: int = 64) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
-def check_args(args, world_size: int) -> None:
-    """Every invalid combination, found from the arguments alone — so every rank finds the same problems
-    before any collective. Each lesson's own check judges its dimension; what only the composition can
-    get wrong is checked here. Raises one ValueError listing what is wrong and what is valid."""
-    dims = {d: getattr(args, d) for d in DIMS}
-    counts = dict(dims, ep=args.ep, microbatches=args.microbatches, global_batch_size=args.global_batch_size,
-                  seq_len=args.seq_len, steps=args.steps, virtual_stages=args.virtual_stages,
-                  cp_ulysses=args.cp_ulysses, layers=args.layers or 1)
-    small = [f"--{k.replace('_', '-')} {v}" for k, v in counts.items() if v < 1]
-    if small:
-        raise ValueError("invalid training layout:\n  - " + ", ".join(small) + " must be >= 1")
-    problems = mesh_problems(dims, world_size, args.ep)  # the sizes multiply to the world, ep divides dp
-    try:
-        cfg = config_of(args)
-    except ValueError as e:
-        raise ValueError(f"invalid training layout:\n  - {e}") from None
-    tp, cp, pp, m, u = args.tp, args.cp, args.pp, args.microbatches, args.cp_ulysses
-    dp = args.dp_replicate * args.dp_shard
-
-    def lesson(check, *check_args, prefix="", hint=""):  # a lesson's own check: its message, and the flag
-        try:
-            check(*check_args)
-        except ValueError as e:
-            problems.append(f"{prefix}{e}{hint}")
-
-    lesson(tensor_parallel.check_divisible, cfg, tp, hint=" (--tp)")
-    if args.global_batch_size % (dp * m):
-        problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel size "
-                        f"{dp} times --microbatches {m}: use a multiple of {dp * m}")
-    if pp > 1 or args.virtual_stages > 1:  # schedule, micro-batches, layers per stage (the batch: just above)
-        lesson(pipeline.validate, pp, m, cfg.n_layers, m, args.schedule, args.virtual_stages, prefix="pipeline: ")
-    if cp > 1:
-        lesson(ring_attention.check_layout, args.seq_len, cp, CP_LAYOUT, hint=" (--seq-len)")
-    if u > 1 and (args.cp_method != "ulysses" or cp % u):
-        problems.append(f"--cp-ulysses {u} needs --cp-method ulysses and must divide --cp {cp}: "
-                        f"choose from {_divisors(cp)}")
-    elif u > 1:  # Ulysses splits each tp rank's query heads over u cp ranks
-        heads = cfg.n_heads // tp
-        lesson(ring_attention.check_ulysses, heads, u,
-               hint=f" (train.py's Ulysses splits each tp rank's {heads} query heads over {u} ranks: choose "
-                    f"--cp-ulysses from {[d for d in _divisors(cp) if heads % d == 0]}, or --cp-method ring)")
-    if args.seq_len > cfg.max_seq_len:
-        problems.append(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    if args.sequence_parallel and tp > 1 and (args.seq_len // cp) % tp:
-        problems.append(f"--sequence-parallel splits each rank's {args.seq_len // cp} tokens over tp={tp}: "
-                        f"use a --seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
-    if args.ep > 1 and not args.experts:
-        problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
-    if args.experts:
-        lesson(expert_parallel.validate_ep, args.experts, args.top_k, args.ep)
-    if args.zero_stage > 0 and dp * cp == 1:
-        problems.append(f"--zero-stage {args.zero_stage} shards over data-parallel (and cp) ranks, but there "
-                        f"is only one: use --zero-stage 0 or --dp-shard > 1")
-    if not 0.0 <= args.pad_share < 1.0:
-        problems.append(f"--pad-share {args.pad_share} must be in [0, 1)")
-    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
-        problems.append(f"--stop-at {args.stop_at} must be between 1 and --steps {args.steps}")
-    if args.data is not None and not os.path.isfile(args.data):
-        problems.append(f"--data {args.data!r} does not exist: give an existing text file or leave it out")
-    elif args.data is not None and os.path.getsize(args.data) < args.seq_len + 1:
-        problems.append(f"--data {args.data!r} holds {os.path.getsize(args.data)} bytes (byte tokens), fewer than "
-                        f"--seq-len + 1 = {args.seq_len + 1}: give a text of at least {args.seq_len + 1} bytes "
-                        f"or a shorter --seq-len")
-    for flag in ("save_every", "keep"):
-        if getattr(args, flag) < 0:
-            problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
-    if args.resume == "auto" and not args.save:
-        problems.append("--resume auto continues from the newest checkpoint under --save: give --save DIR too")
-    resume = resume_path(args)
-    if resume is not None:
-        problems += checkpoint_problems(resume, args)
-    elif args.resume not in (None, "auto"):
-        problems.append(f"--resume {args.resume!r} holds no complete checkpoint (a step_N directory with "
-                        f"meta.json): give one, or a directory of them, or --resume auto")
-    if args.init_from is not None and resume is None:
-        problems += state_dict_problems(args.init_from, args)
-    if args.export is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
-        problems.append(f"--export {args.export!r}: its directory does not exist")
-    if args.compare and (pp > 1 or cp > 1 or args.experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
-        problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
-                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
-    if problems:
-        raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
-
-
-# ---- checkpoints on disk: which are complete, and whether one may be loaded --------------------------------
-#
-#   DIR/step_00000006/   meta.json (written last) and one file per rank that owned pieces: rank0.pt, ...
-#   DIR/step_00000006.partial/   a checkpoint being written: never read, replaced by the next save
-# A save writes under the .partial name and renames the directory once every rank's file is complete and
-# flushed and meta.json (sizes and sha256 of every file) is written: the rename is atomic, so a crash at
-# any moment leaves every earlier checkpoint as it was, and never a half one under a complete name.
-
-STEP_DIR = "step_{:08d}"
-
-
-def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint directly under root, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    out = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith("step_") and name[5:].isdigit() and os.path.isfile(os.path.join(path, "meta.json")):
-            out.append((int(name[5:]), path))
-    return sorted(out)
-
-
-def resume_path(args) -> str | None:
-    """The checkpoint --resume names: auto -> the newest under --save (None: none yet, a fresh start);
-    a step directory; or a directory of them -> its newest."""
-    if args.resume is None:
-        return None
-    root = args.save if args.resume == "auto" else args.resume
-    if root and os.path.isfile(os.path.join(root, "meta.json")):
-        return root
-    found = complete_checkpoints(root) if root else []
-    return found[-1][1] if found else None
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def checkpoint_problems(path: str, args) -> list[str]:
-    """Everything that forbids loading the checkpoint at `path`, found by reading it alone — so every rank
-    finds the same, before any collective: meta.json unreadable; nothing left to train; another model
-    (names or shapes differ); a rank file missing, truncated, altered (size or sha256 differ from what
-    meta.json recorded) or holding anything but tensors (read with weights_only=True: no code runs)."""
-    meta_path = os.path.join(path, "meta.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        step, files, shapes = int(meta["step"]), meta["files"], meta["params"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"{meta_path} cannot be read as a checkpoint's meta.json ({e}): resume another checkpoint"]
-    problems, last = [], args.stop_at or args.steps
-    if step >= last:
-        problems.append(f"{path} already holds step {step}, and this run stops at step {last}: nothing is left to "
-                        f"train; raise --steps or resume an earlier checkpoint")
-    mine = model_shapes(args)
-    if shapes != mine:
-        differ = sorted(n for n in set(shapes) | set(mine) if shapes.get(n) != mine.get(n))
-        problems.append(f"{meta_path} was written for another model: {len(differ)} parameters differ in name or "
-                        f"shape (first {differ[0]}: saved {shapes.get(differ[0])}, this run's {mine.get(differ[0])}); "
-                        f"resume with its --model/--layers/--experts")
-    for name, info in sorted(files.items()):
-        f = os.path.join(path, name)
-        if not os.path.isfile(f):
-            problems.append(f"{f} is missing: this checkpoint is incomplete; resume an earlier one")
-        elif os.path.getsize(f) != info["bytes"]:
-            problems.append(f"{f} holds {os.path.getsize(f)} bytes, meta.json recorded {info['bytes']}: it was "
-                            f"truncated or altered; resume an earlier checkpoint")
-        elif _sha256(f) != info["sha256"]:
-            problems.append(f"{f} does not match the sha256 meta.json recorded: it was altered after it was written; "
-                            f"resume an earlier checkpoint")
-        else:
-            problems += _loadable(f)
-    return problems
-
-
-def _loadable(f: str) -> list[str]:
-    try:  # memory-mapped: reads the file's index, not its tensors
-        torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, it is refused here, on every rank
-        return [f"{f} cannot be read safely ({type(e).__name__}: {str(e).splitlines()[0][:200]}): it holds more than "
-                f"tensors, and weights_only loading refuses to run code from a file"]
-    return []
-
-
-def state_dict_problems(path: str, args) -> list[str]:
-    """What forbids starting from the plain state dict at `path` (--init-from): missing, not loadable with
-    weights_only=True, or not this model's names and shapes."""
-    if not os.path.isfile(path):
-        return [f"--init-from {path!r} does not exist: give a state dict file (--export writes one)"]
-    bad = _loadable(path)
-    if bad:
-        return bad
-    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    got = {k: list(v.shape) for k, v in sd.items()} if isinstance(sd, dict) else {}
-    mine = model_shapes(args)
-    if got != mine:
-        differ = sorted(n for n in set(got) | set(mine) if got.get(n) != mine.get(n))
-        return [f"--init-from {path!r} is not a state dict of this model: {len(differ)} names or shapes differ "
-                f"(first {differ[0]}: file {got.get(differ[0])}, model {mine.get(differ[0])})"]
-    return []
-
-
-def lr_at(step: int, args) -> float:
-    """Linear warm-up to --lr over --warmup steps, then cosine decay to 10% at --steps (step from 1)."""
-    if step <= args.warmup:
-        return args.lr * step / max(1, args.warmup)
-    t = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
 # ---- this rank's part of the model, lesson by lesson -------------------------------------------------
@@ -599,189 +285,27 @@ class Trainer:
         dist.all_reduce(v)
         return v.item()
 
-    # ---- checkpoints: every piece with its place in the whole model, so any layout can load them ------------
+    # ---- checkpoints (lab/checkpoint.py: the files; fsdp.py section 7: the pieces any layout can load) ----------
     def where(self, name):
+        """(the whole parameter's shape, the narrow this rank holds of it: a tp slice, my experts, or None)."""
         return self.places[name]
 
-    def owned_places(self):
-        """This rank's pieces [(unit, piece, place)] that it writes — a piece several ranks hold (data-parallel
-        replicas, tp ranks sharing a kv head) is written by the first of them — and every rank's places."""
-        mine = fsdp.places(self.opt, self.where)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, [p for _, _, p in mine])  # metadata only: names and ranges
-        first = {}
-        for r, ps in enumerate(every):
-            for p in ps:
-                first.setdefault(p, r)
-        return [(k, j, p) for k, j, p in mine if first[p] == dist.get_rank()], every
-
     def save(self, root: str, step: int) -> tuple[str, int]:
-        """Write checkpoint `step` under root atomically: every rank its pieces (with their places and the
-        optimizer state) into root/step_N.partial, flushed; rank 0 then meta.json (sizes and sha256 of every
-        file, the places of every piece) and renames the directory to root/step_N. Keeps the newest --keep.
-        Returns root/step_N and the bytes this rank wrote."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        final = os.path.join(root, STEP_DIR.format(step))
-        partial = final + ".partial"
-        if rank == 0:
-            os.makedirs(root, exist_ok=True)
-            for stale in [n for n in os.listdir(root) if n.startswith("step_") and n.endswith(".partial")]:
-                shutil.rmtree(os.path.join(root, stale))  # what a save that died left behind
-            os.makedirs(partial)
-        dist.barrier()
-        owned, _ = self.owned_places()
-        name = f"rank{rank}.pt"
-        pieces = [fsdp.piece_tensors(self.opt, k, j) for k, j, _ in owned]
-        with open(os.path.join(partial, name), "wb") as f:
-            torch.save(dict(pieces=pieces, rng=torch.get_rng_state()), f)
-            f.flush()
-            os.fsync(f.fileno())  # on the disk before anyone calls the checkpoint complete
-        path = os.path.join(partial, name)
-        files = [None] * world
-        dist.all_gather_object(files, (name, os.path.getsize(path), _sha256(path), [list(p) for _, _, p in owned]))
-        if rank == 0:
-            meta = dict(step=step, world_size=world, layout=layout_of(self.args), params=model_shapes(self.args),
-                        files={n: dict(bytes=size, sha256=digest, pieces=places)
-                               for n, size, digest, places in files})
-            with open(os.path.join(partial, "meta.json"), "w") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if os.path.isdir(final):  # the same step saved again: the new one replaces it
-                shutil.rmtree(final)
-            os.rename(partial, final)  # atomic: from here on the checkpoint is complete
-            fd = os.open(root, os.O_RDONLY)
-            os.fsync(fd)  # the rename itself on the disk
-            os.close(fd)
-            for _, old in complete_checkpoints(root)[:-self.args.keep or None] if self.args.keep else []:
-                shutil.rmtree(old)
-        dist.barrier()
-        return final, files[rank][1]
+        return checkpoint.save(self.opt, self.where, root, step, layout=layout_of(self.args),
+                               shapes=model_shapes(self.args), keep=self.args.keep)
 
     def load(self, path: str) -> int:
-        """Continue from the checkpoint at `path`, written on any layout (checkpoint_problems has vetted it):
-        each piece this rank owns is filled from the saved pieces it overlaps (fsdp.load_places), read from
-        memory-mapped files, so only those pieces come off the disk. Returns the step it holds."""
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-        opened = {}
+        return checkpoint.load(self.opt, self.where, path)
 
-        def file(name):  # memory-mapped: a tensor's bytes are read only where it is indexed
-            if name not in opened:
-                opened[name] = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True, mmap=True)
-            return opened[name]
-
-        saved = [((p[0], tuple(p[1]), p[2] and tuple(p[2]), p[3], p[4]), (name, n))
-                 for name, info in meta["files"].items() for n, p in enumerate(info["pieces"])]
-        fsdp.load_places(self.opt, saved, lambda handle: file(handle[0])["pieces"][handle[1]], self.where)
-        # the random-number state: this rank's where the world is the same size, else rank 0's
-        mine = f"rank{dist.get_rank()}.pt"
-        torch.set_rng_state(file(mine if meta["world_size"] == dist.get_world_size() else "rank0.pt")["rng"])
-        return int(meta["step"])
-
-    # ---- plain state dicts: out of a sharded run, and into one --------------------------------------------
-    @torch.no_grad()
     def export(self, path: str) -> None:
-        """Write the whole model as ONE plain state dict {name: tensor}, with lab/model.py's names (a tied weight
-        under each of its names), that load_state_dict(strict=True) accepts. Parameter by parameter, each rank
-        sends rank 0 the pieces it owns (point to point); rank 0 alone holds the whole model, as the file does."""
-        owned, every = self.owned_places()
-        rank, dtype, mine = dist.get_rank(), store_dtype(self.args), {p: (k, j) for k, j, p in owned}
-        first, out = {}, {}
-        for r, ps in enumerate(every):
-            for p in ps:
-                first.setdefault(p, r)
-        for name, shape in model_shapes(self.args).items():
-            full = torch.empty(math.prod(shape), dtype=dtype) if rank == 0 else None
-            for r, p in ((r, p) for r, ps in enumerate(every) for p in ps if p[0] == name and first[p] == r):
-                if r == rank:  # one order on every rank: the pieces of this parameter, rank by rank
-                    k, j = mine[p]
-                    values = self.opt.units[k].pieces[j][3].detach().to(dtype)
-                    if rank != 0:
-                        dist.send(values.contiguous(), 0)
-                elif rank == 0:
-                    values = torch.empty(p[4] - p[3], dtype=dtype, device=self.device)
-                    dist.recv(values, r)
-                if rank == 0:
-                    full[fsdp.full_indices(*p[1:])] = values.cpu()
-            if rank == 0:
-                out[name] = full.view(shape)
-        if rank == 0:
-            plain = build_model(config_of(self.args), device="meta")  # its state_dict's names, a tied weight's each
-            first_name = {id(p): n for n, p in plain.named_parameters()}
-            out = {n: out[first_name[id(t)]] for n, t in plain.state_dict(keep_vars=True).items()}
-            torch.save(out, path + ".partial")
-            os.replace(path + ".partial", path)  # atomic: never a half-written file under the name
-        dist.barrier()
+        plain = build_model(config_of(self.args), device="meta")  # its state_dict's names, a tied weight's each
+        first = {id(p): n for n, p in plain.named_parameters()}
+        names = {n: first[id(t)] for n, t in plain.state_dict(keep_vars=True).items()}
+        checkpoint.export(self.opt, self.where, path, shapes=model_shapes(self.args), names=names,
+                          dtype=store_dtype(self.args), device=self.device)
 
-    @torch.no_grad()
     def init_from(self, path: str, read: str = "every-rank") -> None:
-        """Start from a plain state dict (state_dict_problems has vetted it), the optimizer fresh. read:
-        every-rank  every rank loads the whole file and keeps its pieces: the whole model on every rank at once;
-        rank-0      rank 0 reads it (memory-mapped) and sends every rank exactly the elements of its pieces, point
-                    to point, piece by piece: the other ranks never hold more than their own pieces."""
-        if read == "every-rank":
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-            saved = [((n, tuple(t.shape), None, 0, t.numel()), n) for n, t in sd.items()]
-            fsdp.load_places(self.opt, saved, lambda n: dict(value=sd[n].reshape(-1)), self.where)
-            return
-        rank, dtype = dist.get_rank(), store_dtype(self.args)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, [p for _, _, p in fsdp.places(self.opt, self.where)])
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if rank == 0 else None
-        received = {}
-        for r, ps in enumerate(every):  # one order on every rank
-            for p in ps:
-                if rank == 0:
-                    values = sd[p[0]].reshape(-1)[fsdp.full_indices(*p[1:])].to(dtype)
-                    if r == 0:
-                        received[p] = values
-                    else:
-                        dist.send(values.to(self.device), r)
-                elif rank == r:
-                    values = torch.empty(p[4] - p[3], dtype=dtype, device=self.device)
-                    dist.recv(values, 0)
-                    received[p] = values.cpu()
-        fsdp.load_places(self.opt, [(p, p) for p in received], lambda p: dict(value=received[p]), self.where)
-
-
-# Selective activation checkpointing keeps the outputs of these ops — the matmuls and attention, which
-# cost the most to recompute — and recomputes everything else of a block in backward (the norms, rotary,
-# SwiGLU's silu and product, the residual adds: cheap, and together most of the bytes). Change the list
-# and watch the activation bytes and the step time move (lab/train_demo.py's activation_profile).
-SAVED_BY_SELECTIVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default] + [
-    getattr(torch.ops.aten, name).default for name in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    if hasattr(torch.ops.aten, name)]
-
-
-def _selective(ctx, op, *args, **kwargs):
-    """The selective policy: keep what SAVED_BY_SELECTIVE's ops return where autograd records them — not inside
-    an autograd.Function's own forward, which runs without grad and saves what its backward needs itself
-    (ring attention's blocks: keeping their S/cp × S/cp scores made selective hold 3× more than no
-    checkpointing at all, found by the planner)."""
-    keep = op in SAVED_BY_SELECTIVE and torch.is_grad_enabled()
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _checkpointed(block, how: str):
-    """Activation checkpointing of one block, `full`: only its input is kept, its whole forward runs again in
-    backward; `selective`: PyTorch's selective-checkpoint contexts also keep what SAVED_BY_SELECTIVE's ops
-    return, and the recompute replays those from memory. The wrapper sits INSIDE the module call, so
-    ZeRO-3's gather hooks cover the recompute."""
-    inner = block.forward
-
-    def contexts():  # (around the forward, around its recompute in backward; under zero bubble the recompute
-        #  runs inside B's DeferWeightGrads, so its linears split their backward again)
-        return create_selective_checkpoint_contexts(_selective) if how == "selective" else noop_context_fn()
-    block.forward = lambda h, cos, sin: checkpoint(inner, h, cos, sin, use_reentrant=False, context_fn=contexts)
-
-
-def _pipeline_units(stage):
-    """In a pipeline every module with parameters is a ZeRO unit (blocks, embedding, norm, head)."""
-    return list(stage.layers.values()) + [m for m in (stage.tok_embeddings, getattr(stage, "norm", None),
-                                                      getattr(stage, "output", None)) if m is not None]
+        checkpoint.init_from(self.opt, self.where, path, read, dtype=store_dtype(self.args), device=self.device)
 
 
 # ---- the loop ------------------------------------------------------------------------------------------
@@ -815,6 +339,277 @@ def train(args, device=None, observer=None) -> dict:
     if args.export:
         trainer.export(args.export)
     return dict(losses=losses, start=start, resumed_from=resume)
+
+
+# ---- what the composition uses: activation checkpointing, a pipeline's ZeRO units ----------------------
+
+# Selective activation checkpointing keeps the outputs of these ops — the matmuls and attention, which
+# cost the most to recompute — and recomputes everything else of a block in backward (the norms, rotary,
+# SwiGLU's silu and product, the residual adds: cheap, and together most of the bytes). Change the list
+# and watch the activation bytes and the step time move (lab/train_demo.py's activation_profile).
+SAVED_BY_SELECTIVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default] + [
+    getattr(torch.ops.aten, name).default for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)]
+
+
+def _selective(ctx, op, *args, **kwargs):
+    """The selective policy: keep what SAVED_BY_SELECTIVE's ops return where autograd records them — not inside
+    an autograd.Function's own forward, which runs without grad and saves what its backward needs itself
+    (ring attention's blocks: keeping their S/cp × S/cp scores made selective hold 3× more than no
+    checkpointing at all, found by the planner)."""
+    keep = op in SAVED_BY_SELECTIVE and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(block, how: str):
+    """Activation checkpointing of one block, `full`: only its input is kept, its whole forward runs again in
+    backward; `selective`: PyTorch's selective-checkpoint contexts also keep what SAVED_BY_SELECTIVE's ops
+    return, and the recompute replays those from memory. The wrapper sits INSIDE the module call, so
+    ZeRO-3's gather hooks cover the recompute."""
+    inner = block.forward
+
+    def contexts():  # (around the forward, around its recompute in backward; under zero bubble the recompute
+        #  runs inside B's DeferWeightGrads, so its linears split their backward again)
+        return create_selective_checkpoint_contexts(_selective) if how == "selective" else noop_context_fn()
+    block.forward = lambda h, cos, sin: recompute(inner, h, cos, sin, use_reentrant=False, context_fn=contexts)
+
+
+def _pipeline_units(stage):
+    """In a pipeline every module with parameters is a ZeRO unit (blocks, embedding, norm, head)."""
+    return list(stage.layers.values()) + [m for m in (stage.tok_embeddings, getattr(stage, "norm", None),
+                                                      getattr(stage, "output", None)) if m is not None]
+
+
+# ---- the command line ------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    """The command line, grouped by the lesson each flag belongs to."""
+    p = argparse.ArgumentParser(description="Capstone: every strategy composed by mesh sizes, with the same "
+                                            "losses as one process on every layout.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mesh = p.add_argument_group("the mesh (lesson 0): sizes multiply to the world; ep borrows data-parallel ranks")
+    for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
+        mesh.add_argument(f"--{dim}", type=int, default=1)
+    dp = p.add_argument_group("data parallel, ZeRO, HSDP (lessons 1-3)")
+    dp.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                    help="how the data-parallel ranks shard (default: 3 when dp-shard > 1, else 0)")
+    dp.add_argument("--bucket-mb", type=float, default=25,
+                    help="ZeRO stage 0: data parallel's bucket size in MiB (ddp.BucketedDDP; its first bucket 1 MiB)")
+    dp.add_argument("--offload", action="store_true",
+                    help="ZeRO-Offload: fp32 master weights and optimizer state in host memory, the optimizer "
+                         "steps there")
+    tp = p.add_argument_group("tensor parallel (lesson 4)")
+    tp.add_argument("--sequence-parallel", action="store_true",
+                    help="with --tp: norms and residuals on S/tp tokens (all-gather/reduce-scatter for all-reduce)")
+    pp = p.add_argument_group("pipeline parallel (lesson 5)")
+    pp.add_argument("--schedule", choices=sorted(pipeline.SCHEDULES), default="1f1b")
+    pp.add_argument("--virtual-stages", type=int, default=1,
+                    help="model chunks per pipeline rank (--schedule interleaved)")
+    pp.add_argument("--microbatches", type=int, default=None,
+                    help="micro-batches per step (default: pp; without pp they accumulate gradients)")
+    cp = p.add_argument_group("context parallel (lesson 6)")
+    cp.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
+                    help="context parallel by passing k/v blocks around a ring, or by all-to-all to head shards")
+    cp.add_argument("--cp-ulysses", type=int, default=None,
+                    help="with --cp-method ulysses: Ulysses over this many of the cp ranks, a ring over the rest "
+                         "(default: all cp ranks, no ring)")
+    ep = p.add_argument_group("experts (lesson 7)")
+    ep.add_argument("--experts", type=int, default=0, help="0: dense MLP")
+    ep.add_argument("--top-k", type=int, default=2)
+    run = p.add_argument_group("the model, the data and the optimizer")
+    run.add_argument("--model", choices=sorted(CONFIGS), default="tiny")
+    run.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    run.add_argument("--global-batch-size", type=int, default=8, help="sequences per optimizer step")
+    for name, default in [("seq-len", 32), ("steps", 10), ("warmup", 2), ("seed", 0)]:
+        run.add_argument(f"--{name}", type=int, default=default)
+    run.add_argument("--pad-share", type=float, default=0.0,
+                     help="pad up to this share of each sequence (its targets count nowhere): uneven tokens per rank")
+    run.add_argument("--lr", type=float, default=1e-3)
+    run.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    run.add_argument("--data", default=None, help="a text file (default: the built-in corpus)")
+    fast = p.add_argument_group("memory and speed")
+    fast.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                      help="bfloat16: bf16 compute, fp32 master weights, optimizer and gradient reduction")
+    fast.add_argument("--activation-checkpointing", choices=["none", "selective", "full"], default="none",
+                      help="keep every activation; keep only what SAVED_BY_SELECTIVE's ops make (recompute the "
+                           "rest); or keep only each block's input (recompute its whole forward in backward)")
+    fast.add_argument("--compile", action="store_true",
+                      help="torch.compile each block before anything wraps or shards it (its collectives break the "
+                           "graph)")
+    fast.add_argument("--compile-backend", default="inductor",
+                      help="with --compile: inductor (fused kernels) or aot_eager, ...")
+    fast.add_argument("--float8", action="store_true",
+                      help="the linear layers' matmuls in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic "
+                           "scales; emulated where the device has no float8 matmul); the embedding and head stay")
+    ck = p.add_argument_group("checkpoints (lab/checkpoint.py)")
+    ck.add_argument("--save", default=None, help="directory to keep checkpoints in (one step_N directory each)")
+    ck.add_argument("--save-every", type=int, default=0,
+                    help="a checkpoint every N steps (0: only at the end); always at the end")
+    ck.add_argument("--keep", type=int, default=0, help="keep the newest K checkpoints under --save (0: all)")
+    ck.add_argument("--stop-at", type=int, default=None,
+                    help="stop after this step (the schedule still runs to --steps): an interrupted run")
+    ck.add_argument("--resume", default=None,
+                    help="continue from a checkpoint, on any layout: a step_N directory, a directory of them (its "
+                         "newest), or 'auto': the newest under --save, or a fresh start when there is none (one "
+                         "command line for the first attempt and every restart)")
+    ck.add_argument("--init-from", default=None,
+                    help="start from a plain state dict {name: tensor} (--export writes one)")
+    ck.add_argument("--init-read", choices=["every-rank", "rank-0"], default="every-rank",
+                    help="--init-from: every rank reads the whole file, or rank 0 reads it and sends each rank "
+                         "its part")
+    ck.add_argument("--export", default=None,
+                    help="afterwards, write the trained model as one plain state dict to this file")
+    ck.add_argument("--fail-at", type=int, default=None,
+                    help="simulate a crash: the last rank dies right after this step, on torchrun's first attempt "
+                         "only")
+    out = p.add_argument_group("what the run reports (lab/train_demo.py) and plans (lab/plan.py)")
+    out.add_argument("--check", action="store_true",
+                     help="afterwards, train the same model in ONE process on rank 0 and compare the losses")
+    out.add_argument("--compare", action="store_true",
+                     help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
+    out.add_argument("--log-file", default=None, help="append one JSON object per step")
+    out.add_argument("--quiet", action="store_true", help="no per-step lines")
+    out.add_argument("--track-memory", action="store_true",
+                     help="measure each step's peak as the bytes of live tensors (PyTorch's MemTracker), on CPU "
+                          "too, where the default is the process's resident size")
+    out.add_argument("--plan", action="store_true",
+                     help="print what each rank would hold (by category, beside the formulas) and exit: no "
+                          "training, no memory, no processes — the sizes multiply to the world it plans for")
+    out.add_argument("--device-memory", default=None, help="with --plan: say whether it fits, e.g. 80GB or 24GiB")
+    args = p.parse_args(argv)
+    if args.zero_stage is None:
+        args.zero_stage = 3 if args.dp_shard > 1 else 0
+    if args.microbatches is None:
+        args.microbatches = args.pp
+    if args.cp_ulysses is None:
+        args.cp_ulysses = args.cp if args.cp_method == "ulysses" else 1
+    return args
+
+
+def store_dtype(args) -> torch.dtype:
+    """The dtype parameters are stored in (bf16 runs compute in bf16 from fp32 master weights)."""
+    return torch.float64 if args.dtype == "float64" else torch.float32
+
+
+def config_of(args):
+    layers = {} if args.layers is None else dict(n_layers=args.layers)
+    return get_config(args.model, n_experts=args.experts, top_k=args.top_k, **layers)
+
+
+def layout_of(args) -> dict:
+    """The layout a run trains on (a checkpoint records it; another layout may load it)."""
+    return {k: getattr(args, k) for k in DIMS + ("ep", "zero_stage", "model", "layers", "experts", "top_k", "dtype",
+                                                  "sequence_parallel", "virtual_stages")}
+
+
+def model_shapes(args) -> dict:
+    """{name: shape} of every parameter of the whole model, the names of lab/model.py's unsharded model
+    (from the meta device: no memory)."""
+    return {n: list(p.shape) for n, p in build_model(config_of(args), device="meta").named_parameters()}
+
+
+def resume_path(args) -> str | None:
+    """The checkpoint --resume names (None: a fresh start): lab.checkpoint.resume_path."""
+    return checkpoint.resume_path(args.resume, args.save)
+
+
+def _divisors(n: int, limit: int = 64) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def check_args(args, world_size: int) -> None:
+    """Every invalid combination, found from the arguments alone — so every rank finds the same problems
+    before any collective. Each lesson's own check judges its dimension; what only the composition can
+    get wrong is checked here. Raises one ValueError listing what is wrong and what is valid."""
+    dims = {d: getattr(args, d) for d in DIMS}
+    counts = dict(dims, ep=args.ep, microbatches=args.microbatches, global_batch_size=args.global_batch_size,
+                  seq_len=args.seq_len, steps=args.steps, virtual_stages=args.virtual_stages,
+                  cp_ulysses=args.cp_ulysses, layers=args.layers or 1)
+    small = [f"--{k.replace('_', '-')} {v}" for k, v in counts.items() if v < 1]
+    if small:
+        raise ValueError("invalid training layout:\n  - " + ", ".join(small) + " must be >= 1")
+    problems = mesh_problems(dims, world_size, args.ep)  # the sizes multiply to the world, ep divides dp
+    try:
+        cfg = config_of(args)
+    except ValueError as e:
+        raise ValueError(f"invalid training layout:\n  - {e}") from None
+    tp, cp, pp, m, u = args.tp, args.cp, args.pp, args.microbatches, args.cp_ulysses
+    dp = args.dp_replicate * args.dp_shard
+
+    def lesson(check, *check_args, prefix="", hint=""):  # a lesson's own check: its message, and the flag
+        try:
+            check(*check_args)
+        except ValueError as e:
+            problems.append(f"{prefix}{e}{hint}")
+
+    lesson(tensor_parallel.check_divisible, cfg, tp, hint=" (--tp)")
+    if args.global_batch_size % (dp * m):
+        problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel size "
+                        f"{dp} times --microbatches {m}: use a multiple of {dp * m}")
+    if pp > 1 or args.virtual_stages > 1:  # schedule, micro-batches, layers per stage (the batch: just above)
+        lesson(pipeline.validate, pp, m, cfg.n_layers, m, args.schedule, args.virtual_stages, prefix="pipeline: ")
+    if cp > 1:
+        lesson(ring_attention.check_layout, args.seq_len, cp, CP_LAYOUT, hint=" (--seq-len)")
+    if u > 1 and (args.cp_method != "ulysses" or cp % u):
+        problems.append(f"--cp-ulysses {u} needs --cp-method ulysses and must divide --cp {cp}: "
+                        f"choose from {_divisors(cp)}")
+    elif u > 1:  # Ulysses splits each tp rank's query heads over u cp ranks
+        heads = cfg.n_heads // tp
+        lesson(ring_attention.check_ulysses, heads, u,
+               hint=f" (train.py's Ulysses splits each tp rank's {heads} query heads over {u} ranks: choose "
+                    f"--cp-ulysses from {[d for d in _divisors(cp) if heads % d == 0]}, or --cp-method ring)")
+    if args.seq_len > cfg.max_seq_len:
+        problems.append(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    if args.sequence_parallel and tp > 1 and (args.seq_len // cp) % tp:
+        problems.append(f"--sequence-parallel splits each rank's {args.seq_len // cp} tokens over tp={tp}: "
+                        f"use a --seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
+    if args.ep > 1 and not args.experts:
+        problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
+    if args.experts:
+        lesson(expert_parallel.validate_ep, args.experts, args.top_k, args.ep)
+    if args.zero_stage > 0 and dp * cp == 1:
+        problems.append(f"--zero-stage {args.zero_stage} shards over data-parallel (and cp) ranks, but there "
+                        f"is only one: use --zero-stage 0 or --dp-shard > 1")
+    if not 0.0 <= args.pad_share < 1.0:
+        problems.append(f"--pad-share {args.pad_share} must be in [0, 1)")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        problems.append(f"--stop-at {args.stop_at} must be between 1 and --steps {args.steps}")
+    if args.data is not None and not os.path.isfile(args.data):
+        problems.append(f"--data {args.data!r} does not exist: give an existing text file or leave it out")
+    elif args.data is not None and os.path.getsize(args.data) < args.seq_len + 1:
+        problems.append(f"--data {args.data!r} holds {os.path.getsize(args.data)} bytes (byte tokens), fewer than "
+                        f"--seq-len + 1 = {args.seq_len + 1}: give a text of at least {args.seq_len + 1} bytes "
+                        f"or a shorter --seq-len")
+    for flag in ("save_every", "keep"):
+        if getattr(args, flag) < 0:
+            problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
+    if args.resume == "auto" and not args.save:
+        problems.append("--resume auto continues from the newest checkpoint under --save: give --save DIR too")
+    resume = resume_path(args)
+    if resume is not None:
+        problems += checkpoint.checkpoint_problems(resume, args.stop_at or args.steps, model_shapes(args))
+    elif args.resume not in (None, "auto"):
+        problems.append(f"--resume {args.resume!r} holds no complete checkpoint (a step_N directory with "
+                        f"meta.json): give one, or a directory of them, or --resume auto")
+    if args.init_from is not None and resume is None:
+        problems += checkpoint.state_dict_problems(args.init_from, model_shapes(args))
+    if args.export is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
+        problems.append(f"--export {args.export!r}: its directory does not exist")
+    if args.compare and (pp > 1 or cp > 1 or args.experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
+        problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
+                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
+    if problems:
+        raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warm-up to --lr over --warmup steps, then cosine decay to 10% at --steps (step from 1)."""
+    if step <= args.warmup:
+        return args.lr * step / max(1, args.warmup)
+    t = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
 if __name__ == "__main__":  # measured, printed, --check and --compare: the capstone's runner in the package

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import fsdp
 import train
-from lab import plan, references
+from lab import checkpoint, plan, references
 from lab.plan import activation_formula
 from lab.baseline import single_process
 from lab.data import IGNORE, get_batch, load_corpus
@@ -297,7 +297,7 @@ def compare_checkpoints(args, trainer, device, rounds: int = 3) -> None:
     step = (args.stop_at or args.steps)
     save, load, written = references.dcp_checkpoint(args, device, os.path.join(root, "torch_dcp"))
     t = time_side_by_side(dict(ours_save=lambda: trainer.save(ours_dir, step), dcp_save=save), rounds, 1)
-    t |= time_side_by_side(dict(ours_load=lambda: trainer.load(os.path.join(ours_dir, train.STEP_DIR.format(step))),
+    t |= time_side_by_side(dict(ours_load=lambda: trainer.load(os.path.join(ours_dir, checkpoint.STEP_DIR.format(step))),
                                 dcp_load=load), rounds, 1)
     mine = torch.tensor([trainer.save(ours_dir, step)[1], written()], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]

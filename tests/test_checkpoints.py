@@ -16,7 +16,8 @@ import torch
 
 from harness import ROOT, RankError, run_ranks
 from lab.train_demo import reference_losses, run_layouts
-from train import check_args, complete_checkpoints, parse_args
+from lab.checkpoint import complete_checkpoints
+from train import check_args, parse_args
 
 COMMON = ["--dtype", "float64", "--steps", "8", "--global-batch-size", "8", "--seq-len", "16", "--lr", "3e-3",
           "--grad-clip", "1.7"]
@@ -189,7 +190,7 @@ def _damaged(src, dst, what, marker):
     meta = json.load(open(meta_path))
     if what == "tampered":       # code in the file, and meta.json updated to match it: weights_only refuses
         torch.save({"pieces": [], "rng": _Payload(marker)}, rank1)
-        from train import _sha256
+        from lab.checkpoint import sha256 as _sha256
         meta["files"]["rank1.pt"].update(bytes=os.path.getsize(rank1), sha256=_sha256(rank1))
     elif what == "altered":      # a few bytes changed, meta.json not: the checksum refuses
         data = bytearray(open(rank1, "rb").read())

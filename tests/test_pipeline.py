@@ -153,7 +153,7 @@ def _split_backward(model, loss_of):
         q.register_post_accumulate_grad_hook(lambda q, n=n: fired.__setitem__(n, fired[n] + 1))
     deferred = []
     split_linears(model)
-    with DeferWeightGrads(deferred):
+    with DeferWeightGrads(model, deferred):
         loss = loss_of(model)
     with FlopCounterMode(display=False) as fb:
         loss.backward()
@@ -205,7 +205,7 @@ def test_w_holds_one_linears_weight_gradient_at_a_time():
     cfg = get_config("tiny", n_layers=2)
     x, y = global_batches(1, 2, S)[0]
     model, deferred = split_linears(reference_model(cfg, dtype=torch.float64)), []
-    with DeferWeightGrads(deferred):
+    with DeferWeightGrads(model, deferred):
         model(x, y).backward()
     for q in model.parameters():   # (an existing .grad: autograd adds each new one into it, then frees it)
         q.grad = torch.zeros_like(q)

@@ -1,7 +1,8 @@
 """The repository's shape: the root holds exactly the course, everything else is one package, and imports
 run one way (read from every module's source with `ast`, imports inside functions included).
 
-    the package's model, data, instruments, launch  <-  mesh  <-  the lessons  <-  train
+    the package's model, data, instruments, launch  <-  mesh  <-  the lessons  <-  the package's checkpoint
+        <-  train
         <-  the rest of the package (demos, references, measurements)  <-  tests and notebooks
 
 A lesson imports another lesson only where its idea builds on it (LESSON_BUILDS_ON). The one import that
@@ -24,7 +25,11 @@ LESSON_BUILDS_ON = {"hsdp": {"fsdp"},            # hybrid sharding is ZeRO with 
                     "expert_parallel": {"ddp"}}  # expert gradients: lesson 1's average, over their own group
 # What the course may take from the package: the shared model and data (and mesh.py the launcher's free
 # port). Instruments, reports and demos attach from outside, so no lesson imports them.
-COURSE_USES = {"mesh": {"lab.launch"}, **{m: {"lab.model", "lab.data"} for m in (*LESSONS, "train")}}
+COURSE_USES = {"mesh": {"lab.launch"}, **{m: {"lab.model", "lab.data"} for m in LESSONS},
+               "train": {"lab.model", "lab.data", "lab.checkpoint"}}
+# What train.py keeps out of the composition, in the package: checkpoint files (their format and safety), built
+# on fsdp.py's pieces, used by train.py alone.
+BESIDE_TRAIN = (f"{PACKAGE}.checkpoint",)
 TOP_LEVEL = {"README.md", "requirements.txt", "pytest.ini", ".gitignore", ".ci", "tests", "notebooks", PACKAGE,
              *(m + ".py" for m in COURSE)}
 
@@ -36,6 +41,8 @@ def layer(module: str) -> int:
         return 1
     if module in LESSONS:
         return 2
+    if module in BESIDE_TRAIN:
+        return 2.5
     if module == "train":
         return 3
     return 4  # the rest of the package
