@@ -42,7 +42,11 @@ How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of 
      and b_p·n up per unit.
   6. State dicts: full ({name: whole tensor}, loads into the plain model) and sharded (this rank's
      slices and optimizer state, for resuming on the same layout) (FSDP §3.3).
-Hybrid sharding (hsdp.py) enters through one seam, shard_model's `after_reduce`.
+  7. Pieces: a state dict any layout can load, each piece with its place in the whole tensor (train.py's
+     checkpoints, lab/checkpoint.py).
+What other lessons need sits beside the core, named for them: OffloadedUnit (ZeRO-Offload, after section 1),
+Seams (section 5: hybrid sharding's after_reduce, tensor parallel's before_reduce, expert groups, lesson 1's
+averaged buckets, the planner's shapes_only), and meta-device construction (init_fn, _my_slice).
 """
 from __future__ import annotations
 
@@ -81,8 +85,9 @@ class FlatUnit:
     pieces  [(i, a, b, piece)]: piece = master[a:b], my part of parameter i, the optimizer's parameter
     """
 
-    def __init__(self, entries, stage, group, divide_by, after_reduce=None, param_dtype=None, init_fn=None,
-                 offload=False):
+    offload = False  # the master beside the shard, on this device (OffloadedUnit: in host memory)
+
+    def __init__(self, entries, stage, group, divide_by, after_reduce=None, param_dtype=None, init_fn=None):
         # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
         self.stage, self.group = stage, group
         self.divide_by, self.after_reduce = divide_by, after_reduce  # how the optimizer finishes a reduction
@@ -94,19 +99,14 @@ class FlatUnit:
         self.shard_numel = self.flat_numel // self.group_size                         # n
         master = _my_slice(self, entries, init_fn)  # [n], made from my part of each parameter only
         self.dtype, device = param_dtype or master.dtype, master.device
-        same = param_dtype in (None, master.dtype) and not offload  # the optimizer may step the shard itself
+        same = param_dtype in (None, master.dtype) and not self.offload  # the optimizer may step the shard itself
         self.buf = torch.empty(self.flat_numel, dtype=self.dtype, device=device)
         if stage == 3:  # my slice lives apart from buf, which holds bytes only while gathered
             self.shard = master if same else torch.empty_like(master, dtype=self.dtype)
         else:           # my slice is a view of buf; with no cast the optimizer steps it in place
             self.shard = self.buf[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
             master = self.shard.copy_(master) if same else master
-        if offload and not master.is_meta:  # the master, and so the optimizer state made beside it, in host memory
-            master = master.to("cpu").pin_memory() if device.type == "cuda" else master.to("cpu", copy=True)
-        elif offload:
-            master = torch.empty_like(master)  # (a memory plan: shapes only, apart from the shard all the same)
-        self.offload = offload
-        self.master = nn.Parameter(master)
+        self.master = nn.Parameter(self.home(master))
         self.pieces = [(i, a, b, nn.Parameter(self.master.detach()[a:b])) for i, a, b in self.spans()]
         self.params = [_repoint(e, view) for e, view in zip(entries, self.views(self.buf.data))]
         self.used = torch.zeros(len(self.params), dtype=torch.int32, device=device)  # got a gradient here
@@ -125,27 +125,28 @@ class FlatUnit:
         """A flat [N] tensor as one view per parameter, in its shape."""
         return [t.view(s) for t, s in zip(flat[:sum(self.numels)].split(self.numels), self.shapes)]
 
+    def home(self, master):
+        """Where the master slice lives: here, beside the shard (OffloadedUnit: in host memory)."""
+        return master
+
+    def receive(self, grad):
+        """A reduced gradient slice, where the optimizer steps: here, as it is (OffloadedUnit: downloaded)."""
+        return grad
+
+    @torch.no_grad()
+    def refresh_shard(self):
+        """The compute slice from the master: a cast (fp32 -> bf16), or nothing when they are one tensor."""
+        if self.shard.data_ptr() != self.master.data_ptr():
+            self.shard.copy_(self.master)
+
     @torch.no_grad()
     def publish(self):
         """After the master slice changed (a step, a load): refresh every compute copy of it."""
-        if self.offload:
-            self.upload()
-        elif self.shard.data_ptr() != self.master.data_ptr():
-            self.shard.copy_(self.master)  # e.g. fp32 -> bf16
+        self.refresh_shard()
         if self.stage in (1, 2):
             all_gather_single(self.buf, self.shard, group=self.group)
         if self.stage == 3:
             self.free()  # a gathered copy would be stale: the next use gathers the new values
-
-    def download(self, grad):
-        """Offload: a reduced gradient [n] (stage 0: [N]) comes from the device to the host, where the optimizer
-        steps: b_m·n bytes."""
-        return grad.to(self.master.device, non_blocking=False)
-
-    def upload(self):
-        """Offload: the new master, cast to the compute dtype on the host, goes to the device: b_p·n bytes."""
-        self.shard.copy_(self.master.detach().to(self.dtype))
-        return self.shard
 
     def unshard(self):
         """Stage 3: start the all-gather of buf, [n] per rank -> [N], unless it is gathered already."""
@@ -256,6 +257,38 @@ def _repoint(entry, view):
     return p
 
 
+# ---- for lesson 8: ZeRO-Offload, the master and the optimizer state in host memory ----------------------
+
+class OffloadedUnit(FlatUnit):
+    """A FlatUnit whose fp32 master slice — and so the optimizer state made beside it — lives in host memory
+    (pinned on a GPU machine), where the optimizer steps (Ren et al. 2021, "ZeRO-Offload", arXiv:2101.06840).
+    Per step each reduced gradient slice comes down, b_m·n bytes (download), and the new compute slice goes
+    up, b_p·n (upload). shard_model(..., offload=True) makes these; train.py --offload."""
+
+    offload = True
+
+    def home(self, master):
+        if master.is_meta:  # (a memory plan: shapes only, apart from the shard all the same)
+            return torch.empty_like(master)
+        return master.to("cpu").pin_memory() if master.device.type == "cuda" else master.to("cpu", copy=True)
+
+    def receive(self, grad):
+        return self.download(grad)
+
+    def download(self, grad):
+        """A reduced gradient [n] (stage 0: [N]) from the device to the host: b_m·n bytes."""
+        return grad.to(self.master.device, non_blocking=False)
+
+    def upload(self):
+        """The new master, cast to the compute dtype on the host, to the device: b_p·n bytes."""
+        self.shard.copy_(self.master.detach().to(self.dtype))
+        return self.shard
+
+    @torch.no_grad()
+    def refresh_shard(self):
+        self.upload()
+
+
 # ---- 2. stage 1: the optimizer that owns the shards (and finishes every stage's step) ----------------
 
 class ZeroOptimizer:
@@ -311,7 +344,7 @@ class ZeroOptimizer:
             if u.after_reduce is not None:
                 u.after_reduce(out)  # e.g. HSDP: the shard, summed over my shard group, now across replicas
             out.div_(u.divide_by)  # gloo has no ReduceOp.AVG: sum, then divide
-            out = u.download(out) if u.offload else out
+            out = u.receive(out)  # (offload: down to the host, where the optimizer steps)
             u.master.grad = out if u.master.grad is None else u.master.grad.add_(out)
         self.pending.clear()
         late = [n for u in self.units for n, p in zip(u.names, u.params) if self.stage >= 2 and p.grad is not None]
@@ -540,10 +573,34 @@ def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
 
 # ---- 5. the entry point ------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class Seams:
+    """What the other lessons plug into shard_model — a model of your own needs none of it:
+
+    divide_by      what summed gradients are divided by (default: the number of ranks in `group`); train.py:
+                   dp·cp, also for expert weights reduced over fewer ranks
+    after_reduce   after_reduce(t) runs on each reduced gradient shard and on the used-flags, before the
+                   division: hybrid sharding all-reduces them across replicas there (hsdp.py, lesson 3)
+    groups_of      groups_of(name, param) -> None | (group, divide_by): parameters replicated over other
+                   ranks (expert weights, lesson 7) get flat buffers of their own, sharded over that group
+    before_reduce  before_reduce(params) runs right before a unit's gradients are packed (stages 0-1 at
+                   step(), 2-3 in backward): tensor parallel sums partial gradients over tp there (train.py)
+    averaged       stage 0: the gradients arrive averaged already — train.py wraps the model in ddp.py's
+                   BucketedDDP, which all-reduces them in buckets during backward — so the optimizer moves
+                   nothing: it packs them, (before_reduce,) and steps
+    shapes_only    a model on the meta device stays there: every buffer its sizes and no memory (a memory
+                   plan, with a fake process group: train.py --plan, lab/plan.py)"""
+    divide_by: int | None = None
+    after_reduce: object = None
+    groups_of: object = None
+    before_reduce: object = None
+    averaged: bool = False
+    shapes_only: bool = False
+
+
 def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *, group=None, units=None,
                 param_dtype=None, reshard_after_forward=True, prefetch=True, max_grad_norm=None, init_fn=None,
-                groups_of=None, divide_by=None, after_reduce=None, before_reduce=None, offload=False,
-                shapes_only=False, averaged=False, **optimizer_kwargs) -> ZeroOptimizer:
+                offload=False, seams: Seams | None = None, **optimizer_kwargs) -> ZeroOptimizer:
     """Shard `model` in place by ZeRO stage 0-3 and return the optimizer that owns the shards.
 
     units          what is gathered, reduced and freed together (unit_groups): a module class (units=
@@ -566,24 +623,24 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                    in the optimizer's flat shard), so torch's utility clips by a local norm, or clips
                    nothing; call opt.clip_grad_norm_(max_norm) there instead (it returns the global norm)
     group          the ranks parameters are sharded over (stage 0: averaged over); default the world
-    divide_by      what summed gradients are divided by (default: the number of ranks in `group`)
-    after_reduce   after_reduce(t) runs on each reduced gradient shard and on the used-flags, before the
-                   division: hybrid sharding all-reduces them across replicas there (hsdp.py)
-    groups_of      groups_of(name, param) -> None | (group, divide_by): parameters replicated over other
-                   ranks (expert weights) get flat buffers of their own, sharded over that group
-    before_reduce  before_reduce(params) runs right before a unit's gradients are packed (stages 0-1 at
-                   step(), 2-3 in backward): tensor parallel sums partial gradients over tp there
     param_dtype    compute dtype (bf16): master, optimizer state and gradient reduction stay fp32
+    reshard_after_forward, prefetch   stage 3: free a unit after its forward (else keep it gathered into its
+                   backward: b_p·Ψ gathered instead of 2b_p·Ψ, more memory); gather the next unit early
     init_fn        init_fn(name, shape): values for a meta-device model (only my slice is made)
     offload        ZeRO-Offload: the fp32 master and the optimizer state live in host memory (pinned on a GPU
                    machine) and the optimizer steps there; per step each reduced gradient slice comes down,
                    b_m·n bytes, and the new compute slice goes up, b_p·n (Ren et al. 2021, arXiv:2101.06840)
-    shapes_only    a model on the meta device stays there: every buffer its sizes and no memory (a memory
-                   plan, with a fake process group: train.py --plan)
-    averaged       stage 0: the gradients arrive averaged already — train.py wraps the model in ddp.py's
-                   BucketedDDP, which all-reduces them in buckets during backward — so the optimizer moves
-                   nothing: it packs them, (before_reduce,) and steps
+    seams          Seams(...): what hybrid sharding, tensor and expert parallel, lesson 1's buckets and the
+                   memory planner plug in (see Seams); None: none of it
+    **optimizer_kwargs   for optimizer_cls (lr=..., weight_decay=...)
     """
+    seams = seams or Seams()
+    misplaced = sorted(set(optimizer_kwargs) & {f.name for f in dataclasses.fields(Seams)})
+    if misplaced:
+        raise ValueError(f"{', '.join(misplaced)} go in seams=fsdp.Seams({misplaced[0]}=...), not as keyword "
+                         f"arguments of shard_model (those that are not its own go to the optimizer)")
+    divide_by, after_reduce, groups_of = seams.divide_by, seams.after_reduce, seams.groups_of
+    before_reduce, averaged, shapes_only = seams.before_reduce, seams.averaged, seams.shapes_only
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if averaged and stage != 0:
@@ -626,7 +683,8 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                 full = init_fn(f"{mname}.{attr}" if mname else attr, p.shape) if p.is_meta else p.detach()
                 m._parameters[attr] = nn.Parameter(full.to(collective_device(group), param_dtype or full.dtype), False)
 
-    flat_units = [(um, [FlatUnit(entries, stage, g, d, a, param_dtype, init_fn, offload)
+    unit_cls = OffloadedUnit if offload else FlatUnit
+    flat_units = [(um, [unit_cls(entries, stage, g, d, a, param_dtype, init_fn)
                         for (g, d, a), entries in buffers_of[id(um)].items()])
                   for um in units if buffers_of[id(um)]]
     for u in flat_units[-1][1] if flat_units and flat_units[-1][0][0] is model else []:

@@ -27,9 +27,11 @@ the big collectives on the fast links (ZeRO's formulas, Rajbhandari et al. 2020 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 
-from fsdp import ZeroOptimizer, shard_model
+from fsdp import Seams, ZeroOptimizer, shard_model
 from mesh import Mesh
 
 
@@ -47,8 +49,8 @@ def shard_hybrid(model, mesh: Mesh | None = None, *, stage: int = 3, shard_group
                  **kwargs) -> ZeroOptimizer:
     """Shard `model` by ZeRO `stage` (HSDP: 3; 1 and 2 work alike) inside each shard group, replicas across
     the replicate group; returns fsdp's ZeroOptimizer. The groups are mesh's dp_shard and dp_replicate, or
-    given (train.py shards over dp_shard × cp). The gradient sum is divided by all S·R ranks (divide_by
-    overrides it); other keywords go to fsdp.shard_model."""
+    given (train.py shards over dp_shard × cp). The gradient sum is divided by all S·R ranks (seams=
+    fsdp.Seams(divide_by=...) overrides it); other keywords go to fsdp.shard_model."""
     if stage == 0:  # arithmetic: every rank raises alike, before any collective
         raise ValueError("stage 0 already replicates everything: hybrid sharding (a replicate_group across "
                          "shard groups) goes with stage 1, 2 or 3")
@@ -58,9 +60,10 @@ def shard_hybrid(model, mesh: Mesh | None = None, *, stage: int = 3, shard_group
     shard_group = shard_group if shard_group is not None else mesh.group("dp_shard")
     replicate_group = replicate_group if replicate_group is not None else mesh.group("dp_replicate")
     S, R = dist.get_world_size(shard_group), dist.get_world_size(replicate_group)
-    kwargs.setdefault("divide_by", S * R)
-    return shard_model(model, stage, group=shard_group,
-                       after_reduce=across_replicas(replicate_group) if R > 1 else None, **kwargs)
+    seams = kwargs.pop("seams", None) or Seams()
+    seams = dataclasses.replace(seams, divide_by=seams.divide_by or S * R,
+                                after_reduce=across_replicas(replicate_group) if R > 1 else None)
+    return shard_model(model, stage, group=shard_group, seams=seams, **kwargs)
 
 
 if __name__ == "__main__":  # the demo (bytes on each mesh dimension, one process, FSDP2's HSDP) is in the package

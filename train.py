@@ -74,6 +74,7 @@ time, bytes, memory per step, the per-step lines, --check and --compare — atta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from contextlib import nullcontext
@@ -189,25 +190,24 @@ class Trainer:
         def before_reduce(params):  # tp's partial gradients summed, unit by unit, right before ZeRO reduces them
             tensor_parallel.finish_grads(model, params)
 
-        zero = dict(divide_by=dp_cp, groups_of=groups_of if expert_names else None,
-                    units=None if self.pipe is None else _pipeline_units(model),
+        seams = fsdp.Seams(divide_by=dp_cp, groups_of=groups_of if expert_names else None,
+                           before_reduce=before_reduce if partial_grads else None, shapes_only=shapes_only)
+        zero = dict(units=None if self.pipe is None else _pipeline_units(model),
                     reshard_after_forward=self.pipe is None,  # a pipeline keeps units gathered over its micro-batches
-                    before_reduce=before_reduce if partial_grads else None,
                     param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
-                    init_fn=None if shapes_only else init_fn, offload=args.offload,
-                    shapes_only=shapes_only, lr=args.lr)
+                    init_fn=None if shapes_only else init_fn, offload=args.offload, lr=args.lr)
         self.ddp = None
         if args.zero_stage == 0:  # every gradient all-reduced over dp x cp, by lesson 1's buckets during backward
             averaged = dp_cp > 1 and not shapes_only
-            self.opt = fsdp.shard_model(model, 0, torch.optim.AdamW, group=mesh.group("dp_cp"), averaged=averaged,
-                                        **zero)
+            self.opt = fsdp.shard_model(model, 0, torch.optim.AdamW, group=mesh.group("dp_cp"),
+                                        seams=dataclasses.replace(seams, averaged=averaged), **zero)
             if averaged:  # (wrapped after ZeRO flattened the parameters: its hooks are on the views it made)
                 self.ddp = ddp.BucketedDDP(model, mesh.group("dp_cp"), args.bucket_mb, min(1, args.bucket_mb),
                                            reduce_dtype=torch.float32 if args.dtype == "bfloat16" else None,
                                            divide_by=dp_cp, groups_of=groups_of if expert_names else None)
         else:                     # sharded over dp_shard x cp, replicas across dp_replicate (HSDP when > 1)
             self.opt = hsdp.shard_hybrid(model, stage=args.zero_stage, shard_group=mesh.group("dp_shard_cp"),
-                                         replicate_group=mesh.group("dp_replicate"), **zero)
+                                         replicate_group=mesh.group("dp_replicate"), seams=seams, **zero)
         self.model, self.loss_fn = model, getattr(model, "loss_fn", None)  # a pipeline: its last stage only
         self.grad_norm = None
 

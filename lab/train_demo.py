@@ -62,7 +62,7 @@ class StepMeter:
         self.out = dict(tokens_per_s=[], comm_bytes=[], peak_memory_bytes=[], grad_norms=[], state_bytes=None,
                         offload_bytes=[], ddp_overlap=None, ddp_launches=[])
         self.launched, self.grad_passes = [], []  # this step's bucket launches, and the backwards that added to them
-        self.transfers = ([], [])  # FlatUnit.download / upload calls (measured_train watches them)
+        self.transfers = ([], [])  # OffloadedUnit.download / upload calls (measured_train watches them)
 
     def begin(self, trainer, start: int) -> None:
         a, self.trainer = self.args, trainer
@@ -190,8 +190,8 @@ def measured_train(args, device=None, verbose: bool = True, meter=None) -> dict:
     meter = meter or StepMeter(args, device, verbose)
     with watch_calls(train.Trainer, "save") as saves, watch_calls(train.Trainer, "load") as loads, \
             watch_calls(train.Trainer, "init_from") as inits, watch_calls(train.Trainer, "export") as exports, \
-            watch_calls(fsdp.FlatUnit, "download", memory=False) as down, \
-            watch_calls(fsdp.FlatUnit, "upload", memory=False) as up:
+            watch_calls(fsdp.OffloadedUnit, "download", memory=False) as down, \
+            watch_calls(fsdp.OffloadedUnit, "upload", memory=False) as up:
         meter.transfers = (down, up)
         out = train.train(args, device, observer=meter)
     out.update(meter.results())

@@ -77,7 +77,7 @@ def _checkpoint(stage, **kw):
     """Train 2 steps, save this rank's shards; a model built from another seed (and gathered by an
     evaluation) loads them; one more step on each must agree to the bit."""
     from lab.data import get_batch, load_corpus
-    from fsdp import shard_model
+    from fsdp import Seams, shard_model
     from lab.model import build_model
     tokens, r, P = load_corpus(), dist.get_rank(), dist.get_world_size()
 
@@ -102,7 +102,7 @@ def _checkpoint(stage, **kw):
 
 def _run_p2():
     """Everything measured on 2 ranks."""
-    from fsdp import shard_model
+    from fsdp import Seams, shard_model
     from lab.fsdp_demo import train_and_measure
     from lab.model import Attention, SwiGLU, build_model
     kw = dict(steps=STEPS, batch=B, seq=S, lr=LR)
@@ -153,10 +153,10 @@ def _run_p2():
     # Bad input: one ValueError on every rank, before any collective.
     errors = []
     with CommCounter() as c:
-        for bad in (dict(stage=4), dict(stage=0, after_reduce=lambda t: None),
+        for bad in (dict(stage=4), dict(stage=0, seams=Seams(after_reduce=lambda t: None)),
                     dict(stage=3, param_dtype=torch.int64), dict(stage=3, units=[torch.nn.Linear(2, 2)]),
-                    dict(stage=1, groups_of=lambda n, p: (dist.group.WORLD, 0)),
-                    dict(stage=2, groups_of=lambda n, p: "experts")):
+                    dict(stage=1, seams=Seams(groups_of=lambda n, p: (dist.group.WORLD, 0))),
+                    dict(stage=2, seams=Seams(groups_of=lambda n, p: "experts"))):
             try:
                 shard_model(build_model("tiny"), **bad)
             except ValueError as e:
@@ -175,14 +175,15 @@ def _experts(stage, clip=False, clip_group=None):
     all-to-all already summed expert gradients over the ep group, so both divide by dp = 4."""
     from lab.data import get_batch, load_corpus
     from expert_parallel import parallelize_experts
-    from fsdp import shard_model
+    from fsdp import Seams, shard_model
     from mesh import Mesh
     from lab.model import build_model, get_config
     P, r = dist.get_world_size(), dist.get_rank()
     mesh = Mesh(dp_shard=P, ep=2)
     model = parallelize_experts(build_model(get_config("tiny", n_experts=4), seed=0, dtype=torch.float64), mesh)
     expert = {id(p) for blk in model.layers for p in blk.mlp.expert_parameters()}
-    opt = shard_model(model, stage, lr=LR, groups_of=lambda n, p: (mesh.group("edp"), P) if id(p) in expert else None)
+    opt = shard_model(model, stage, lr=LR,
+                      seams=Seams(groups_of=lambda n, p: (mesh.group("edp"), P) if id(p) in expert else None))
     tokens = load_corpus()
     for s in range(STEPS):
         with CommCounter() as c:
@@ -216,15 +217,15 @@ def _tp_partial(stage, hook=True):
     dp 2 x "tp" 2: both tp ranks hold the whole model and the same rows, but each takes the loss of
     half the positions, so each holds a partial gradient; before_reduce sums them over tp."""
     from lab.data import get_batch, load_corpus
-    from fsdp import shard_model
+    from fsdp import Seams, shard_model
     from mesh import Mesh, all_reduce_flat
     from lab.model import build_model
     mesh = Mesh(dp_shard=2, tp=2)
     tp, d, t = mesh.group("tp"), mesh.rank("dp_shard"), mesh.rank("tp")
     model = build_model("tiny", seed=0, dtype=torch.float64)
-    opt = shard_model(model, stage, group=mesh.group("dp_shard"), lr=LR,
+    opt = shard_model(model, stage, group=mesh.group("dp_shard"), lr=LR, seams=Seams(
                       before_reduce=(lambda ps: all_reduce_flat([p.grad for p in ps if p.grad is not None], tp))
-                      if hook else None)
+                      if hook else None))
     tokens = load_corpus()
     for s in range(STEPS):
         x, y = get_batch(tokens, s, B, S, 0, d, 2)

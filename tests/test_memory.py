@@ -48,7 +48,7 @@ OFFLOAD = [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + [
 def test_offload_equals_one_process_and_moves_what_the_formula_says():
     """--offload (the fp32 master and AdamW state in host memory, the optimizer stepping there) on every ZeRO
     stage and with tp, pp and experts: equal to one process; per step each rank moves exactly each reduced
-    gradient slice down (b_m·n) and each new compute slice up (b_p·n), counted by wrapping FlatUnit's
+    gradient slice down (b_m·n) and each new compute slice up (b_p·n), counted by wrapping OffloadedUnit's
     download and upload from outside. In bf16 the way up carries half the bytes."""
     res = run_ranks(run_layouts, 2, [lay + ["--offload"] for lay in OFFLOAD], COMMON, timeout=600)
     for lay in res[0]:
