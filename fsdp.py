@@ -488,87 +488,119 @@ def _tensors(out):
             yield from _tensors(getattr(out, f.name))
 
 
-def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
-    """units [((module, ...), [FlatUnit per group])]: forward and backward hooks on each unit's modules. A unit
-    of several modules (the final norm and the head) runs as one: gathered before any of them runs, its
-    backward's end marked on its first module's inputs, freed after its last module's forward."""
-    stage3, order, done = opt.stage == 3, [], set()  # order: units by first forward, for the prefetch
+class _ReduceHooks:
+    """Stage 2 on a model's units [((module, ...), [FlatUnit per group])]: each unit's gradient is reduced as
+    soon as its backward is done (a _PostBackward on its inputs marks the end); at the end of backward every
+    unit not reduced yet, in one order on every rank (a branch some ranks skip can neither hang nor skip a
+    reduction). A unit of several modules (the final norm and the head) runs as one: its backward's end is
+    marked on its first module's inputs."""
 
-    # -- stage 2: reduce each unit's gradient as soon as its backward is done; at the end of backward,
-    #    every unit not reduced yet (one order on every rank: a branch some ranks skip cannot hang)
-    def mark_end_of_backward(i, args, kwargs):
+    def __init__(self, opt, units, root):
+        self.opt, self.units, self.root, self.done = opt, units, root, set()
+
+    def install(self):
+        for i, (modules, _) in enumerate(self.units):
+            for m in modules:
+                m.register_forward_pre_hook(lambda m, args, kwargs, i=i, first=m is modules[0]:
+                                            self.pre_forward(i, first, args, kwargs), with_kwargs=True)
+                m.register_forward_hook(lambda m, args, out, i=i, last=m is modules[-1]:
+                                        self.post_forward(i, last, out))
+
+    # -- the module hooks
+    def pre_forward(self, i, first, args, kwargs):
+        return self.mark_end_of_backward(i, args, kwargs) if first else None
+
+    def post_forward(self, i, last, output):
+        for t in _tensors(output):  # every tensor the output holds, however nested (a dict, a dataclass)
+            if t.requires_grad:
+                t.register_hook(lambda g: self.pre_backward(i))  # runs before the unit's backward
+
+    def pre_backward(self, i):
+        if not self.opt.in_backward:  # the first unit of this backward: finish every unit at its end
+            self.opt.in_backward = self.opt.saw_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    # -- the end of a unit's backward, and of the whole backward
+    def mark_end_of_backward(self, i, args, kwargs):
         want = [(args, k) for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         want += [(kwargs, k) for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
         if not (want and torch.is_grad_enabled()):
             return None  # no input gradient will mark the end of its backward: end_of_backward reduces it
         args, kwargs = list(args), dict(kwargs)
         where = [(args if box is not kwargs else kwargs, k) for box, k in want]
-        for (box, k), a in zip(where, _PostBackward.apply(lambda: post_backward(i), *[box[k] for box, k in where])):
+        for (box, k), a in zip(where, _PostBackward.apply(lambda: self.post_backward(i), *[box[k] for box, k in where])):
             box[k] = a
         return tuple(args), kwargs
 
-    def start_of_backward():
-        if not opt.in_backward:  # the first unit of this backward: finish every unit at its end
-            opt.in_backward = opt.saw_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
-
-    def post_backward(i):
-        done.add(i)
-        for u in units[i][1]:
-            if opt.deferring:
+    def post_backward(self, i):
+        self.done.add(i)
+        for u in self.units[i][1]:
+            if self.opt.deferring:
                 u.unreduced = True  # inside opt.accumulating(): the full gradient stays
             else:
-                opt.reduce_unit(u)
-        if stage3 and (reshard_after_forward or not opt.deferring):
-            free(i)
+                self.opt.reduce_unit(u)
 
-    def end_of_backward():
-        for i in [i for i in range(len(units)) if i not in done]:  # one order on every rank
-            post_backward(i)
-        done.clear()
-        opt.in_backward = False
-        if not opt.deferring:
-            opt.finish_reduction()
+    def end_of_backward(self):
+        for i in [i for i in range(len(self.units)) if i not in self.done]:  # one order on every rank
+            self.post_backward(i)
+        self.done.clear()
+        self.opt.in_backward = False
+        if not self.opt.deferring:
+            self.opt.finish_reduction()
 
-    # -- stage 3: gather a unit (all its groups together) before its forward and its backward, free it after
-    def gather(i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
-        j = order.index(i) + step  # (pre_forward listed i before its first gather)
-        ahead = units[order[j]][1] if prefetch and 0 <= j < len(order) and units[order[j]][0][0] is not root else []
+
+class _GatherHooks(_ReduceHooks):
+    """Stage 3: stage 2's hooks, and a unit (all its groups together) gathered before its forward and its
+    backward and freed after each — with the next unit in the pass's direction prefetched behind it. A unit
+    of several modules is gathered before its first module runs and freed after its last one's forward."""
+
+    def __init__(self, opt, units, root, reshard_after_forward, prefetch):
+        super().__init__(opt, units, root)
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.order = []  # units by first forward, for the prefetch
+
+    def gather(self, i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
+        j = self.order.index(i) + step  # (pre_forward listed i before its first gather)
+        units, order = self.units, self.order
+        ahead = units[order[j]][1] if self.prefetch and 0 <= j < len(order) and units[order[j]][0][0] is not self.root \
+            else []
         for u in units[i][1] + ahead:
             u.unshard()
         for u in units[i][1]:
             u.wait()
 
-    def free(i):
-        for u in units[i][1]:
+    def free(self, i):
+        for u in self.units[i][1]:
             u.free()
 
-    # -- the module hooks, which call both
-    def pre_forward(i, first, args, kwargs):
-        if stage3:
-            if i not in order:
-                order.append(i)
-            gather(i, +1)  # (a unit's later modules find it gathered already)
-        return mark_end_of_backward(i, args, kwargs) if first else None
+    def pre_forward(self, i, first, args, kwargs):
+        if i not in self.order:
+            self.order.append(i)
+        self.gather(i, +1)  # (a unit's later modules find it gathered already)
+        return super().pre_forward(i, first, args, kwargs)
 
-    def post_forward(i, last, output):
+    def post_forward(self, i, last, output):
         # The root's backward starts right after its forward: keep it gathered, unless none follows.
-        if last and stage3 and reshard_after_forward and (units[i][0][0] is not root or not torch.is_grad_enabled()):
-            free(i)
-        for t in _tensors(output):  # every tensor the output holds, however nested (a dict, a dataclass)
-            if t.requires_grad:
-                t.register_hook(lambda g: pre_backward(i))  # runs before the unit's backward
+        if last and self.reshard_after_forward and (self.units[i][0][0] is not self.root or not torch.is_grad_enabled()):
+            self.free(i)
+        super().post_forward(i, last, output)
 
-    def pre_backward(i):
-        start_of_backward()
-        if stage3:
-            gather(i, -1)
+    def pre_backward(self, i):
+        super().pre_backward(i)
+        self.gather(i, -1)
 
-    for i, (modules, _) in enumerate(units):
-        for m in modules:
-            m.register_forward_pre_hook(lambda m, args, kwargs, i=i, first=m is modules[0]:
-                                        pre_forward(i, first, args, kwargs), with_kwargs=True)
-            m.register_forward_hook(lambda m, args, out, i=i, last=m is modules[-1]: post_forward(i, last, out))
+    def post_backward(self, i):
+        super().post_backward(i)
+        if self.reshard_after_forward or not self.opt.deferring:
+            self.free(i)
+
+
+def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
+    """units [((module, ...), [FlatUnit per group])]: stage 2's hooks, or stage 3's, on each unit's modules."""
+    hooks = _GatherHooks(opt, units, root, reshard_after_forward, prefetch) if opt.stage == 3 else \
+        _ReduceHooks(opt, units, root)
+    hooks.install()
+    return hooks
 
 
 # ---- 5. the entry point ------------------------------------------------------------------------------
