@@ -213,7 +213,9 @@ class _Resharded(nn.Parameter):
     _metadata = {"shape", "dtype", "device", "requires_grad", "grad", "size", "dim", "numel", "ndim", "is_leaf",
                  "layout", "__hash__", "is_meta", "is_cuda", "untyped_storage", "is_floating_point", "is_complex",
                  "element_size", "nelement", "grad_fn", "_version", "is_sparse", "names", "_base", "requires_grad_",
-                 "new_zeros", "new_empty", "apply"}  # apply, grad (torch.autograd.grad): autograd, by identity
+                 "new_zeros", "new_empty", "apply",  # apply, grad (torch.autograd.grad): autograd, by identity
+                 "register_hook", "register_post_accumulate_grad_hook",  # hooks: PyTorch's MemTracker, DDP-like tools
+                 "data_ptr", "storage_offset", "stride", "is_contiguous"}  # where it lives, not what it holds
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
