@@ -123,9 +123,8 @@ LAYOUTS = [(["--tp", "4"], "llama"),
            (["--tp", "2", "--dp-shard", "2", "--init-read", "rank-0"], "llama"),
            (["--dp-shard", "4", "--ep", "4"], "mixtral"),
            (["--dp-shard", "2", "--tp", "2", "--ep", "2"], "mixtral-stacked")]
-# tp x pp x dp needs 8 ranks
-LAYOUTS_8 = [(["--pp", "2", "--tp", "2", "--dp-shard", "2"], "llama-sharded"),
-             (["--pp", "2", "--dp-shard", "4", "--ep", "2", "--global-batch-size", "8"], "mixtral")]
+# tp x pp x dp needs 8 ranks (with experts: ep borrows the 2 data-parallel ranks)
+LAYOUTS_8 = [(["--pp", "2", "--tp", "2", "--dp-shard", "2", "--ep", "2"], "mixtral")]
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +191,178 @@ def test_a_hf_directory_starts_every_layout_with_its_weights(models):
 def test_a_hf_directory_starts_tp_x_pp_x_dp_on_8_ranks(models):
     layouts = [_case(models, f, fam) for f, fam in LAYOUTS_8]
     _check_layouts(run_ranks(_start_from, 8, layouts, timeout=600), models, LAYOUTS_8, 8)
+
+
+# ---- out: a directory transformers loads, with the course's logits; and a real tokenizer --------------------
+
+def word_tokenizer(path, words):
+    """A tiny word-level tokenizer (the tokenizers library) trained on `words`, saved as path/tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return tok
+
+
+WORDS = ("shard gather reduce scatter rank tensor pipeline stage expert router token layer norm head "
+         "embedding optimizer step loss gradient bucket ring chunk slice column row").split()
+
+
+def text(n=3000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(WORDS[i] for i in torch.randint(len(WORDS), (n,), generator=g))
+
+
+def _read_safetensors(path):
+    out = {}
+    for f in (f for f in os.listdir(path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(path, f), framework="pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def test_export_after_training_on_a_sharded_layout_loads_in_transformers(models, tmp_path, float64_islands):
+    """Trained 2 steps on ZeRO-3 x tp (and a Mixtral on ZeRO-3 x ep), --export-format hf writes shards (a small
+    SHARD_BYTES) that from_pretrained loads, holding exactly the trained weights (the same run's plain export)
+    and giving the course model's logits to 1e-10; a model directory's tokenizer.json tokenizes --data (word
+    ids, not bytes) and goes along with the export."""
+    float64_islands()
+    tokdir = tmp_path / "with-tokenizer"
+    tok = word_tokenizer(tmp_path, WORDS)  # (its vocabulary: the words and [UNK])
+    expected_tok = saved(tokdir, llama_config(vocab=32))
+    os.replace(tmp_path / "tokenizer.json", tokdir / "tokenizer.json")
+    data = tmp_path / "words.txt"
+    data.write_text(text())
+    out = {k: str(tmp_path / k) for k in ("plain.pt", "llama", "mixtral", "tokenized")}
+    sharded = ["--dp-shard", "2", "--tp", "2"]
+    cases = [(COMMON + sharded + ["--init-from", models["llama"][0], "--export", out["plain.pt"]], models["llama"][1]),
+             (COMMON + sharded + ["--init-from", models["llama"][0], "--export", out["llama"], "--export-format", "hf"],
+              models["llama"][1]),
+             (COMMON + ["--dp-shard", "4", "--ep", "2", "--init-from", models["mixtral"][0], "--export",
+                        out["mixtral"], "--export-format", "hf"], models["mixtral"][1]),
+             (COMMON + ["--dp-shard", "4", "--init-from", str(tokdir), "--data", str(data), "--export",
+                        out["tokenized"], "--export-format", "hf"], expected_tok)]
+    res = run_ranks(_start_from, 4, cases, shard_bytes=20_000, timeout=600)
+    for i, (flags, _) in enumerate(cases):
+        assert all(r[i]["diff"] == 0.0 for r in res), flags
+        want = reference_losses(parse_args(flags))
+        assert max(abs(a - b) for a, b in zip(res[0][i]["losses"], want)) < TOL64, flags
+    assert res[0][0]["losses"] == res[0][1]["losses"]
+
+    x = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(3))
+    trained = torch.load(out["plain.pt"], weights_only=True)
+    files = os.listdir(out["llama"])
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert "config.json" in files and "model.safetensors.index.json" in files and len(shards) > 3, files
+    index = json.load(open(os.path.join(out["llama"], "model.safetensors.index.json")))
+    assert set(index["weight_map"].values()) == set(shards)
+    cfg = config_from_hf(transformers.AutoConfig.from_pretrained(out["llama"]))
+    on_disk = _read_safetensors(out["llama"])
+    assert on_disk.keys() == to_hf(trained, cfg).keys()
+    assert all(torch.equal(on_disk[k], v) for k, v in to_hf(trained, cfg).items())  # the trained weights, exactly
+    course = build_model(cfg, dtype=torch.float64)
+    course.load_state_dict(trained, strict=True)
+    with torch.no_grad():
+        diff = (from_pretrained(out["llama"], "llama")(x).logits - course(x)).abs().max().item()
+    assert diff < EXACT, diff
+    assert not any(p.endswith(".partial") for p in os.listdir(tmp_path))
+
+    moe = build_model(config_from_hf(transformers.AutoConfig.from_pretrained(out["mixtral"])), dtype=torch.float64)
+    moe.load_state_dict(checkpoint.whole_model(out["mixtral"]), strict=True)
+    assert not torch.equal(moe.layers[0].mlp.w1, models["mixtral"][1]["layers.0.mlp.w1"])  # trained
+    with torch.no_grad():
+        diff = (from_pretrained(out["mixtral"], "mixtral")(x).logits - moe(x)).abs().max().item()
+    assert diff < EXACT, diff
+
+    # the tokenizer: word ids (a byte would not fit the 32-token embedding); the first loss, recomputed here
+    assert os.path.isfile(os.path.join(out["tokenized"], "tokenizer.json"))
+    ids = load_corpus(str(data), tokenizer=tok)
+    assert len(ids) == 3000 and int(ids.max()) < 32 and torch.equal(ids, torch.tensor(tok.encode(text()).ids))
+    model = build_model(config_from_hf(llama_config(vocab=32)), dtype=torch.float64)
+    model.load_state_dict(expected_tok)
+    xb, yb = get_batch(ids, 0, 4, 16)
+    with torch.no_grad():
+        first = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten()).item()
+    assert abs(res[0][3]["losses"][0] - first) < TOL64
+
+
+# ---- refusals: one clear error on every rank, before any collective -----------------------------------------
+
+def _refusals(cases):
+    """Rank function: lab.train_demo.run on each command line; the ValueError each raises and how many
+    collectives ran before it."""
+    from lab import train_demo
+    from lab.instruments import CommCounter
+    out = []
+    for flags in cases:
+        with CommCounter() as c:
+            try:
+                train_demo.run(flags)
+                out.append((None, c.calls()))
+            except ValueError as e:
+                out.append((str(e), c.calls()))
+    return out
+
+
+def test_a_directory_train_py_cannot_use_is_refused_on_every_rank(models, tmp_path):
+    import shutil
+    llama, expected = models["llama"]
+    hf_state = to_hf(expected, config_from_hf(llama_config()))
+    cases = {}
+
+    def case(name, message, *flags, config=None, tensors=None, copy=None):
+        d = tmp_path / name
+        if copy:
+            shutil.copytree(copy, d)
+        else:
+            os.makedirs(d)
+        if config is not None:
+            config.save_pretrained(d)
+        if tensors is not None:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
+        cases[name] = (["--dp-shard", "2", "--init-from", str(d), *flags], message)
+        return d
+
+    case("no-config", "holds no config.json", tensors=hf_state)
+    case("gpt2", "not 'gpt2'", config=transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4))
+    case("qwen2", "biases", config=transformers.Qwen2Config(hidden_size=32, num_attention_heads=4,
+                                                             num_key_value_heads=2))
+    llama32 = llama_config()
+    llama32.rope_parameters = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    case("llama3-rope", "rope_parameters", config=llama32)
+    case("no-weights", "holds neither model.safetensors", config=llama_config())
+    case("missing-tensor", "lacks 1 of the tensors", config=llama_config(),
+         tensors={k: v for k, v in hf_state.items() if k != "model.layers.1.mlp.up_proj.weight"})
+    narrow = llama_config()
+    narrow.intermediate_size = 48
+    case("other-shape", "do not have the shape config.json gives", config=narrow, tensors=hf_state)
+    gone = case("missing-shard", "files that are not there", copy=models["llama-sharded"][0])
+    os.remove(gone / sorted(f for f in os.listdir(gone) if f.endswith(".safetensors"))[2])
+    small = case("tokenizer-too-big", "would not fit the embedding", copy=llama)
+    word_tokenizer(small, WORDS + [f"w{i}" for i in range(300)])
+    words = case("few-tokens", "holds 6 tokens of tokenizer.json", "--data", str(tmp_path / "six.txt"),
+                 copy=llama)
+    word_tokenizer(words, WORDS)
+    (tmp_path / "six.txt").write_text("shard gather reduce scatter rank tensor")  # 39 bytes, 6 words
+    cases["layers"] = (["--dp-shard", "2", "--init-from", llama, "--layers", "1"], "--layers: --init-from")
+    cases["export-over"] = (["--dp-shard", "2", "--init-from", llama, "--export", llama, "--export-format", "hf"],
+                            "an export never writes over a directory")
+    flags = [COMMON + f for f, _ in cases.values()]
+    for rank_results in run_ranks(_refusals, 2, flags, timeout=300):
+        for (name, (_, message)), (err, calls) in zip(cases.items(), rank_results):
+            assert err is not None and message in err and calls == 0, (name, message, err, calls)
+            assert err.count("\n  - ") == 1, (name, err)  # one problem, one line
+
+
+# ---- named real models ------------------------------------------------------------------------------------
+
+def test_named_real_models_have_their_published_sizes():
+    """SmolLM2-135M and Llama-3.2-1B: with the embedding counted once (they tie it to the head; the course holds
+    two), their published parameter counts."""
+    for name, published in (("smollm2-135m", 134_515_008), ("llama3.2-1b", 1_235_814_400)):
+        cfg = get_config(name)
+        assert num_params(cfg) - cfg.vocab_size * cfg.dim == published, name
+    from train import check_args
+    check_args(parse_args(["--model", "smollm2-135m", "--dp-shard", "8", "--plan"]), 8)
