@@ -5,9 +5,14 @@ cannot use is refused on every rank before any collective; a tokenizer.json besi
 
 Every checkpoint here is written by transformers' save_pretrained from a tiny config with random float64
 weights: nothing is downloaded. Expected values come from transformers' own state dict through lab/hf.py's
-to_course (not through the reader under test)."""
+to_course (not through the reader under test). Spawning ranks is the cost: one spawn of 4 ranks runs every
+4-rank layout, export and refusal (the fixture `four`), and one of 8 ranks tp x pp x dp."""
+import io
+from contextlib import redirect_stdout
 import json
 import os
+import re
+import shutil
 from contextlib import nullcontext
 
 import pytest
@@ -88,16 +93,22 @@ class _Look:
         pass
 
 
-def _start_from(cases, shard_bytes=None):
-    """Rank function: train.train on each (flags, expected course state dict); per case this rank's largest
-    difference from the expected values of every parameter it holds, the bytes it read from the files and
-    the elements of its share, and the losses."""
+def _start_from(cases):
+    """On each rank, for each (flags, expected course state dict): train.train, then this rank's largest
+    difference from the expected values of every parameter it held right after --init-from, the bytes it read
+    from the files and the elements of its share, and the losses. A case with --check runs through the runner
+    (lab.train_demo.measured_train: its step lines and its comparison with one process) instead."""
     import train
     from lab.instruments import watch_calls
-    if shard_bytes:
-        checkpoint.SHARD_BYTES = shard_bytes
+    from lab.train_demo import measured_train
     out = []
     for flags, expected in cases:
+        if "--check" in flags:
+            printed = io.StringIO()
+            with redirect_stdout(printed):
+                res = measured_train(parse_args(flags))
+            out.append(dict(flags=flags, check_ok=res["check_ok"], printed=printed.getvalue(), losses=res["losses"]))
+            continue
         look = _Look()
         with watch_calls(train.Trainer, "init_from", memory=False) as inits:
             res = train.train(parse_args(flags), observer=look)
@@ -111,6 +122,28 @@ def _start_from(cases, shard_bytes=None):
         out.append(dict(flags=flags, diff=diff, names=sorted(look.held), read=inits[0]["result"] if inits else None,
                         share=sum(look.share), losses=res["losses"]))
     return out
+
+
+def _refusals(cases):
+    """On each rank, lab.train_demo.run on each command line: the ValueError each raises and how many
+    collectives ran before it."""
+    from lab import train_demo
+    from lab.instruments import CommCounter
+    out = []
+    for flags in cases:
+        with CommCounter() as c:
+            try:
+                train_demo.run(flags)
+                out.append((None, c.calls()))
+            except ValueError as e:
+                out.append((str(e), c.calls()))
+    return out
+
+
+def _rank_work(layouts, exports, refusals, shard_bytes):
+    """Rank function: everything one spawn of ranks checks."""
+    checkpoint.SHARD_BYTES = shard_bytes  # (small: the export is sharded)
+    return dict(layouts=_start_from(layouts), exports=_start_from(exports), refusals=_refusals(refusals))
 
 
 # (flags, family) on 4 ranks: tp (4 > 2 kv heads: replicated), pp x ZeRO-3, ZeRO-3, cp x tp, tp x pp, tp x ZeRO-3
@@ -183,14 +216,15 @@ def _check_layouts(results, models, layouts, world):
     print("\n".join(bytes_lines))
 
 
-def test_a_hf_directory_starts_every_layout_with_its_weights(models):
-    layouts = [_case(models, f, fam) for f, fam in LAYOUTS]
-    _check_layouts(run_ranks(_start_from, 4, layouts, timeout=600), models, LAYOUTS, 4)
+def test_a_hf_directory_starts_every_layout_with_its_weights(models, four):
+    _check_layouts([r["layouts"] for r in four["results"]], models, LAYOUTS, 4)
 
 
 def test_a_hf_directory_starts_tp_x_pp_x_dp_on_8_ranks(models):
     layouts = [_case(models, f, fam) for f, fam in LAYOUTS_8]
-    _check_layouts(run_ranks(_start_from, 8, layouts, timeout=600), models, LAYOUTS_8, 8)
+    results = run_ranks(_rank_work, 8, layouts, [], [], checkpoint.SHARD_BYTES, timeout=600)
+    _check_layouts([r["layouts"] for r in results], models, LAYOUTS_8, 8)
+
 
 
 # ---- out: a directory transformers loads, with the course's logits; and a real tokenizer --------------------
@@ -207,6 +241,7 @@ def word_tokenizer(path, words):
 
 WORDS = ("shard gather reduce scatter rank tensor pipeline stage expert router token layer norm head "
          "embedding optimizer step loss gradient bucket ring chunk slice column row").split()
+SHARDED = ["--dp-shard", "2", "--tp", "2"]
 
 
 def text(n=3000, seed=0):
@@ -222,29 +257,92 @@ def _read_safetensors(path):
     return out
 
 
-def test_export_after_training_on_a_sharded_layout_loads_in_transformers(models, tmp_path, float64_islands):
-    """Trained 2 steps on ZeRO-3 x tp (and a Mixtral on ZeRO-3 x ep), --export-format hf writes shards (a small
-    SHARD_BYTES) that from_pretrained loads, holding exactly the trained weights (the same run's plain export)
-    and giving the course model's logits to 1e-10; a model directory's tokenizer.json tokenizes --data (word
-    ids, not bytes) and goes along with the export."""
-    float64_islands()
-    tokdir = tmp_path / "with-tokenizer"
-    tok = word_tokenizer(tmp_path, WORDS)  # (its vocabulary: the words and [UNK])
+def _exports(models, root):
+    """(cases, paths): trained 2 steps on ZeRO-3 x tp from the llama directory, exported plain and as a
+    Hugging Face directory; a Mixtral on ZeRO-3 x ep; a model with a tokenizer.json (32 tokens) on --data,
+    through the runner with --check."""
+    tokdir = root / "with-tokenizer"
     expected_tok = saved(tokdir, llama_config(vocab=32))
-    os.replace(tmp_path / "tokenizer.json", tokdir / "tokenizer.json")
-    data = tmp_path / "words.txt"
-    data.write_text(text())
-    out = {k: str(tmp_path / k) for k in ("plain.pt", "llama", "mixtral", "tokenized")}
-    sharded = ["--dp-shard", "2", "--tp", "2"]
-    cases = [(COMMON + sharded + ["--init-from", models["llama"][0], "--export", out["plain.pt"]], models["llama"][1]),
-             (COMMON + sharded + ["--init-from", models["llama"][0], "--export", out["llama"], "--export-format", "hf"],
-              models["llama"][1]),
+    tok = word_tokenizer(tokdir, WORDS)
+    (root / "words.txt").write_text(text())
+    out = {k: str(root / k) for k in ("plain.pt", "llama", "mixtral", "tokenized")}
+    llama = ["--init-from", models["llama"][0]]
+    cases = [(COMMON + SHARDED + llama + ["--export", out["plain.pt"]], models["llama"][1]),
+             (COMMON + SHARDED + llama + ["--export", out["llama"], "--export-format", "hf"], models["llama"][1]),
              (COMMON + ["--dp-shard", "4", "--ep", "2", "--init-from", models["mixtral"][0], "--export",
                         out["mixtral"], "--export-format", "hf"], models["mixtral"][1]),
-             (COMMON + ["--dp-shard", "4", "--init-from", str(tokdir), "--data", str(data), "--export",
-                        out["tokenized"], "--export-format", "hf"], expected_tok)]
-    res = run_ranks(_start_from, 4, cases, shard_bytes=20_000, timeout=600)
-    for i, (flags, _) in enumerate(cases):
+             ([f for f in COMMON if f != "--quiet"] + ["--dp-shard", "4", "--init-from", str(tokdir), "--data",
+                                                       str(root / "words.txt"), "--export", out["tokenized"],
+                                                       "--export-format", "hf", "--check"], expected_tok)]
+    return cases, dict(out, tokenizer=tok, words=str(root / "words.txt"), expected_tok=expected_tok)
+
+
+def _refusal_cases(models, root):
+    """{name: (flags, the message's words)}: directories train.py cannot use, each wrong in one way."""
+    llama, expected = models["llama"]
+    hf_state = to_hf(expected, config_from_hf(llama_config()))
+    cases = {}
+
+    def case(name, message, *flags, config=None, tensors=None, copy=None):
+        d = root / name
+        if copy:
+            shutil.copytree(copy, d)
+        else:
+            os.makedirs(d)
+        if config is not None:
+            config.save_pretrained(d)
+        if tensors is not None:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
+        cases[name] = (["--dp-shard", "4", "--init-from", str(d), *flags], message)
+        return d
+
+    case("no-config", "holds no config.json", tensors=hf_state)
+    case("gpt2", "not 'gpt2'", config=transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4))
+    case("qwen2", "biases", config=transformers.Qwen2Config(hidden_size=32, num_attention_heads=4,
+                                                             num_key_value_heads=2))
+    llama32 = llama_config()
+    llama32.rope_parameters = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    case("llama3-rope", "rope_parameters", config=llama32)
+    case("no-weights", "holds neither model.safetensors", config=llama_config())
+    case("missing-tensor", "lacks 1 of the tensors", config=llama_config(),
+         tensors={k: v for k, v in hf_state.items() if k != "model.layers.1.mlp.up_proj.weight"})
+    narrow = llama_config()
+    narrow.intermediate_size = 48
+    case("other-shape", "do not have the shape config.json gives", config=narrow, tensors=hf_state)
+    case("extra-tensor", "has no place for", config=llama_config(), tensors=dict(hf_state, bias=torch.zeros(3)))
+    gone = case("missing-shard", "files that are not there", copy=models["llama-sharded"][0])
+    os.remove(gone / sorted(f for f in os.listdir(gone) if f.endswith(".safetensors"))[2])
+    word_tokenizer(case("tokenizer-too-big", "would not fit the embedding", copy=llama),
+                   WORDS + [f"w{i}" for i in range(300)])
+    word_tokenizer(case("few-tokens", "holds 6 tokens of tokenizer.json", "--data", str(root / "six.txt"),
+                        copy=llama), WORDS)
+    (root / "six.txt").write_text("shard gather reduce scatter rank tensor")  # 39 bytes, 6 words
+    cases["layers"] = (["--dp-shard", "4", "--init-from", llama, "--layers", "1"], "--layers: --init-from")
+    cases["export-over"] = (["--dp-shard", "4", "--init-from", llama, "--export", llama, "--export-format", "hf"],
+                            "an export never writes over a directory")
+    return cases
+
+
+@pytest.fixture(scope="module")
+def four(models, tmp_path_factory):
+    """One spawn of 4 ranks: every 4-rank layout, the exports, the refusals."""
+    root = tmp_path_factory.mktemp("four")
+    exports, paths = _exports(models, root)
+    refusals = _refusal_cases(models, root)
+    layouts = [_case(models, f, fam) for f, fam in LAYOUTS]
+    results = run_ranks(_rank_work, 4, layouts, exports, [COMMON + f for f, _ in refusals.values()], 20_000,
+                        timeout=600)
+    return dict(results=results, exports=exports, paths=paths, refusals=refusals, root=root)
+
+
+def test_export_after_training_on_a_sharded_layout_loads_in_transformers(four, models, float64_islands):
+    """Trained 2 steps on ZeRO-3 x tp (and a Mixtral on ZeRO-3 x ep), --export-format hf writes shards (a small
+    SHARD_BYTES) that from_pretrained loads, holding exactly the trained weights (the same run's plain export)
+    and giving the course model's logits to 1e-10."""
+    float64_islands()
+    res, out = [r["exports"] for r in four["results"]], four["paths"]
+    for i, (flags, _) in enumerate(four["exports"][:3]):
         assert all(r[i]["diff"] == 0.0 for r in res), flags
         want = reference_losses(parse_args(flags))
         assert max(abs(a - b) for a, b in zip(res[0][i]["losses"], want)) < TOL64, flags
@@ -266,7 +364,7 @@ def test_export_after_training_on_a_sharded_layout_loads_in_transformers(models,
     with torch.no_grad():
         diff = (from_pretrained(out["llama"], "llama")(x).logits - course(x)).abs().max().item()
     assert diff < EXACT, diff
-    assert not any(p.endswith(".partial") for p in os.listdir(tmp_path))
+    assert not any(p.endswith(".partial") for p in os.listdir(four["root"]))
 
     moe = build_model(config_from_hf(transformers.AutoConfig.from_pretrained(out["mixtral"])), dtype=torch.float64)
     moe.load_state_dict(checkpoint.whole_model(out["mixtral"]), strict=True)
@@ -275,83 +373,32 @@ def test_export_after_training_on_a_sharded_layout_loads_in_transformers(models,
         diff = (from_pretrained(out["mixtral"], "mixtral")(x).logits - moe(x)).abs().max().item()
     assert diff < EXACT, diff
 
-    # the tokenizer: word ids (a byte would not fit the 32-token embedding); the first loss, recomputed here
-    assert os.path.isfile(os.path.join(out["tokenized"], "tokenizer.json"))
-    ids = load_corpus(str(data), tokenizer=tok)
+
+def test_a_model_directory_tokenizer_tokenizes_the_data(four):
+    """tokenizer.json beside the weights: --data becomes word ids (a byte would not fit the 32-token embedding);
+    the step lines and --check work as before; the first loss, recomputed here from the tokenizer's ids; the
+    tokenizer goes along with the export."""
+    res, out = [r["exports"][3] for r in four["results"]], four["paths"]
+    assert all(r["check_ok"] for r in res)
+    printed = res[0]["printed"]
+    assert re.search(r"step +2 +loss", printed) and "losses vs the single-process run" in printed, printed
+    tok = out["tokenizer"]
+    ids = load_corpus(out["words"], tokenizer=tok)
     assert len(ids) == 3000 and int(ids.max()) < 32 and torch.equal(ids, torch.tensor(tok.encode(text()).ids))
     model = build_model(config_from_hf(llama_config(vocab=32)), dtype=torch.float64)
-    model.load_state_dict(expected_tok)
-    xb, yb = get_batch(ids, 0, 4, 16)
+    model.load_state_dict(out["expected_tok"])
+    x, y = get_batch(ids, 0, 4, 16)
     with torch.no_grad():
-        first = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten()).item()
-    assert abs(res[0][3]["losses"][0] - first) < TOL64
+        first = F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+    assert abs(res[0]["losses"][0] - first) < TOL64
+    assert os.path.isfile(os.path.join(out["tokenized"], "tokenizer.json"))
 
 
 # ---- refusals: one clear error on every rank, before any collective -----------------------------------------
 
-def _refusals(cases):
-    """Rank function: lab.train_demo.run on each command line; the ValueError each raises and how many
-    collectives ran before it."""
-    from lab import train_demo
-    from lab.instruments import CommCounter
-    out = []
-    for flags in cases:
-        with CommCounter() as c:
-            try:
-                train_demo.run(flags)
-                out.append((None, c.calls()))
-            except ValueError as e:
-                out.append((str(e), c.calls()))
-    return out
-
-
-def test_a_directory_train_py_cannot_use_is_refused_on_every_rank(models, tmp_path):
-    import shutil
-    llama, expected = models["llama"]
-    hf_state = to_hf(expected, config_from_hf(llama_config()))
-    cases = {}
-
-    def case(name, message, *flags, config=None, tensors=None, copy=None):
-        d = tmp_path / name
-        if copy:
-            shutil.copytree(copy, d)
-        else:
-            os.makedirs(d)
-        if config is not None:
-            config.save_pretrained(d)
-        if tensors is not None:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
-        cases[name] = (["--dp-shard", "2", "--init-from", str(d), *flags], message)
-        return d
-
-    case("no-config", "holds no config.json", tensors=hf_state)
-    case("gpt2", "not 'gpt2'", config=transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4))
-    case("qwen2", "biases", config=transformers.Qwen2Config(hidden_size=32, num_attention_heads=4,
-                                                             num_key_value_heads=2))
-    llama32 = llama_config()
-    llama32.rope_parameters = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-    case("llama3-rope", "rope_parameters", config=llama32)
-    case("no-weights", "holds neither model.safetensors", config=llama_config())
-    case("missing-tensor", "lacks 1 of the tensors", config=llama_config(),
-         tensors={k: v for k, v in hf_state.items() if k != "model.layers.1.mlp.up_proj.weight"})
-    narrow = llama_config()
-    narrow.intermediate_size = 48
-    case("other-shape", "do not have the shape config.json gives", config=narrow, tensors=hf_state)
-    gone = case("missing-shard", "files that are not there", copy=models["llama-sharded"][0])
-    os.remove(gone / sorted(f for f in os.listdir(gone) if f.endswith(".safetensors"))[2])
-    small = case("tokenizer-too-big", "would not fit the embedding", copy=llama)
-    word_tokenizer(small, WORDS + [f"w{i}" for i in range(300)])
-    words = case("few-tokens", "holds 6 tokens of tokenizer.json", "--data", str(tmp_path / "six.txt"),
-                 copy=llama)
-    word_tokenizer(words, WORDS)
-    (tmp_path / "six.txt").write_text("shard gather reduce scatter rank tensor")  # 39 bytes, 6 words
-    cases["layers"] = (["--dp-shard", "2", "--init-from", llama, "--layers", "1"], "--layers: --init-from")
-    cases["export-over"] = (["--dp-shard", "2", "--init-from", llama, "--export", llama, "--export-format", "hf"],
-                            "an export never writes over a directory")
-    flags = [COMMON + f for f, _ in cases.values()]
-    for rank_results in run_ranks(_refusals, 2, flags, timeout=300):
-        for (name, (_, message)), (err, calls) in zip(cases.items(), rank_results):
+def test_a_directory_train_py_cannot_use_is_refused_on_every_rank(four):
+    for rank in four["results"]:
+        for (name, (_, message)), (err, calls) in zip(four["refusals"].items(), rank["refusals"]):
             assert err is not None and message in err and calls == 0, (name, message, err, calls)
             assert err.count("\n  - ") == 1, (name, err)  # one problem, one line
 
