@@ -66,7 +66,7 @@ def get_batch(tokens: torch.Tensor, step: int, global_batch: int, seq_len: int, 
                          f"{dp_size}: choose a multiple of {dp_size}")
     if len(tokens) < seq_len + 1:
         raise ValueError(f"corpus of {len(tokens)} tokens is shorter than seq_len + 1 = {seq_len + 1}: "
-                         f"give a text of at least {seq_len + 1} bytes or a shorter sequence length")
+                         f"give a longer text or a shorter sequence length")
     if not 0.0 <= pad_share <= 1.0:
         raise ValueError(f"pad_share {pad_share} must be between 0 and 1")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)

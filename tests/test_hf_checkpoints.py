@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import transformers
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from harness import run_ranks
 from lab import checkpoint
