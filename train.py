@@ -607,8 +607,9 @@ def check_args(args, world_size: int) -> None:
         n = len(load_corpus(args.data, tokenizer=tokenizer)) if tokenizer else os.path.getsize(args.data)
         if n < args.seq_len + 1:
             what = f"tokens of {checkpoint.TOKENIZER}" if tokenizer else "bytes (byte tokens)"
+            longer = "a longer text" if tokenizer else f"a text of at least {args.seq_len + 1} bytes"
             problems.append(f"--data {args.data!r} holds {n} {what}, fewer than --seq-len + 1 = {args.seq_len + 1}: "
-                            f"give a longer text or a shorter --seq-len")
+                            f"give {longer} or a shorter --seq-len")
     for flag in ("save_every", "keep"):
         if getattr(args, flag) < 0:
             problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
