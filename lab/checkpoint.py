@@ -435,7 +435,7 @@ class HFDirectory:
     rows (hf.disk_map: every dimension but the last merged), those elements lie in a run of rows of the narrowed
     tensor — and so of the whole one: a narrow of dimension 0 (tp's column-parallel slices, a rank's experts)
     shifts the run, a narrow of the last (row-parallel slices) keeps the rows and takes their columns [start, end).
-    What is read beyond the place is the rest of its first and last rows: under a row of the narrowed tensor."""
+    What is read beyond the place is at most the rest of its first and last rows (of the narrowed tensor)."""
 
     def __init__(self, path: str):
         self.path, self.cfg, self.files = path, hf.read_config(path), _tensor_files(path)
