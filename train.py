@@ -91,7 +91,7 @@ import hsdp
 import pipeline
 import ring_attention
 import tensor_parallel
-from lab import checkpoint
+from lab import checkpoint, hf
 from lab.data import IGNORE, get_batch, load_corpus
 from lab.model import CONFIGS, build_model, get_config, init_tensor, use_float8
 from mesh import DIMS, Mesh, mesh_problems
@@ -298,14 +298,20 @@ class Trainer:
         return checkpoint.load(self.opt, self.where, path)
 
     def export(self, path: str) -> None:
+        if self.args.export_format == "hf":  # a Hugging Face directory (its tokenizer from --init-from's, if any)
+            checkpoint.export_hf(self.opt, self.where, path, cfg=self.cfg, shapes=model_shapes(self.args),
+                                 dtype=store_dtype(self.args), device=self.device, copy_from=self.args.init_from)
+            return
         plain = build_model(config_of(self.args), device="meta")  # its state_dict's names, a tied weight's each
         first = {id(p): n for n, p in plain.named_parameters()}
         names = {n: first[id(t)] for n, t in plain.state_dict(keep_vars=True).items()}
         checkpoint.export(self.opt, self.where, path, shapes=model_shapes(self.args), names=names,
                           dtype=store_dtype(self.args), device=self.device)
 
-    def init_from(self, path: str, read: str = "every-rank") -> None:
-        checkpoint.init_from(self.opt, self.where, path, read, dtype=store_dtype(self.args), device=self.device)
+    def init_from(self, path: str, read: str = "every-rank") -> int:
+        """Start from a plain state dict or a Hugging Face directory; returns the bytes this rank read."""
+        return checkpoint.init_from(self.opt, self.where, path, read, dtype=store_dtype(self.args),
+                                    device=self.device)
 
 
 # ---- the loop ------------------------------------------------------------------------------------------
@@ -319,7 +325,7 @@ def train(args, device=None, observer=None) -> dict:
     device = device or torch.device("cpu")
     check_args(args, dist.get_world_size())                    # every rank, before any collective
     mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
-    tokens = load_corpus(args.data)
+    tokens = load_corpus(args.data, tokenizer=checkpoint.tokenizer_of(args.init_from))  # bytes, or the model's
     trainer = Trainer(args, mesh, device)
     resume = resume_path(args)  # --resume auto: the newest checkpoint under --save, or None on a first attempt
     start = trainer.load(resume) if resume else 0
@@ -419,7 +425,8 @@ def parse_args(argv=None):
     ep.add_argument("--experts", type=int, default=0, help="0: dense MLP")
     ep.add_argument("--top-k", type=int, default=2)
     run = p.add_argument_group("the model, the data and the optimizer")
-    run.add_argument("--model", choices=sorted(CONFIGS), default="tiny")
+    run.add_argument("--model", choices=sorted(CONFIGS), default="tiny",
+                     help="the model's shape (--init-from a Hugging Face directory: its config.json's instead)")
     run.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
     run.add_argument("--global-batch-size", type=int, default=8, help="sequences per optimizer step")
     for name, default in [("seq-len", 32), ("steps", 10), ("warmup", 2), ("seed", 0)]:
@@ -455,12 +462,18 @@ def parse_args(argv=None):
                          "newest), or 'auto': the newest under --save, or a fresh start when there is none (one "
                          "command line for the first attempt and every restart)")
     ck.add_argument("--init-from", default=None,
-                    help="start from a plain state dict {name: tensor} (--export writes one)")
+                    help="start from a plain state dict {name: tensor} (--export writes one), or from a Hugging "
+                         "Face model directory (config.json gives the model; safetensors weights; its "
+                         "tokenizer.json, if any, tokenizes --data)")
     ck.add_argument("--init-read", choices=["every-rank", "rank-0"], default="every-rank",
-                    help="--init-from: every rank reads the whole file, or rank 0 reads it and sends each rank "
-                         "its part")
+                    help="--init-from: every rank reads (a whole plain file; only its part of a directory's "
+                         "safetensors), or rank 0 reads and sends each rank its part")
     ck.add_argument("--export", default=None,
-                    help="afterwards, write the trained model as one plain state dict to this file")
+                    help="afterwards, write the trained model to this file (--export-format torch) or new "
+                         "directory (hf)")
+    ck.add_argument("--export-format", choices=["torch", "hf"], default="torch",
+                    help="--export: one plain state dict, or a Hugging Face directory (config.json, safetensors) "
+                         "that transformers' from_pretrained loads")
     ck.add_argument("--fail-at", type=int, default=None,
                     help="simulate a crash: the last rank dies right after this step, on torchrun's first attempt "
                          "only")
@@ -494,6 +507,9 @@ def store_dtype(args) -> torch.dtype:
 
 
 def config_of(args):
+    """The model's shape: --init-from a Hugging Face directory's config.json, else --model (--layers, --experts)."""
+    if checkpoint.is_hf_directory(args.init_from):
+        return hf.read_config(args.init_from)
     layers = {} if args.layers is None else dict(n_layers=args.layers)
     return get_config(args.model, n_experts=args.experts, top_k=args.top_k, **layers)
 
@@ -565,10 +581,10 @@ def check_args(args, world_size: int) -> None:
     if args.sequence_parallel and tp > 1 and (args.seq_len // cp) % tp:
         problems.append(f"--sequence-parallel splits each rank's {args.seq_len // cp} tokens over tp={tp}: "
                         f"use a --seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
-    if args.ep > 1 and not args.experts:
+    if args.ep > 1 and not cfg.n_experts:
         problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
-    if args.experts:
-        lesson(expert_parallel.validate_ep, args.experts, args.top_k, args.ep)
+    if cfg.n_experts:
+        lesson(expert_parallel.validate_ep, cfg.n_experts, cfg.top_k, args.ep)
     if args.zero_stage > 0 and dp * cp == 1:
         problems.append(f"--zero-stage {args.zero_stage} shards over data-parallel (and cp) ranks, but there "
                         f"is only one: use --zero-stage 0 or --dp-shard > 1")
@@ -576,12 +592,24 @@ def check_args(args, world_size: int) -> None:
         problems.append(f"--pad-share {args.pad_share} must be in [0, 1)")
     if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
         problems.append(f"--stop-at {args.stop_at} must be between 1 and --steps {args.steps}")
+    tokenizer = None
+    if checkpoint.is_hf_directory(args.init_from):  # config.json gives the shape; the files must hold it
+        given = [f for f, v in (("--layers", args.layers), ("--experts", args.experts)) if v]
+        if given:
+            problems.append(f"{' and '.join(given)}: --init-from {args.init_from!r} is a Hugging Face directory, "
+                            f"whose config.json gives the model's shape: leave them out")
+        hf_problems = checkpoint.hf_problems(args.init_from)
+        problems += hf_problems
+        tokenizer = None if hf_problems else checkpoint.tokenizer_of(args.init_from)
     if args.data is not None and not os.path.isfile(args.data):
         problems.append(f"--data {args.data!r} does not exist: give an existing text file or leave it out")
-    elif args.data is not None and os.path.getsize(args.data) < args.seq_len + 1:
-        problems.append(f"--data {args.data!r} holds {os.path.getsize(args.data)} bytes (byte tokens), fewer than "
-                        f"--seq-len + 1 = {args.seq_len + 1}: give a text of at least {args.seq_len + 1} bytes "
-                        f"or a shorter --seq-len")
+    elif args.data is not None:  # tokens: bytes, or what the model's tokenizer makes of the text
+        n = len(load_corpus(args.data, tokenizer=tokenizer)) if tokenizer else os.path.getsize(args.data)
+        if n < args.seq_len + 1:
+            what = f"tokens of {checkpoint.TOKENIZER}" if tokenizer else "bytes (byte tokens)"
+            longer = "a longer text" if tokenizer else f"a text of at least {args.seq_len + 1} bytes"
+            problems.append(f"--data {args.data!r} holds {n} {what}, fewer than --seq-len + 1 = {args.seq_len + 1}: "
+                            f"give {longer} or a shorter --seq-len")
     for flag in ("save_every", "keep"):
         if getattr(args, flag) < 0:
             problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
@@ -593,11 +621,14 @@ def check_args(args, world_size: int) -> None:
     elif args.resume not in (None, "auto"):
         problems.append(f"--resume {args.resume!r} holds no complete checkpoint (a step_N directory with "
                         f"meta.json): give one, or a directory of them, or --resume auto")
-    if args.init_from is not None and resume is None:
+    if args.init_from is not None and resume is None and not checkpoint.is_hf_directory(args.init_from):
         problems += checkpoint.state_dict_problems(args.init_from, model_shapes(args))
     if args.export is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
         problems.append(f"--export {args.export!r}: its directory does not exist")
-    if args.compare and (pp > 1 or cp > 1 or args.experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
+    elif args.export is not None and args.export_format == "hf" and os.path.exists(args.export):
+        problems.append(f"--export {args.export!r} --export-format hf writes a new directory, and this one exists: "
+                        f"give a new path (an export never writes over a directory)")
+    if args.compare and (pp > 1 or cp > 1 or cfg.n_experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
         problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
                         "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
     if problems:

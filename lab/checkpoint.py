@@ -15,6 +15,15 @@ its own (fsdp.load_places). This module is the file format around that algorithm
   safety      every file is read with torch.load(weights_only=True): tensors only, no code runs
   export      the whole model as ONE plain state dict {name: tensor}, written by rank 0 from the pieces every
               rank sends it, parameter by parameter; init_from starts any layout from such a file
+
+Hugging Face model directories (config.json + safetensors, one file or shards named by an index) go both ways:
+  in          config.json gives the model's shape (lab/hf.py); each rank reads only the rows and columns of the
+              pieces it owns, through safetensors' lazy slices (a tp rank its columns, a ZeRO-3 rank its flat
+              slice's rows, a pipeline rank its layers), or rank 0 reads and sends; hf_problems vets the
+              directory on every rank before any collective; tokenizer.json, when there, tokenizes --data
+  out         export_hf: config.json and model.safetensors (shards and an index above SHARD_BYTES), written by
+              rank 0 one tensor at a time as the pieces arrive, the safetensors header first (every shape is
+              known in advance): rank 0 holds one whole tensor at a time beyond its own part
 """
 from __future__ import annotations
 
@@ -28,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp
+from lab import hf
+from lab.model import build_model
 
 STEP_DIR = "step_{:08d}"
 
@@ -215,15 +226,13 @@ def load(opt, where, path: str) -> int:
 
 # ---- plain state dicts: out of a sharded run, and into one ---------------------------------------------
 
-@torch.no_grad()
-def export(opt, where, path: str, *, shapes: dict, names: dict, dtype, device) -> None:
-    """Write the whole model as ONE plain state dict {name: tensor} that load_state_dict(strict=True) accepts:
-    `shapes` {parameter name: shape}, `names` {state-dict name: parameter name} (a tied weight under each of
-    its names). Parameter by parameter, each rank sends rank 0 the pieces it owns (point to point); rank 0
-    alone holds the whole model, as the file does, and writes it atomically (never a half file under the name)."""
+def _whole_tensors(opt, where, shapes: dict, dtype, device):
+    """Yield (name, whole tensor) for every parameter of `shapes` in turn — on rank 0; None elsewhere: each rank
+    sends rank 0 the pieces it owns of that parameter (point to point, one order on every rank), and rank 0
+    holds one whole parameter at a time beyond its own pieces. Every rank must run the generator to its end."""
     owned, every = owned_places(opt, where)
     rank, mine = dist.get_rank(), {p: (k, j) for k, j, p in owned}
-    first, out = {}, {}
+    first = {}
     for r, ps in enumerate(every):
         for p in ps:
             first.setdefault(p, r)
@@ -240,34 +249,51 @@ def export(opt, where, path: str, *, shapes: dict, names: dict, dtype, device) -
                 dist.recv(values, r)
             if rank == 0:
                 full[fsdp.full_indices(*p[1:])] = values.cpu()
-        if rank == 0:
-            out[name] = full.view(shape)
-    if rank == 0:
+        yield name, full.view(shape) if rank == 0 else None
+
+
+@torch.no_grad()
+def export(opt, where, path: str, *, shapes: dict, names: dict, dtype, device) -> None:
+    """Write the whole model as ONE plain state dict {name: tensor} that load_state_dict(strict=True) accepts:
+    `shapes` {parameter name: shape}, `names` {state-dict name: parameter name} (a tied weight under each of
+    its names). Parameter by parameter, each rank sends rank 0 the pieces it owns (point to point); rank 0
+    alone holds the whole model, as the file does, and writes it atomically (never a half file under the name)."""
+    out = dict(_whole_tensors(opt, where, shapes, dtype, device))
+    if dist.get_rank() == 0:
         torch.save({n: out[param] for n, param in names.items()}, path + ".partial")
         os.replace(path + ".partial", path)  # atomic: never a half-written file under the name
     dist.barrier()
 
 
 @torch.no_grad()
-def init_from(opt, where, path: str, read: str = "every-rank", *, dtype, device) -> None:
-    """Start from a plain state dict (state_dict_problems has vetted it), the optimizer fresh. read:
-    every-rank  every rank loads the whole file and keeps its pieces: the whole model on every rank at once;
-    rank-0      rank 0 reads it (memory-mapped) and sends every rank exactly the elements of its pieces, point
-                to point, piece by piece: the other ranks never hold more than their own pieces."""
-    if read == "every-rank":
+def init_from(opt, where, path: str, read: str = "every-rank", *, dtype, device) -> int:
+    """Start from a plain state dict or a Hugging Face model directory (state_dict_problems / hf_problems have
+    vetted it), the optimizer fresh. read:
+    every-rank  a plain file: every rank loads the whole file and keeps its pieces (the whole model on every rank
+                at once); a directory: every rank reads only its pieces' rows (and columns) from the safetensors
+    rank-0      rank 0 reads (memory-mapped) and sends every rank exactly the elements of its pieces, point to
+                point, piece by piece: the other ranks never hold more than their own pieces, nor read the disk.
+    Returns the bytes this rank read from the files (materialised tensors: a plain file loaded whole, its size)."""
+    rank, directory = dist.get_rank(), os.path.isdir(path)
+    if read == "every-rank" and not directory:
         sd = torch.load(path, map_location="cpu", weights_only=True)
         saved = [((n, tuple(t.shape), None, 0, t.numel()), n) for n, t in sd.items()]
         fsdp.load_places(opt, saved, lambda n: dict(value=sd[n].reshape(-1)), where)
-        return
-    rank = dist.get_rank()
+        return os.path.getsize(path)
+    source = None
+    if read == "every-rank" or rank == 0:
+        source = HFDirectory(path) if directory else _PlainFile(path)
+    if read == "every-rank":  # a directory: each of my pieces straight from the files
+        mine = [p for _, _, p in fsdp.places(opt, where)]
+        fsdp.load_places(opt, [(p, p) for p in mine], lambda p: dict(value=source.read(p)), where)
+        return source.bytes_read
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, [p for _, _, p in fsdp.places(opt, where)])
-    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if rank == 0 else None
     received = {}
     for r, ps in enumerate(every):  # one order on every rank
         for p in ps:
             if rank == 0:
-                values = sd[p[0]].reshape(-1)[fsdp.full_indices(*p[1:])].to(dtype)
+                values = source.read(p).to(dtype)
                 if r == 0:
                     received[p] = values
                 else:
@@ -277,3 +303,261 @@ def init_from(opt, where, path: str, read: str = "every-rank", *, dtype, device)
                 dist.recv(values, 0)
                 received[p] = values.cpu()
     fsdp.load_places(opt, [(p, p) for p in received], lambda p: dict(value=received[p]), where)
+    return source.bytes_read if source is not None else 0
+
+
+class _PlainFile:
+    """A plain state dict file, memory-mapped: read(place) -> that place's elements."""
+
+    def __init__(self, path: str):
+        self.sd, self.bytes_read = torch.load(path, map_location="cpu", weights_only=True, mmap=True), 0
+
+    def read(self, place) -> torch.Tensor:
+        values = self.sd[place[0]].reshape(-1)[fsdp.full_indices(*place[1:])]
+        self.bytes_read += values.numel() * values.element_size()
+        return values
+
+
+def whole_model(path: str) -> dict:
+    """The course's whole state dict {name: tensor} from a plain file or a Hugging Face directory (one process:
+    the single-process reference's start)."""
+    if not os.path.isdir(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    source = HFDirectory(path)
+    shapes = {n: tuple(p.shape) for n, p in build_model(source.cfg, device="meta").named_parameters()}
+    return {n: source.read((n, s, None, 0, math.prod(s))).view(s).clone() for n, s in shapes.items()}
+
+
+# ---- Hugging Face model directories ----------------------------------------------------------------------
+
+WEIGHTS, INDEX, TOKENIZER = "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
+TOKENIZER_FILES = (TOKENIZER, "tokenizer_config.json", "special_tokens_map.json")  # copied on export
+SHARD_BYTES = 5 * 2**30  # export_hf: a file of at most this many bytes (a bigger tensor gets a file alone)
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def is_hf_directory(path: str | None) -> bool:
+    """--init-from names a directory (a Hugging Face model), not a file (a plain state dict)."""
+    return path is not None and os.path.isdir(path)
+
+
+def _tensor_files(path: str) -> dict:
+    """{tensor name: its file} of the directory's safetensors (one file, or the shards the index names); a
+    ValueError saying what is missing."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, INDEX)
+    try:
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(path, WEIGHTS)):
+            with safe_open(os.path.join(path, WEIGHTS), framework="pt") as f:
+                files = dict.fromkeys(f.keys(), WEIGHTS)
+        else:
+            raise ValueError(f"--init-from {path!r} holds neither {WEIGHTS} nor {INDEX}: save the model with "
+                             f"save_pretrained (safetensors; .bin pickles are not read)")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(str(e) if str(e).startswith("--init-from") else
+                         f"--init-from {path!r}: its weights cannot be read ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200]})") from None
+    gone = sorted({f for f in files.values() if not os.path.isfile(os.path.join(path, f))})
+    if gone:
+        raise ValueError(f"--init-from {path!r}: {INDEX} names {len(gone)} files that are not there (first "
+                         f"{gone[0]}): the download is incomplete")
+    return files
+
+
+def hf_problems(path: str) -> list[str]:
+    """Everything that forbids starting from the Hugging Face directory at `path`, found by reading its
+    config.json and the safetensors headers alone (no weights) — so every rank finds the same, before any
+    collective: no config.json, or a model the course cannot express (lab/hf.py says which setting); no
+    weights; a tensor missing, unexpected or of another shape; a tokenizer whose ids do not fit the vocabulary."""
+    from safetensors import safe_open
+
+    try:
+        cfg, files = hf.read_config(path), _tensor_files(path)
+    except ValueError as e:
+        return [str(e)]
+    _, shapes = hf.disk_map(cfg, set(files))
+    problems = []
+    missing = [n for n in shapes if n not in files]
+    if missing:
+        problems.append(f"--init-from {path!r} lacks {len(missing)} of the tensors its config.json's model has "
+                        f"(first {missing[0]}): the weights do not belong to this config.json")
+    extra = sorted(n for n in set(files) - set(shapes) if not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        problems.append(f"--init-from {path!r} holds {len(extra)} tensors the course's model has no place for "
+                        f"(first {extra[0]}): not a model the course can train as it is")
+    wrong, opened = [], {}
+    for n in (n for n in shapes if n in files):
+        if files[n] not in opened:
+            opened[files[n]] = safe_open(os.path.join(path, files[n]), framework="pt")
+        try:
+            got = tuple(opened[files[n]].get_slice(n).get_shape())
+        except Exception:  # noqa: BLE001 - the index names a tensor its file lacks: a missing tensor
+            got = None
+        if got != tuple(shapes[n]):
+            wrong.append(f"{n}: file {got}, config.json's model {tuple(shapes[n])}")
+    if wrong:
+        problems.append(f"--init-from {path!r}: {len(wrong)} tensors do not have the shape config.json gives "
+                        f"(first {wrong[0]})")
+    try:
+        tok = tokenizer_of(path)
+    except ValueError as e:
+        problems.append(str(e))
+    else:
+        if tok is not None and tok.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
+            problems.append(f"--init-from {path!r}: {TOKENIZER} has {tok.get_vocab_size(with_added_tokens=True)} "
+                            f"tokens, the model's vocabulary {cfg.vocab_size}: its ids would not fit the embedding")
+    return problems
+
+
+def tokenizer_of(path: str | None):
+    """The tokenizer of a model directory (its tokenizer.json, read by the `tokenizers` library), or None when
+    there is none (byte tokens); a ValueError when it cannot be read."""
+    if not is_hf_directory(path) or not os.path.isfile(os.path.join(path, TOKENIZER)):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(os.path.join(path, TOKENIZER))
+    except Exception as e:  # noqa: BLE001 - whatever the library refuses, refused here alike on every rank
+        raise ValueError(f"--init-from {path!r}: {TOKENIZER} cannot be read by the tokenizers library "
+                         f"({str(e).splitlines()[0][:200]})") from None
+
+
+class HFDirectory:
+    """A Hugging Face model directory opened for reading, lazily: read(place) materialises only the rows (and
+    columns) of the files that hold the place's elements, and counts their bytes in bytes_read.
+
+    A place (fsdp.py section 7) is elements [lo, hi) of the whole tensor narrowed along one dimension. Seen as
+    rows (hf.disk_map: every dimension but the last merged), those elements lie in a run of rows of the narrowed
+    tensor — and so of the whole one: a narrow of dimension 0 (tp's column-parallel slices, a rank's experts)
+    shifts the run, a narrow of the last (row-parallel slices) keeps the rows and takes their columns [start, end).
+    What is read beyond the place is at most the rest of its first and last rows (of the narrowed tensor)."""
+
+    def __init__(self, path: str):
+        self.path, self.cfg, self.files = path, hf.read_config(path), _tensor_files(path)
+        self.parts, self.shapes = hf.disk_map(self.cfg, set(self.files))
+        self.opened, self.bytes_read = {}, 0
+
+    def _slice(self, tensor: str):
+        from safetensors import safe_open
+
+        f = self.files[tensor]
+        if f not in self.opened:
+            self.opened[f] = safe_open(os.path.join(self.path, f), framework="pt")
+        return self.opened[f].get_slice(tensor)
+
+    def rows(self, name: str, a: int, b: int, cols: slice) -> torch.Tensor:
+        """Rows [a, b) of the course's whole tensor `name` (columns `cols`), read from the blocks that hold them:
+        [b - a, columns]."""
+        out, first = [], 0
+        for tensor, index, row, n in self.parts[name]:
+            lo, hi = max(a, first), min(b, first + n)
+            if lo < hi:
+                rows, sl = slice(row + lo - first, row + hi - first), self._slice(tensor)
+                if len(self.shapes[tensor]) == 1:  # a vector: one element a row
+                    block = sl[rows][:, None]
+                else:  # (index: this block's expert of a stacked tensor)
+                    block = sl[(*(slice(i, i + 1) for i in index), rows, cols)].reshape(hi - lo, -1)
+                self.bytes_read += block.numel() * block.element_size()
+                out.append(block)
+            first += n
+        return torch.cat(out)
+
+    def read(self, place) -> torch.Tensor:
+        """The place's elements [hi - lo], flat, in the file's dtype."""
+        name, shape, narrow, lo, hi = place
+        shape = list(shape) if len(shape) > 1 else [shape[0], 1]
+        local, cols, shift = list(shape), slice(0, shape[-1]), 0
+        if narrow is not None:
+            dim, start, end = narrow
+            local[dim] = end - start
+            if dim == len(shape) - 1:
+                cols = slice(start, end)               # the same rows, my columns
+            elif dim == 0:
+                shift = start * math.prod(local[1:-1])  # my rows, shifted
+            else:
+                raise ValueError(f"{name}: a narrow of dimension {dim} (the course's lessons narrow the first or "
+                                 f"the last)")
+        width = local[-1]
+        a, b = lo // width, (hi - 1) // width + 1   # the rows of the narrowed tensor that hold [lo, hi)
+        block = self.rows(name, a + shift, b + shift, cols)
+        return block.reshape(-1)[lo - a * width:hi - a * width]
+
+
+def _safetensors_header(tensors: list, dtype) -> bytes:
+    """The header of a safetensors file holding `tensors` [(name, shape)] in this order, all of `dtype`: its
+    length (8 bytes, little-endian), then JSON — each tensor's dtype, shape and byte range — padded to 8 bytes."""
+    header, at, size = {"__metadata__": {"format": "pt"}}, 0, torch.empty((), dtype=dtype).element_size()
+    for name, shape in tensors:
+        n = math.prod(shape) * size
+        header[name] = dict(dtype=SAFETENSORS_DTYPES[dtype], shape=list(shape), data_offsets=[at, at + n])
+        at += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+@torch.no_grad()
+def export_hf(opt, where, path: str, *, cfg, shapes: dict, dtype, device, copy_from: str | None = None) -> dict:
+    """Write the model as a Hugging Face directory that transformers' from_pretrained loads: config.json
+    (hf.hf_config: Llama, or Mixtral with experts; untied) and the weights under save_pretrained's names (Mixtral
+    per expert), in model.safetensors — or, above SHARD_BYTES, in shards named by model.safetensors.index.json.
+    Every file's header is known before any weight moves (the shapes are), so rank 0 writes each tensor as it
+    arrives (_whole_tensors): one whole tensor at a time beyond its own part. The tokenizer files of `copy_from`
+    go along. Atomic: written under path + '.partial', renamed when complete. Returns {file tensor: file}."""
+    parts, disk_shapes = hf.disk_map(cfg, {"lm_head.weight"})  # untied, per expert: save_pretrained's layout
+    size = torch.empty((), dtype=dtype).element_size()
+    groups, held = [[]], 0  # the course tensors of each file, in the order they arrive
+    for name, shape in shapes.items():
+        if groups[-1] and held + math.prod(shape) * size > SHARD_BYTES:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += math.prod(shape) * size
+    file_names = [WEIGHTS] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                                                     for i in range(len(groups))]
+    file_of = {name: f for f, group in zip(file_names, groups) for name in group}
+    weight_map = {t: file_of[name] for name in shapes for t, _, _, _ in parts[name]}
+    rank, partial = dist.get_rank(), path + ".partial"
+    out = None
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # what an export that died left behind
+        os.makedirs(partial)
+        config = hf.hf_config(cfg)
+        config.dtype, config.architectures = dtype, [type(config).__name__.replace("Config", "ForCausalLM")]
+        config.save_pretrained(partial)
+    for name, full in _whole_tensors(opt, where, shapes, dtype, device):
+        if rank != 0:
+            continue
+        if out is None or out.name != os.path.join(partial, file_of[name]):  # the next file: its header first
+            _close(out)
+            out = open(os.path.join(partial, file_of[name]), "wb")
+            group = groups[file_names.index(file_of[name])]
+            out.write(_safetensors_header([(t, disk_shapes[t]) for n in group for t, _, _, _ in parts[n]], dtype))
+        rows, first = full.reshape(hf._rows(full.shape), -1), 0
+        for _, _, _, n in parts[name]:  # each file tensor: the next n rows of the course's tensor
+            out.write(rows[first:first + n].contiguous().view(torch.uint8).numpy().tobytes())
+            first += n
+    if rank == 0:
+        _close(out)
+        if len(file_names) > 1:
+            with open(os.path.join(partial, INDEX), "w") as f:
+                total = sum(math.prod(disk_shapes[t]) * size for t in weight_map)
+                json.dump(dict(metadata=dict(total_size=total), weight_map=weight_map), f, indent=2)
+        for name in TOKENIZER_FILES if is_hf_directory(copy_from) else ():
+            if os.path.isfile(os.path.join(copy_from, name)):
+                shutil.copy(os.path.join(copy_from, name), partial)
+        os.rename(partial, path)  # atomic: from here on the directory is complete
+    dist.barrier()
+    return weight_map
+
+
+def _close(f) -> None:
+    if f is not None:
+        f.flush()
+        os.fsync(f.fileno())  # on the disk before the directory is renamed complete
+        f.close()

@@ -2,7 +2,9 @@
 
 The default corpus is the byte-level text of the Python standard library's own
 source files (sorted by path, so the same Python gives the same bytes), capped at
-a few MiB. Any text file can be given by path instead. Tokens are bytes: vocab 256.
+a few MiB. Any text file can be given by path instead. Tokens are bytes (vocab 256),
+or a real model's tokens when a tokenizer is given (a `tokenizers.Tokenizer`, read
+from the model directory's tokenizer.json).
 
 `get_batch(tokens, step, ...)` draws the *global* batch of a step from (seed, step)
 alone, so every parallel layout sees the same sequences; a data-parallel rank keeps
@@ -20,8 +22,10 @@ DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
 PAD, IGNORE = 0, -100  # the padding token, and the target that counts nowhere (model.IGNORE)
 
 
-def load_corpus(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> torch.Tensor:
-    """Byte tokens [N] (int64) of a text file, or of the standard library's sources."""
+def load_corpus(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES, tokenizer=None) -> torch.Tensor:
+    """Tokens [N] (int64) of a text file, or of the standard library's sources: its bytes, or with a
+    tokenizer (anything whose encode(text).ids gives the ids, e.g. tokenizers.Tokenizer) the ids of its
+    text (UTF-8; an undecodable byte becomes U+FFFD)."""
     if path is not None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"data file {path!r} does not exist: pass an existing text file "
@@ -39,6 +43,9 @@ def load_corpus(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) 
     if len(raw) < 2:
         raise ValueError(f"corpus {path!r} has {len(raw)} bytes: a training text needs at least 2 "
                          f"(and seq_len + 1 for one sequence)")
+    if tokenizer is not None:
+        ids = tokenizer.encode(raw.decode("utf-8", errors="replace")).ids
+        return torch.tensor(ids, dtype=torch.long)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
 
 
@@ -59,7 +66,7 @@ def get_batch(tokens: torch.Tensor, step: int, global_batch: int, seq_len: int, 
                          f"{dp_size}: choose a multiple of {dp_size}")
     if len(tokens) < seq_len + 1:
         raise ValueError(f"corpus of {len(tokens)} tokens is shorter than seq_len + 1 = {seq_len + 1}: "
-                         f"give a text of at least {seq_len + 1} bytes or a shorter sequence length")
+                         f"give a longer text or a shorter sequence length")
     if not 0.0 <= pad_share <= 1.0:
         raise ValueError(f"pad_share {pad_share} must be between 0 and 1")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)

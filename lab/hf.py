@@ -27,12 +27,20 @@ Conventions (tests/test_hf.py checks each):
     (block_sparse_moe.experts.j.w1/w2/w3, the course's own names); to_course reads both.
   - config_from_hf refuses what the course does not compute (biases, another activation, rope scaling, a
     sliding window, ...), with one ValueError naming each.
+
+On disk (a model directory: config.json, model.safetensors or shards named by model.safetensors.index.json),
+read_config gives the course's config and disk_map says where each course tensor lies in the files, so a rank
+can read just its part (lab/checkpoint.py reads and writes the directories).
 """
 from __future__ import annotations
 
+import functools
+import math
+import os
+
 import torch
 
-from lab.model import ModelConfig
+from lab.model import ModelConfig, build_model
 
 HF_NAMES = {  # Hugging Face name -> course name; a tuple: the course's tensors concatenated on dim 1 (rows)
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -51,6 +59,11 @@ HF_NAMES = {  # Hugging Face name -> course name; a tuple: the course's tensors 
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
 }
+UNLIKE = {  # families the course's model cannot express, and why (config_from_hf says so)
+    "qwen2": "its q, k and v projections have biases; the course's linears have none",
+    "gpt2": "learned positions, LayerNorm and a GELU MLP; the course's model has rotary positions, RMSNorm, SwiGLU",
+    "gemma": "its RMSNorm scales by 1 + weight, its embedding by sqrt(hidden_size), its MLP is GELU-gated",
+}
 DENSE = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 MOE = ("mlp.gate.", "mlp.experts.")
 
@@ -60,7 +73,8 @@ def config_from_hf(hf) -> ModelConfig:
     the course's model does not compute."""
     kind = getattr(hf, "model_type", None)
     if kind not in ("llama", "mixtral"):
-        raise ValueError(f"the course's model converts Hugging Face's 'llama' and 'mixtral', not {kind!r}")
+        why = f" ({UNLIKE[kind]})" if kind in UNLIKE else ""
+        raise ValueError(f"the course's model converts Hugging Face's 'llama' and 'mixtral', not {kind!r}{why}")
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
     refuse = [f"{name}={getattr(hf, name)!r} (the course's {what})" for name, ok, what in [
@@ -164,3 +178,80 @@ def to_hf(sd: dict, cfg: ModelConfig, tied: bool = False) -> dict:
     if tied:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+# ---- a model directory on disk: its config, and where each of the course's tensors lies in its files --------
+
+def read_config(directory: str) -> ModelConfig:
+    """config.json of a Hugging Face model directory -> the course's ModelConfig (transformers reads the file, so
+    its defaults fill what the file leaves out); one ValueError saying why not."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--init-from {directory!r} holds no config.json: give a Hugging Face model directory "
+                         f"(config.json and safetensors weights, as save_pretrained writes it) or a state dict file")
+    return _read_config(os.path.abspath(directory), os.stat(path).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)  # (the file's time in the key: a rewritten config.json is read again)
+def _read_config(directory: str, _mtime: int) -> ModelConfig:
+    import transformers  # only here: the rest of this module needs no transformers
+
+    path = os.path.join(directory, "config.json")
+    try:
+        hf = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} cannot be read as a Hugging Face config ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200]})") from None
+    try:
+        return config_from_hf(hf)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def disk_map(cfg: ModelConfig, present) -> tuple[dict, dict]:
+    """Where the course's tensors lie among a checkpoint's tensors named `present` (tied: no lm_head.weight;
+    Mixtral's experts per expert as save_pretrained writes them, or stacked as the model holds them):
+
+        parts   {course name: [(file tensor, index, first row, rows), ...]}: the course tensor seen as rows
+                (every dimension but the last merged; a vector: one element a row) is these blocks one after
+                another, each `rows` rows of the file tensor (at `index` of its leading dimensions) from `first row`
+        shapes  {file tensor: the shape it must have}
+
+    e.g. Mixtral's w1 [E, F, H] is experts.0.w1.weight [F, H], then experts.1.w1.weight, ...; or, stacked, rows
+    0..F of gate_up_proj[0] [2F, H], then of gate_up_proj[1], ... (w3: rows F..2F of each)."""
+    course = {n: tuple(p.shape) for n, p in build_model(cfg, device="meta").named_parameters()}
+    tied = "lm_head.weight" not in present
+    stacked = any(".mlp.experts." in n for n in present)
+    parts, shapes = {}, {}
+
+    def whole(file_name, name):  # the same tensor under another name
+        shapes[file_name], parts[name] = course[name], [(file_name, (), 0, _rows(course[name]))]
+
+    for hf, names in _names(cfg):
+        if hf == "lm_head.weight" and tied:  # one matrix on disk, two in the course's model
+            continue
+        saved = hf.replace(".mlp.", ".block_sparse_moe.")  # Mixtral as save_pretrained writes it
+        if not any(m in hf for m in MOE):
+            whole(hf, names)
+        elif hf.endswith(".mlp.gate.weight"):  # the router
+            whole(hf if stacked else saved, names)
+        elif stacked:  # gate_up_proj [E, 2F, H]: w1's F rows then w3's, per expert; down_proj [E, H, F]: w2
+            group = (names,) if isinstance(names, str) else names
+            e, rows, width = course[group[0]]
+            shapes[hf] = (e, rows * len(group), width)
+            for k, name in enumerate(group):
+                parts[name] = [(hf, (j,), k * rows, rows) for j in range(e)]
+        else:  # per expert: experts.j.w1.weight [F, H], w3 [F, H], w2 [H, F]
+            for name in (names,) if isinstance(names, str) else names:
+                e, rows, width = course[name]
+                per = [saved.split(".experts.")[0] + f".experts.{j}.{name.split('.')[-1]}.weight" for j in range(e)]
+                shapes.update((n, (rows, width)) for n in per)
+                parts[name] = [(n, (), 0, rows) for n in per]
+    if tied:
+        parts["output.weight"] = parts["tok_embeddings.weight"]
+    return parts, shapes
+
+
+def _rows(shape) -> int:
+    """A tensor seen as rows: every dimension but the last merged (a vector: one element a row)."""
+    return math.prod(shape[:-1]) if len(shape) > 1 else shape[0]

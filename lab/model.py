@@ -75,6 +75,17 @@ CONFIGS = {
                              max_seq_len=4096),
     "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                              max_seq_len=8192, rope_theta=500000.0),
+    # real small models, by their published config.json (as known here: nothing is downloaded; each count of
+    # parameters with the embedding once is the published one, 134,515,008 and 1,235,814,400 — checked in
+    # tests/test_hf_checkpoints.py). Both tie the head to the embedding, which the course holds twice (lab/hf.py):
+    # +V·H parameters here. SmolLM2-135M loads as it is (--init-from its directory). Llama-3.2-1B scales its
+    # rotary frequencies ('llama3' rope scaling), which the course does not compute: its shape is here for
+    # planning, at its unscaled 8,192-token context, and config_from_hf refuses its checkpoint, saying so.
+    # (Qwen2.5-0.5B is not here: its q/k/v projections have biases, and the course's linears have none.)
+    "smollm2-135m": ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                                max_seq_len=8192, rope_theta=100000.0),
+    "llama3.2-1b": ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                               max_seq_len=8192, rope_theta=500000.0),
 }
 
 

@@ -257,17 +257,18 @@ def reference_losses(args, steps: range = None, device=None) -> list[float]:
     m > 1 micro-batches it accumulates over the same micro-batches a parallel run makes — micro-batch
     i gathers the i-th rows of every data-parallel rank — since the aux loss is per forward."""
     steps = steps or range(args.steps)
-    model = build_model(config_of(args), seed=args.seed, device=device, dtype=store_dtype(args))
-    if args.init_from:  # the same start as the parallel run
-        model.load_state_dict(torch.load(args.init_from, map_location=device or "cpu", weights_only=True))
-    tokens = load_corpus(args.data)
+    cfg = config_of(args)
+    model = build_model(cfg, seed=args.seed, device=device, dtype=store_dtype(args))
+    if args.init_from:  # the same start as the parallel run: a plain state dict or a Hugging Face directory
+        model.load_state_dict(checkpoint.whole_model(args.init_from))
+    tokens = load_corpus(args.data, tokenizer=checkpoint.tokenizer_of(args.init_from))
     batches = [get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, pad_share=args.pad_share,
                          device=device or "cpu") for s in range(steps.stop)]
     dp, m = args.dp_replicate * args.dp_shard, args.microbatches
 
     def loss_fn(model, batch):
         x, y = batch
-        if not args.experts or m == 1:
+        if not cfg.n_experts or m == 1:
             return model(x, y)
         model.loss_fn.divide_by = max(int((y != IGNORE).sum()), 1) / m   # Σ CE over micro-batch / (counted/m)
         rows = torch.arange(len(x)).view(dp, m, -1).transpose(0, 1).reshape(m, -1)  # [m, rows of mb i]
