@@ -5,7 +5,9 @@ as lab/plan.py), at a device's rates:
 
     compute      the FLOPs the real step performs on this rank — PyTorch's FlopCounterMode over one micro-batch's
                  forward and backward of the real model on meta tensors, checkpointing's recompute included (it
-                 runs inside the backward) — at the device's peak × Assumptions.efficiency
+                 runs inside the backward) — at the device's peak × Assumptions.efficiency; plus, for the
+                 operations without FLOPs (elementwise, norms, copies), the bytes they read and write at the
+                 memory bandwidth, and every operation's overhead (Device.op_overhead)
     collectives  the bytes the same run hands to each collective, grouped by the mesh dimension of its group
                  (instruments.CommCounter), at α·steps + wire bytes/β (instruments.wire_bytes: a ring) for the
                  link the group crosses: inside a node or between nodes, from where its ranks sit on the mesh
@@ -140,19 +142,26 @@ def _flop_counter():
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops})
 
 
-PHASES = ("f", "b", "ops_f", "ops_b")
+PHASES = ("f", "b", "ops_f", "ops_b", "mem_f", "mem_b")
 
 
 class _OpCount(TorchDispatchMode):
-    """The operations a region dispatches: each costs Device.op_overhead beyond its FLOPs (a launch, Python)."""
+    """The operations a region dispatches — each costs Device.op_overhead beyond its FLOPs (a launch, Python) —
+    and the bytes the ones without FLOPs (elementwise, norms, copies: memory-bound) read and write, at the
+    device's memory bandwidth. Views move nothing."""
 
     def __enter__(self):
-        self.n = 0
+        self.n, self.bytes = 0, 0
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
         self.n += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket not in flop_registry and not func.is_view and func.namespace == "aten":
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
 
 
 def _dim_of(ranks: tuple, mesh) -> str:
@@ -219,7 +228,7 @@ def _run_probe(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
                         loss = trainer.model(x, x, positions=trainer.positions)
                     else:
                         loss.backward()
-                flops[phase], flops["ops_" + phase] = fc.get_total_flops(), ops.n
+                flops[phase], flops["ops_" + phase], flops["mem_" + phase] = fc.get_total_flops(), ops.n, ops.bytes
                 for e in cc.events:
                     key = (phase, _dim_of(e.group_ranks, mesh), e.op)
                     calls, n = comm.get(key, (0, 0))
@@ -311,8 +320,10 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
             comm[dim] += exposed
             per_phase[phase] += exposed
         ops = {p: layers * pr["block"]["ops_" + p] + (pr["rest"]["ops_" + p] if last else 0) for p in "fb"}
-        t_f = flops["f"] / rate + per_phase["f"] + ops["f"] * dev.op_overhead
-        t_b = flops["b"] / rate + per_phase["b"] + ops["b"] * dev.op_overhead
+        mem = {p: b * (layers * pr["block"]["mem_" + p] + (pr["rest"]["mem_" + p] if last else 0)) for p in "fb"}
+        other = {p: ops[p] * dev.op_overhead + mem[p] / dev.hbm for p in "fb"}   # beyond the FLOPs
+        t_f = flops["f"] / rate + per_phase["f"] + other["f"]
+        t_b = flops["b"] / rate + per_phase["b"] + other["b"]
         if pp > 1:   # a boundary of [b, S/cp(/tp), H] each way per micro-batch, exposed
             boundary = b * args.seq_len // cp * train.config_of(args).dim * _elem(args) // (tp if sp else 1)
             hop = collective_time("send", boundary, 1, 2, dev, link["pp"]) * (1 - o["pp"]) * args.virtual_stages
@@ -322,7 +333,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         w = assume.weight_grad_share if split else 0.0
         total = _bubble(args.schedule, pp, m, args.virtual_stages, t_f, t_b * (1 - w), t_b * w) if pp > 1 \
             else m * (t_f + t_b)
-        compute = m * ((flops["f"] + flops["b"]) / rate + (ops["f"] + ops["b"]) * dev.op_overhead)
+        compute = m * ((flops["f"] + flops["b"]) / rate + other["f"] + other["b"])
         bubble = total - m * (t_f + t_b)
         exposed = {d: m * c for d, c in comm.items() if c}
         # data parallel: the step's reductions (and ZeRO's gathers), from the lessons' formula
