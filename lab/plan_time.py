@@ -523,9 +523,9 @@ def search(base, N: int, dev: Device, gpus_per_node: int, memory: float, assume:
             continue
         ranked.append((step_time(a, dev, assume, gpus_per_node), a, mem))
     ranked.sort(key=lambda r: r[0]["seconds"])
-    confirmed = []
-    while verify and ranked and len(confirmed) < assume.verify_top:
-        r = ranked.pop(0)
+    confirmed, tries = [], 0
+    while verify and ranked and len(confirmed) < assume.verify_top and tries < 4 * assume.verify_top:
+        r, tries = ranked.pop(0), tries + 1   # (each meta plan builds every stage's model: seconds apiece)
         planned = max(p["total"] for p in plan.plan(r[1])) if not r[1].experts else r[2]
         if planned > memory:
             drop(f"does not fit {memory / 1e9:.0f} GB (meta plan)", r[1])
