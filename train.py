@@ -491,6 +491,15 @@ def parse_args(argv=None):
                      help="print what each rank would hold (by category, beside the formulas) and exit: no "
                           "training, no memory, no processes — the sizes multiply to the world it plans for")
     out.add_argument("--device-memory", default=None, help="with --plan: say whether it fits, e.g. 80GB or 24GiB")
+    out.add_argument("--device", default=None,
+                     help="with --plan: predict the step time, tokens/s and MFU on this device (lab/plan_time.py's "
+                          "DEVICES: h100, h200, a100, cpu-gloo)")
+    out.add_argument("--search", action="store_true",
+                     help="with --plan and --device: every layout for --gpus ranks, those that do not fit dropped "
+                          "with why, the rest ranked by predicted step time (the model and batch flags as given)")
+    out.add_argument("--gpus", type=int, default=None, help="with --search: the number of ranks to plan for")
+    out.add_argument("--gpus-per-node", type=int, default=None,
+                     help="with --device: ranks per node (default: the device's); groups beyond it cross nodes")
     args = p.parse_args(argv)
     if args.zero_stage is None:
         args.zero_stage = 3 if args.dp_shard > 1 else 0
@@ -631,8 +640,24 @@ def check_args(args, world_size: int) -> None:
     if args.compare and (pp > 1 or cp > 1 or cfg.n_experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
         problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
                         "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
+    problems += plan_problems(args)
     if problems:
         raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))
+
+
+def plan_problems(args) -> list[str]:
+    """--device, --search, --gpus, --gpus-per-node: only with --plan, and with what they need (the device's name:
+    lab.plan_time.device_named, which lists the known ones)."""
+    out = []
+    device, search = getattr(args, "device", None), getattr(args, "search", False)
+    if (device or search) and not args.plan:
+        out.append("--device and --search plan a run: give --plan too")
+    if search and (device is None or not getattr(args, "gpus", None)):
+        out.append("--search needs --device NAME and --gpus N (and --gpus-per-node G, default the device's)")
+    for flag in ("gpus", "gpus_per_node"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
+            out.append(f"--{flag.replace('_', '-')} must be >= 1")
+    return out
 
 
 def lr_at(step: int, args) -> float:

@@ -344,8 +344,20 @@ def run(argv=None, compare=references.train_fsdp2_tp) -> int:
     PyTorch's own FSDP2 + DTensor TP, for --compare (with --save: their checkpointing beside ours too)."""
     args = parse_args(argv)
     if args.plan:  # one process plans for the whole layout: the world is the product of the sizes
+        from lab import plan_time
+        if args.search:   # every layout for --gpus ranks, ranked by predicted step time
+            check_args(args, math.prod(getattr(args, d) for d in train.DIMS))
+            dev = plan_time.device_named(args.device)
+            G = args.gpus_per_node or dev.gpus_per_node
+            memory = plan.parse_memory(args.device_memory) if args.device_memory else dev.memory
+            plan_time.print_search(args, args.gpus, G, dev, plan_time.search(args, args.gpus, dev, G, memory))
+            return 0
         check_args(args, math.prod(getattr(args, d) for d in train.DIMS))
-        plan.print_plan(args, plan.plan(args))
+        plans = plan.plan(args)
+        plan.print_plan(args, plans)
+        if args.device:
+            dev = plan_time.device_named(args.device)
+            plan_time.print_time(args, dev, args.gpus_per_node or dev.gpus_per_node, plans)
         return 0
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
     device = init_distributed()

@@ -1,0 +1,680 @@
+"""The time planner: of the layouts that fit, which is fastest, and why? (train.py --plan --device, --search)
+
+One step's time on one rank, from what the real code path does (the same fake process group and meta device
+as lab/plan.py), at a device's rates:
+
+    compute      the FLOPs the real step performs on this rank — PyTorch's FlopCounterMode over one micro-batch's
+                 forward and backward of the real model on meta tensors, checkpointing's recompute included (it
+                 runs inside the backward) — at the device's peak × Assumptions.efficiency; plus, for the
+                 operations without FLOPs (elementwise, norms, copies), the bytes they read and write at the
+                 memory bandwidth, and every operation's overhead (Device.op_overhead)
+    collectives  the bytes the same run hands to each collective, grouped by the mesh dimension of its group
+                 (instruments.CommCounter), at α·steps + wire bytes/β (instruments.wire_bytes: a ring) for the
+                 link the group crosses: inside a node or between nodes, from where its ranks sit on the mesh
+                 (ranks are numbered tp fastest, then cp, dp_shard, dp_replicate, pp: a group of stride s and
+                 size n stays inside a node of G ranks when s·n <= G); data parallel's reductions and ZeRO's
+                 gathers come from the lessons' formulas (fsdp_demo.zero_comm_formula: they happen at the step)
+    bubble       pipeline.simulate of the schedule itself, with the forward and backward times above
+    overlap      Assumptions.overlap: the share of a window of compute that hides a collective, per strategy
+                 (ZeRO-3's prefetched gathers behind the whole step's compute, a single backward's reductions
+                 behind that backward, DDP's buckets behind the last backward; tp, cp's ring and the pipeline's
+                 sends exposed)
+    optimizer    AdamW reads and writes its state once: Assumptions.optimizer_bytes per element of the local
+                 shard at the memory bandwidth
+
+A probe runs ONE block and the head (a model of one layer, one sequence) per distinct (tp, cp, sp, cp method,
+checkpointing, sequence): the block's FLOPs and collective bytes scale with its layers and the micro-batch's
+sequences, so the search runs one small meta step per probe, not one per layout. Every assumption the model
+makes is a field of Assumptions; every rate a field of Device.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import pipeline
+import train
+from lab.fsdp_demo import zero_comm_formula, zero_state_formula
+from lab.instruments import CommCounter, wire_bytes
+from lab.pipeline_demo import held_formula
+from mesh import DIMS
+
+
+# ---- the device profiles and the assumptions: everything a reader may change -----------------------------
+
+@dataclass(frozen=True)
+class Device:
+    """A device's rates. flops: peak dense FLOP/s by compute dtype; hbm: memory bandwidth (B/s); alpha/beta:
+    latency (s) and bandwidth per rank per direction (B/s) of a collective's step inside a node (intra) and
+    between nodes (inter); memory: bytes; gpus_per_node: the default G; op_overhead: seconds each operation
+    costs beyond its FLOPs (eager PyTorch's dispatch and a kernel launch: a few µs on a GPU)."""
+    name: str
+    flops: dict
+    hbm: float
+    intra_alpha: float
+    intra_beta: float
+    inter_alpha: float
+    inter_beta: float
+    memory: float
+    gpus_per_node: int
+    source: str
+    op_overhead: float = 5e-6
+
+
+DEVICES = {
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense bf16 (1,979 with sparsity), 67 TFLOPS fp32, 3.35 TB/s HBM3,
+    # 80 GB; NVLink 4 at 900 GB/s both directions (450 each way); one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s)
+    "h100": Device("h100", {"bfloat16": 989e12, "float32": 67e12, "float64": 34e12}, 3.35e12, 5e-6, 450e9, 10e-6,
+                   50e9, 80e9, 8, "NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (NICs)"),
+    # NVIDIA H200 SXM: the H100's compute with 4.8 TB/s HBM3e and 141 GB
+    "h200": Device("h200", {"bfloat16": 989e12, "float32": 67e12, "float64": 34e12}, 4.8e12, 5e-6, 450e9, 10e-6,
+                   50e9, 141e9, 8, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    # NVIDIA A100 SXM4 80GB: 312 TFLOPS dense bf16, 19.5 fp32, 2.04 TB/s; NVLink 3 at 600 GB/s both directions;
+    # one 200 Gb/s HDR NIC per GPU in a DGX A100 (25 GB/s)
+    "a100": Device("a100", {"bfloat16": 312e12, "float32": 19.5e12, "float64": 9.7e12}, 2.04e12, 5e-6, 300e9, 10e-6,
+                   25e9, 80e9, 8, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide"),
+    # this machine: gloo on loopback and one core per rank, measured by calibrate() (tests/test_plan_time.py
+    # measures it again; these are the numbers of one run here, 2 cores shared with other jobs)
+    "cpu-gloo": Device("cpu-gloo", {"float32": 2.0e10, "float64": 1.0e10, "bfloat16": 2.0e9}, 5e9, 60e-6, 1.0e9,
+                       60e-6, 1.0e9, 8e9, 2, "measured here: lab.plan_time.calibrate()"),
+}
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Every assumption of the time model, in one place.
+    efficiency  the share of peak FLOP/s a step's compute reaches (matmuls, attention; elementwise ops ride
+                along). 0.5 is a typical large-model MFU ceiling on H100s with bf16.
+    overlap     per strategy, the share of its window of compute that hides the collective: 1 fully behind
+                it (what is longer than the window is exposed), 0 exposed. zero3: gathers prefetched behind
+                the step's compute, its reduce-scatter behind a single backward; ddp: buckets behind the last
+                backward; zero2: the reduce-scatter behind a single backward; tp, cp (the ring), pp (the
+                sends), replicas (HSDP's all-reduce after the reduce-scatter), step (ZeRO-1/2's gathers and
+                reductions at the step) exposed unless measured otherwise.
+    weight_grad_share  zero bubble splits a backward into B (input gradient) and W (weight gradient): W's share
+    optimizer_bytes    bytes AdamW moves per element of its shard (read p, g, m, v; write p, m, v in fp32: 28)
+    inter_beta, intra_beta, efficiency_override: None, or a value that replaces the device's
+    verify_top  the search runs the full meta plan (lab/plan.py) on its best layouts to confirm they fit
+    tp_cp_span  the search keeps tp·cp within this many ranks (None: a node's): their collectives run every
+                layer, on the critical path — across nodes they lose to any layout that keeps them inside"""
+    efficiency: float = 0.5
+    overlap: dict = field(default_factory=lambda: dict(zero3=1.0, ddp=1.0, zero2=1.0, tp=0.0, cp=0.0, pp=0.0,
+                                                       replicas=0.0, step=0.0))
+    weight_grad_share: float = 0.5
+    optimizer_bytes: int = 28
+    inter_beta: float | None = None
+    intra_beta: float | None = None
+    verify_top: int = 3
+    tp_cp_span: int | None = None
+
+
+def device_named(name: str, assume: Assumptions = Assumptions()) -> Device:
+    if name not in DEVICES:
+        raise ValueError(f"unknown --device {name!r}: choose one of {sorted(DEVICES)}")
+    d = DEVICES[name]
+    return replace(d, inter_beta=assume.inter_beta or d.inter_beta, intra_beta=assume.intra_beta or d.intra_beta)
+
+
+# ---- the probe: one block and the head, run on the meta device --------------------------------------------
+
+def _sdpa_cpu_flops(q, k, v, *a, out_shape=None, **kw):     # FlopCounterMode knows the GPU kernels, not the CPU one
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(q, k, v)
+
+
+def _sdpa_cpu_backward_flops(g, q, k, v, *a, out_shape=None, **kw):
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(g, q, k, v)
+
+
+def _flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops})
+
+
+PHASES = ("f", "b", "ops_f", "ops_b", "mem_f", "mem_b")
+
+
+class _OpCount(TorchDispatchMode):
+    """The operations a region dispatches — each costs Device.op_overhead beyond its FLOPs (a launch, Python) —
+    and the bytes the ones without FLOPs (elementwise, norms, copies: memory-bound) read and write, at the
+    device's memory bandwidth. Views move nothing."""
+
+    def __enter__(self):
+        self.n, self.bytes = 0, 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+        self.n += 1
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket not in flop_registry and not func.is_view and func.namespace == "aten":
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _dim_of(ranks: tuple, mesh) -> str:
+    for d in ("tp", "cp", "pp"):
+        if tuple(mesh.ranks(d)) == tuple(ranks):
+            return d
+    return "world"
+
+
+@lru_cache(maxsize=None)
+def probe(model: str, experts: int, top_k: int, dtype: str, seq_len: int, tp: int, cp: int, sp: bool,
+          cp_method: str, cp_ulysses: int, checkpointing: str) -> dict:
+    """One sequence through the real model of `model` cut to one layer, and to two, on a fake group of tp·cp
+    ranks (meta tensors), forward then backward, under FlopCounterMode and CommCounter. Their difference is one
+    block; the one-layer run less a block is the rest (the embedding, final norm, head and loss — checkpointing
+    wraps blocks only, so the rest is measured once without it):
+    {"block"|"rest": {"f"|"b": flops}, "comm": {("f"|"b", "block"|"rest", dim, op): (calls, API bytes)}}.
+    A pipeline's layer split and the micro-batch's sequences scale these."""
+    key = (model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses)
+    rest = _rest(*key)
+    one = _run_probe(*key, checkpointing, 1)
+    flops = dict(block={p: one["flops"][p] - rest["flops"][p] for p in PHASES}, rest=rest["flops"])
+    comm = {k: v for k, v in rest["comm"].items()}
+    for (phase, dim, op), (calls, n) in one["comm"].items():
+        c, b = rest["comm"].get((phase, "rest", dim, op), (0, 0))
+        if calls - c or n - b:
+            comm[(phase, "block", dim, op)] = (calls - c, n - b)
+    return dict(flops, comm=comm)
+
+
+@lru_cache(maxsize=None)
+def _rest(*key) -> dict:
+    one, two = (_run_probe(*key, "none", layers) for layers in (1, 2))
+    comm = {}
+    for k in set(one["comm"]) | set(two["comm"]):
+        (c1, n1), (c2, n2) = one["comm"].get(k, (0, 0)), two["comm"].get(k, (0, 0))
+        if 2 * c1 - c2 or 2 * n1 - n2:
+            comm[(k[0], "rest", *k[1:])] = (2 * c1 - c2, 2 * n1 - n2)
+    return dict(flops={p: 2 * one["flops"][p] - two["flops"][p] for p in PHASES}, comm=comm)
+
+
+def _run_probe(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses, checkpointing,
+               layers) -> dict:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from lab.plan import _fused_attention_on_meta
+    from mesh import Mesh
+    args = train.parse_args(["--model", model, "--layers", str(layers), "--tp", str(tp), "--cp", str(cp),
+                             "--seq-len", str(seq_len), "--global-batch-size", "1", "--dtype", dtype,
+                             "--activation-checkpointing", checkpointing, "--cp-method", cp_method, "--cp-ulysses",
+                             str(cp_ulysses), "--experts", str(experts), "--top-k", str(top_k)]
+                            + (["--sequence-parallel"] if sp else []))
+    devices = dist.Backend.backend_capability["fake"]
+    dist.Backend.backend_capability["fake"] = devices + ["meta"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
+    try:
+        mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=1)
+        trainer = train.Trainer(args, mesh, None, shapes_only=True)
+        x = torch.zeros(1, seq_len // cp, dtype=torch.long, device="meta")
+        flops, comm = {}, {}
+        with trainer.opt.accumulating(), _fused_attention_on_meta():
+            for phase in ("f", "b"):
+                with _flop_counter() as fc, CommCounter() as cc, _OpCount() as ops:
+                    if phase == "f":
+                        loss = trainer.model(x, x, positions=trainer.positions)
+                    else:
+                        loss.backward()
+                flops[phase], flops["ops_" + phase], flops["mem_" + phase] = fc.get_total_flops(), ops.n, ops.bytes
+                for e in cc.events:
+                    key = (phase, _dim_of(e.group_ranks, mesh), e.op)
+                    calls, n = comm.get(key, (0, 0))
+                    comm[key] = (calls + 1, n + e.api_bytes)
+        trainer.opt.zero_grad(set_to_none=True)
+    finally:
+        dist.destroy_process_group()
+        dist.Backend.backend_capability["fake"] = devices
+    return dict(flops=flops, comm=comm)
+
+
+# ---- where a group's ranks sit, and what a collective costs ----------------------------------------------
+
+def stride_of(sizes: dict, dim: str) -> int:
+    """Ranks are numbered with tp fastest (mesh.DIMS order): a dim's neighbours are `stride` ranks apart."""
+    return math.prod(sizes[d] for d in DIMS[DIMS.index(dim) + 1:])
+
+
+def crosses_nodes(sizes: dict, dims: tuple, G: int) -> bool:
+    """Does a group along `dims` (adjacent in DIMS) span more than one node of G ranks?"""
+    return stride_of(sizes, dims[-1]) * math.prod(sizes[d] for d in dims) > G
+
+
+def collective_time(op: str, n_bytes: float, calls: int, group: int, dev: Device, inter: bool) -> float:
+    """α per ring step (all-reduce 2(n-1) of them, gather/scatter/all-to-all n-1, a send 1) + wire bytes/β."""
+    if group <= 1 and op not in ("send", "recv"):
+        return 0.0
+    a, b = (dev.inter_alpha, dev.inter_beta) if inter else (dev.intra_alpha, dev.intra_beta)
+    steps = {"all_reduce": 2 * (group - 1), "send": 1, "recv": 0}.get(op, group - 1)
+    wire = n_bytes if op == "send" else wire_bytes(op, n_bytes, group)
+    return calls * steps * a + wire / b
+
+
+# ---- the model of one step ----------------------------------------------------------------------------------
+
+def _stage_layers(args) -> list[int]:
+    cfg = train.config_of(args)
+    chunks = pipeline.split_layers(cfg.n_layers, args.pp * args.virtual_stages)
+    return [sum(len(chunks[c * args.pp + s]) for c in range(args.virtual_stages)) for s in range(args.pp)]
+
+
+@lru_cache(maxsize=4096)
+def _bubble(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float) -> float:
+    return pipeline.simulate(pipeline.SCHEDULES[schedule](p, m, v), t_f, t_b, t_w)["total"]
+
+
+def _local_psi(args, stage: int) -> tuple[float, float]:
+    """(this stage's parameters on one tp rank, its largest unit) from the model's shapes: a block's
+    parameters /tp; the embedding on the first stage, the norm and head on the last, /tp (vocab parallel)."""
+    cfg = train.config_of(args)
+    H, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    mlp = 3 * H * F * max(cfg.n_experts, 1) // (args.ep if cfg.n_experts else 1)
+    block = (2 * H * H + 2 * H * cfg.n_kv_heads * hd + mlp) / args.tp + 2 * H
+    emb = cfg.vocab_size * H / args.tp
+    layers = _stage_layers(args)[stage]
+    psi = layers * block + (emb if stage == 0 else 0) + (emb + H if stage == args.pp - 1 else 0)
+    return psi, max(block, emb)
+
+
+def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_node: int | None = None,
+              dp_bytes: dict | None = None) -> dict:
+    """Predicted seconds of one step on the slowest pipeline stage, with its breakdown: compute (this rank's
+    FLOPs at peak × efficiency), exposed collectives per mesh dimension, the pipeline's bubble, the optimizer;
+    tokens/s and MFU (the model's 6·N·tokens + attention FLOPs over the world's peak × seconds). dp_bytes: the
+    data-parallel collectives' bytes per step ({op: bytes}), else zero_comm_formula for the analytic Ψ."""
+    G = gpus_per_node or dev.gpus_per_node
+    sizes = {d: getattr(args, d) for d in DIMS}
+    world = math.prod(sizes.values())
+    dp, tp, cp, pp, m, z = args.dp_replicate * args.dp_shard, args.tp, args.cp, args.pp, args.microbatches, args.zero_stage
+    sp = args.sequence_parallel and tp > 1
+    pr = probe(args.model, args.experts, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
+               args.cp_ulysses, args.activation_checkpointing)
+    rate = dev.flops[args.dtype] * assume.efficiency
+    b = args.global_batch_size // (dp * m)                     # sequences per micro-batch
+    link = {d: crosses_nodes(sizes, (d,), G) for d in DIMS}
+    o = assume.overlap
+    best = None
+    for s, layers in enumerate(_stage_layers(args)):
+        last = s == pp - 1
+        flops = {p: b * (layers * pr["block"][p] + (pr["rest"][p] if last else 0)) for p in "fb"}
+        comm = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "world": 0.0}
+        per_phase = {"f": 0.0, "b": 0.0}
+        for (phase, where, dim, op), (calls, n) in pr["comm"].items():
+            # calls inside the block: once per layer; the rest (the head's, the loss's): on the last stage
+            t = collective_time(op, b * n, calls, sizes.get(dim, world), dev, link.get(dim, world > G))
+            t *= layers if where == "block" else (1 if last else 0)
+            dim = dim if dim in comm else "world"
+            exposed = t * (1 - o.get(dim, 0.0))
+            comm[dim] += exposed
+            per_phase[phase] += exposed
+        ops = {p: layers * pr["block"]["ops_" + p] + (pr["rest"]["ops_" + p] if last else 0) for p in "fb"}
+        mem = {p: b * (layers * pr["block"]["mem_" + p] + (pr["rest"]["mem_" + p] if last else 0)) for p in "fb"}
+        other = {p: ops[p] * dev.op_overhead + mem[p] / dev.hbm for p in "fb"}   # beyond the FLOPs
+        t_f = flops["f"] / rate + per_phase["f"] + other["f"]
+        t_b = flops["b"] / rate + per_phase["b"] + other["b"]
+        if pp > 1:   # a boundary of [b, S/cp(/tp), H] each way per micro-batch, exposed
+            boundary = b * args.seq_len // cp * train.config_of(args).dim * _elem(args) // (tp if sp else 1)
+            hop = collective_time("send", boundary, 1, 2, dev, link["pp"]) * (1 - o["pp"]) * args.virtual_stages
+            t_f, t_b = t_f + hop, t_b + hop
+            comm["pp"] = 2 * hop
+        split = args.schedule == "zb"
+        w = assume.weight_grad_share if split else 0.0
+        total = _bubble(args.schedule, pp, m, args.virtual_stages, t_f, t_b * (1 - w), t_b * w) if pp > 1 \
+            else m * (t_f + t_b)
+        compute = m * ((flops["f"] + flops["b"]) / rate + other["f"] + other["b"])
+        bubble = total - m * (t_f + t_b)
+        exposed = {d: m * c for d, c in comm.items() if c}
+        # data parallel: the step's reductions (and ZeRO's gathers), from the lessons' formula
+        psi, unit = _local_psi(args, s)
+        shard = args.dp_shard * cp if z else 1
+        several = pp > 1 or m > 1
+        ops = dp_bytes if dp_bytes is not None else _dp_formula(args, psi, shard)
+        group = dict(reduce_scatter=shard, all_gather=shard, all_reduce=shard if z else dp * cp)
+        inter = crosses_nodes(sizes, ("dp_replicate", "dp_shard", "cp") if not z else ("dp_shard", "cp"), G)
+        dpt = {op: collective_time(op, n, 1, group[op], dev, inter) for op, n in ops.items()}
+        if z and args.dp_replicate > 1:   # HSDP: the shard's all-reduce across replicas
+            dpt["all_reduce"] = collective_time("all_reduce", ops.get("all_reduce", 0), 1, args.dp_replicate, dev,
+                                                crosses_nodes(sizes, ("dp_replicate",), G)) * (1 - o["replicas"])
+        t_last_b = t_b
+        if z == 0:
+            hidden = o["ddp"] * t_last_b
+            dp_exposed = max(0.0, dpt.get("all_reduce", 0) - hidden)
+        elif z == 3:
+            gathers = max(0.0, dpt.get("all_gather", 0) - o["zero3"] * compute)
+            rs = dpt.get("reduce_scatter", 0)
+            rs = max(0.0, rs - o["zero3"] * t_last_b) if not several else rs * (1 - o["step"])
+            dp_exposed = gathers + rs + dpt.get("all_reduce", 0)
+        else:
+            rs = dpt.get("reduce_scatter", 0)
+            rs = max(0.0, rs - o["zero2"] * t_last_b) if z == 2 and not several else rs * (1 - o["step"])
+            dp_exposed = rs + dpt.get("all_gather", 0) * (1 - o["step"]) + dpt.get("all_reduce", 0)
+        if dp_exposed:
+            exposed["dp"] = dp_exposed
+        optimizer = (psi / (shard if z else 1)) * assume.optimizer_bytes / dev.hbm
+        seconds = total + dp_exposed + optimizer
+        out = dict(seconds=seconds, compute=compute, bubble=bubble, exposed=exposed, optimizer=optimizer,
+                   stage=s, flops=m * (flops["f"] + flops["b"]))
+        if best is None or seconds > best["seconds"]:
+            best = out
+    tokens = args.global_batch_size * args.seq_len
+    best["tokens_per_s"] = tokens / best["seconds"]
+    best["mfu"] = model_flops(args) / (world * dev.flops[args.dtype] * best["seconds"])
+    return best
+
+
+def _elem(args) -> int:
+    return 2 if args.dtype == "bfloat16" else train.store_dtype(args).itemsize
+
+
+def _dp_formula(args, psi: float, shard: int) -> dict:
+    """zero_comm_formula for a stage of Ψ parameters on one rank (gradients reduced in the master dtype)."""
+    z, dp = args.zero_stage, args.dp_replicate * args.dp_shard
+    P = shard if z else dp * args.cp
+    if P <= 1 and args.dp_replicate <= 1:
+        return {}
+    grad = train.store_dtype(args).itemsize
+    several = args.microbatches if args.pp == 1 and args.microbatches > 1 and z == 3 else 1
+    return zero_comm_formula(z, int(psi), P, _elem(args), 0, args.pp == 1,
+                             args.dp_replicate if z and args.dp_replicate > 1 else 1, 0, grad, several)
+
+
+def model_flops(args) -> float:
+    """The model's FLOPs per step, for MFU: 6 per parameter a token passes through (forward 2, backward 4) plus
+    attention's 12·layers·H·S per token (causal: half of it), no recompute — Chowdhery et al. 2022 (PaLM), App. B."""
+    from lab.model import num_params
+    cfg = train.config_of(args)
+    n = num_params(cfg) - cfg.vocab_size * cfg.dim    # the embedding lookup costs no matmul
+    if cfg.n_experts:
+        n -= cfg.n_layers * 3 * cfg.dim * cfg.ffn_dim * (cfg.n_experts - cfg.top_k)
+    tokens = args.global_batch_size * args.seq_len
+    return tokens * (6 * n + 6 * cfg.n_layers * cfg.dim * args.seq_len)
+
+
+# ---- memory from the formulas (to prune before any meta step) ---------------------------------------------
+
+def memory_formula(args) -> float:
+    """The most bytes a stage's rank holds, from the lessons' formulas (lab/plan.py measures them on meta): model
+    state (zero_state_formula), activations (plan.activation_formula per layer and token, the layer inputs, the
+    head's fp32 logits, × the micro-batches a pipeline rank holds), the step's transient buffers (one unit's
+    packed gradient; ZeRO-3 a unit gathered twice, the next prefetched; a pipeline keeps its units gathered)."""
+    from lab.plan import activation_formula
+    cfg, z = train.config_of(args), args.zero_stage
+    b_p, bf16 = _elem(args), args.dtype == "bfloat16"
+    b_m = 4 if bf16 else b_p
+    shard = args.dp_shard * args.cp if z else 1
+    tokens = args.global_batch_size // (args.dp_replicate * args.dp_shard * args.microbatches) * args.seq_len // args.cp
+    sp = args.sequence_parallel and args.tp > 1
+    worst = 0.0
+    for s, layers in enumerate(_stage_layers(args)):
+        psi, unit = _local_psi(args, s)
+        state = zero_state_formula(z, psi, shard, b_p, 4 if bf16 else 0, b_p if z <= 1 else b_m, 2 * b_m)["total"]
+        held = 1 if args.pp == 1 else held_formula(args.schedule, args.pp, args.microbatches, s,
+                                                  args.virtual_stages) / args.virtual_stages
+        per_token = layers * (activation_formula(cfg, args.activation_checkpointing, b_p, args.tp, sp) + b_p * cfg.dim)
+        if s == args.pp - 1:
+            per_token += 2 * 4 * cfg.vocab_size / args.tp
+        buffers = b_m * unit if z < 2 else (b_p + b_m) * unit if z == 2 else \
+            (b_p * psi + b_m * unit if args.pp > 1 else 3 * b_p * unit + b_m * unit)
+        if z == 0 and bf16 and args.dp_replicate * args.dp_shard * args.cp > 1:
+            buffers += 4 * psi
+        worst = max(worst, state + per_token * tokens * held + buffers)
+    return worst
+
+
+# ---- the search ----------------------------------------------------------------------------------------------
+
+def _factorizations(n: int, k: int):
+    if k == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in _factorizations(n // d, k - 1):
+                yield (d, *rest)
+
+
+def layouts(base, N: int, span: int = 8):
+    """Every layout train.py accepts for N ranks (check_args decides), as argparse Namespaces: the mesh (pp,
+    dp_replicate, dp_shard, cp, tp; ep for a mixture of experts), the ZeRO stage, activation checkpointing,
+    sequence parallel, the schedule (interleaved with 2 chunks a rank; gpipe left out: 1F1B's bubble with more
+    memory held) and the micro-batches (powers of two: pp·2^k with a pipeline, 2^k without). tp·cp at most
+    `span` (a node's ranks: Assumptions.tp_cp_span)."""
+    cfg = train.config_of(base)
+    for pp, dr, ds, cp, tp in _factorizations(N, 5):
+        dp = dr * ds
+        if base.global_batch_size % dp or pp > cfg.n_layers or (cp > 1 and base.seq_len % (2 * cp)) \
+                or tp * cp > span:   # tp's and cp's collectives run every layer: kept inside a node
+            continue
+        per_rank = base.global_batch_size // dp
+        if pp > 1:
+            ms = [pp * 2 ** k for k in range(12) if pp * 2 ** k <= per_rank and per_rank % (pp * 2 ** k) == 0]
+            scheds = [("1f1b", 1), ("zb", 1)] + ([("interleaved", 2)] if cfg.n_layers >= 2 * pp else [])
+        else:
+            ms = [2 ** k for k in range(12) if 2 ** k <= per_rank and per_rank % 2 ** k == 0]
+            scheds = [("1f1b", 1)]
+        eps = [1] if not base.experts else [e for e in range(1, dp + 1) if dp % e == 0]
+        for z in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
+            for ac in ("none", "selective", "full"):
+                for sp in ([False, True] if tp > 1 else [False]):
+                    for sched, v in scheds:
+                        for m in ms:
+                            for ep in eps:
+                                yield argparse.Namespace(**{**vars(base), **dict(
+                                    pp=pp, dp_replicate=dr, dp_shard=ds, cp=cp, tp=tp, ep=ep, zero_stage=z,
+                                    activation_checkpointing=ac, sequence_parallel=sp, schedule=sched,
+                                    virtual_stages=v, microbatches=m, cp_ulysses=1, cp_method="ring")})
+
+
+def describe(a) -> str:
+    dims = " ".join(f"{d.replace('_', '-')} {getattr(a, d)}" for d in DIMS + ("ep",) if getattr(a, d) > 1)
+    return (f"{dims or 'one rank'}, ZeRO-{a.zero_stage}, ac {a.activation_checkpointing}"
+            + (", sp" if a.sequence_parallel and a.tp > 1 else "") + f", m {a.microbatches}"
+            + (f", {a.schedule}" + (f" v{a.virtual_stages}" if a.virtual_stages > 1 else "") if a.pp > 1 else ""))
+
+
+def flags(a) -> str:
+    """The train.py flags of a layout."""
+    out = [f"--{d.replace('_', '-')} {getattr(a, d)}" for d in DIMS + ("ep",) if getattr(a, d) > 1]
+    out += [f"--zero-stage {a.zero_stage}", f"--activation-checkpointing {a.activation_checkpointing}",
+            f"--microbatches {a.microbatches}"]
+    out += ["--sequence-parallel"] if a.sequence_parallel and a.tp > 1 else []
+    out += [f"--schedule {a.schedule}"] + ([f"--virtual-stages {a.virtual_stages}"] if a.virtual_stages > 1 else []) \
+        if a.pp > 1 else []
+    return " ".join(out)
+
+
+def search(base, N: int, dev: Device, gpus_per_node: int, memory: float, assume: Assumptions = Assumptions(),
+           verify: bool = True) -> dict:
+    """Every layout for N ranks: those train.py refuses dropped (check_args), those whose formula memory exceeds
+    `memory` dropped with their bytes, the rest timed (step_time) and ranked; the best assume.verify_top
+    confirmed by the meta plan (lab/plan.py: the real model built on a fake group), a layout that does not fit
+    there dropped and the next one confirmed. Returns ranked [(seconds, args, breakdown, memory)], dropped
+    {reason: count}, examples {reason: a layout}, seconds spent."""
+    from lab import plan
+    t0 = time.perf_counter()
+    ranked, dropped, examples, seen = [], {}, {}, 0
+
+    def drop(reason, a):
+        dropped[reason] = dropped.get(reason, 0) + 1
+        examples.setdefault(reason, describe(a))
+
+    for a in layouts(base, N, assume.tp_cp_span or gpus_per_node):
+        seen += 1
+        try:
+            train.check_args(a, N)
+        except ValueError as e:
+            drop("train.py refuses it: " + str(e).split("\n  - ")[1].split(":")[0][:70], a)
+            continue
+        mem = memory_formula(a)
+        if mem > memory:
+            drop(f"does not fit {memory / 1e9:.0f} GB (formulas)", a)
+            continue
+        ranked.append((step_time(a, dev, assume, gpus_per_node), a, mem))
+    ranked.sort(key=lambda r: r[0]["seconds"])
+    confirmed, tries = [], 0
+    while verify and ranked and len(confirmed) < assume.verify_top and tries < 4 * assume.verify_top:
+        r, tries = ranked.pop(0), tries + 1   # (each meta plan builds every stage's model: seconds apiece)
+        planned = max(p["total"] for p in plan.plan(r[1])) if not r[1].experts else r[2]
+        if planned > memory:
+            drop(f"does not fit {memory / 1e9:.0f} GB (meta plan)", r[1])
+            continue
+        confirmed.append((r[0], r[1], planned))
+    return dict(ranked=confirmed + ranked, verified=len(confirmed), dropped=dropped, examples=examples,
+                layouts=seen, seconds=time.perf_counter() - t0)
+
+
+def breakdown(r: dict) -> str:
+    parts = [f"compute {r['compute']:.3f}"] + [f"{d} {t:.3f}" for d, t in r["exposed"].items()]
+    parts += [f"bubble {r['bubble']:.3f}"] if r["bubble"] > 1e-9 else []
+    parts += [f"optimizer {r['optimizer']:.3f}"]
+    return ", ".join(parts)
+
+
+def print_search(base, N, G, dev, found: dict, top: int = 10) -> None:
+    from lab.model import num_params
+    cfg = train.config_of(base)
+    print(f"search: {base.model} ({num_params(cfg) / 1e9:.2f}B) on {N} x {dev.name} ({G} per node), {base.dtype}, "
+          f"global batch {base.global_batch_size} x {base.seq_len}: {found['layouts']} layouts in "
+          f"{found['seconds']:.1f} s, {len(found['ranked'])} fit")
+    for reason, n in sorted(found["dropped"].items(), key=lambda kv: -kv[1]):
+        print(f"  dropped {n:6d}: {reason} (e.g. {found['examples'][reason]})")
+    print(f"  {'#':>3s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>5s} {'GB':>6s}  layout")
+    for i, (r, a, mem) in enumerate(found["ranked"][:top]):
+        mark = "*" if i < found["verified"] else " "
+        print(f"  {i + 1:3d} {r['seconds']:8.3f} {r['tokens_per_s']:10.0f} {r['mfu']:5.2f} {mem / 1e9:5.1f}{mark} "
+              f"{describe(a)}")
+    print("  (* memory confirmed by the meta plan, else the formulas)")
+    for i, (r, a, mem) in enumerate(found["ranked"][:3]):
+        print(f"  #{i + 1} {flags(a)}\n      seconds: {breakdown(r)}")
+
+
+def print_time(args, dev: Device, G: int, plans, assume: Assumptions = Assumptions()) -> dict:
+    """The one layout's predicted step beside its memory plan (its data-parallel bytes: the plan's)."""
+    zero = [ops for dim, ops in plans[-1]["per_step"].items() if dim.startswith("ZeRO")]
+    r = step_time(args, dev, assume, G, zero[0] if zero else None)
+    print(f"time on {dev.name} ({G} per node, efficiency {assume.efficiency}): {r['seconds']:.3f} s per step "
+          f"(stage {r['stage']}), {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.2f}\n  seconds: {breakdown(r)}")
+    return r
+
+
+# ---- proven on this machine: the cpu-gloo profile measured, then predicted against measured ----------------
+
+# one small model, 2 gloo ranks (one core each), every kind of layout (ep apart: its tokens are routed by value,
+# which a meta run does not have, so the probe cannot run it)
+CALIBRATION_MODEL = ["--model", "small", "--layers", "2", "--seq-len", "64", "--global-batch-size", "4",
+                     "--dtype", "float32"]
+CALIBRATED_LAYOUTS = {
+    "dp ZeRO-0": ["--dp-shard", "2", "--zero-stage", "0"],
+    "dp ZeRO-1": ["--dp-shard", "2", "--zero-stage", "1"],
+    "dp ZeRO-2": ["--dp-shard", "2", "--zero-stage", "2"],
+    "dp ZeRO-3, 2 micro-batches": ["--dp-shard", "2", "--zero-stage", "3", "--microbatches", "2"],
+    "tp": ["--tp", "2"],
+    "tp + sp, full checkpointing": ["--tp", "2", "--sequence-parallel", "--activation-checkpointing", "full"],
+    "pp 1f1b, 2 micro-batches": ["--pp", "2", "--microbatches", "2"],
+    "pp gpipe, 4 micro-batches": ["--pp", "2", "--microbatches", "4", "--schedule", "gpipe"],
+    "cp ring, full checkpointing": ["--cp", "2", "--activation-checkpointing", "full"],
+}
+# one core per rank: gloo's thread and the compute share it, so nothing hides behind anything; the measured
+# matmul rate is the peak (efficiency 1)
+CPU_ASSUMPTIONS = Assumptions(efficiency=1.0, overlap=dict(zero3=0.0, ddp=0.0, zero2=0.0, tp=0.0, cp=0.0, pp=0.0,
+                                                           replicas=0.0, step=0.0))
+
+
+def _median(f, n: int) -> float:
+    import statistics
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def calibrate_rank(repeats: int = 20) -> dict:
+    """On every rank of a 2-rank gloo group at once: the matmul rate at the calibration model's shapes
+    ([B·S, H] @ [H, F]), the memory bandwidth (y += x: 3 passes), gloo's α (a 4-byte all-reduce: 2 ring steps)
+    and β (a 4 MB all-reduce: 2α + 2·(P-1)/P·n/β), and the overhead of one small operation (eager dispatch)."""
+    cfg = train.config_of(train.parse_args(CALIBRATION_MODEL))
+    a, w = torch.randn(256, cfg.dim), torch.randn(cfg.dim, cfg.ffn_dim)
+    rate = 2 * 256 * cfg.dim * cfg.ffn_dim / _median(lambda: a @ w, repeats)
+    one = torch.zeros(4)
+    op = _median(lambda: [one.add_(1.0) for _ in range(100)], repeats) / 100
+    x, y = torch.randn(2**22), torch.randn(2**22)
+    hbm = 3 * x.numel() * 4 / _median(lambda: y.add_(x), repeats)
+    small, big = torch.zeros(1), torch.zeros(2**20)
+    dist.barrier()
+    alpha = _median(lambda: dist.all_reduce(small), repeats) / 2
+    dist.barrier()
+    t = _median(lambda: dist.all_reduce(big), repeats // 2)
+    beta = big.numel() * 4 / max(t - 2 * alpha, 1e-9)
+    out = torch.tensor([rate, hbm, alpha, beta, op], dtype=torch.float64)
+    dist.all_reduce(out)
+    return dict(zip(("rate", "hbm", "alpha", "beta", "op"), (out / dist.get_world_size()).tolist()))
+
+
+def measure_rank(names: list[str], rounds: int = 3, per_round: int = 2) -> dict:
+    """Calibrate, then build every layout's Trainer on these ranks and time their steps in alternating rounds
+    (instruments.time_side_by_side), the slowest rank's median."""
+    from lab.data import load_corpus
+    from lab.instruments import time_side_by_side
+    from mesh import Mesh
+    calibration = calibrate_rank()
+    cfg = train.config_of(train.parse_args(CALIBRATION_MODEL))
+    a, w = torch.randn(256, cfg.dim), torch.randn(cfg.dim, cfg.ffn_dim)
+    tokens, steps = load_corpus(None), {"matmul": lambda: [a @ w for _ in range(10)]}
+    for name in names:
+        args = train.parse_args(CALIBRATION_MODEL + CALIBRATED_LAYOUTS[name])
+        trainer = train.Trainer(args, Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep), torch.device("cpu"))
+        steps[name] = (lambda tr: lambda: tr.step(0, tokens))(trainer)
+    t = time_side_by_side(steps, rounds, per_round)
+    slowest = torch.tensor([t[n] for n in names] + [t["matmul"]], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    # the matmul rate as the steps saw the machine: timed in the same alternating rounds, beside them
+    calibration["rate"] = 10 * 2 * a.shape[0] * cfg.dim * cfg.ffn_dim / slowest[-1].item()
+    return dict(calibration=calibration, measured=dict(zip(names, slowest[:-1].tolist())))
+
+
+def cpu_gloo(calibration: dict) -> Device:
+    c = calibration
+    return Device("cpu-gloo", {"float32": c["rate"], "float64": c["rate"] / 2, "bfloat16": c["rate"] / 10}, c["hbm"],
+                  c["alpha"], c["beta"], c["alpha"], c["beta"], 8e9, 2, "measured here: calibrate_rank", c["op"])
+
+
+def spearman(a: list, b: list) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+
+
+def predicted_vs_measured(names=None, rounds: int = 3, per_round: int = 2, timeout: float = 600) -> dict:
+    """The comparison: measure (2 gloo ranks, run_ranks), then predict each layout with the measured cpu-gloo
+    profile and CPU_ASSUMPTIONS. Returns calibration, rows [(name, predicted s, measured s)], spearman."""
+    from lab.launch import run_ranks
+    names = list(CALIBRATED_LAYOUTS) if names is None else names
+    out = run_ranks(measure_rank, 2, names, rounds, per_round, timeout=timeout)[0]
+    dev = cpu_gloo(out["calibration"])
+    rows = []
+    for name in names:
+        args = train.parse_args(CALIBRATION_MODEL + CALIBRATED_LAYOUTS[name])
+        rows.append((name, step_time(args, dev, CPU_ASSUMPTIONS, 2)["seconds"], out["measured"][name]))
+    return dict(calibration=out["calibration"], rows=rows,
+                spearman=spearman([r[1] for r in rows], [r[2] for r in rows]))
