@@ -146,7 +146,7 @@ def plan_rank(args, rank: int) -> dict:
     try:
         mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep)
         trainer = train.Trainer(args, mesh, None, shapes_only=True)
-        measurable = not args.experts
+        measurable = not trainer.cfg.n_experts  # (a Hugging Face directory gives its experts in its config)
         return _read(args, trainer, mesh, step_activations(trainer, args, mesh) if measurable else None)
     finally:
         dist.destroy_process_group()
