@@ -37,6 +37,23 @@ def global_batches(n_steps: int, global_batch: int, seq_len: int, seed: int = 0,
     return [get_batch(tokens, s, global_batch, seq_len, seed, **kw) for s in range(n_steps)]
 
 
+def refusals(cases: list[list[str]]) -> list[tuple]:
+    """Rank function: lab.train_demo.run on each (invalid) command line; for each, (the ValueError's message or
+    None, how many collectives ran before it) on this rank — bad input must fail on every rank before any
+    collective (lab.launch.main turns the error into one line and exit code 2)."""
+    from lab import train_demo
+    from lab.instruments import CommCounter
+    out = []
+    for flags in cases:
+        with CommCounter() as c:
+            try:
+                train_demo.run(flags)
+                out.append((None, c.calls()))
+            except ValueError as e:
+                out.append((str(e), c.calls()))
+    return out
+
+
 # ---- running a lesson the way a learner does ---------------------------------------------
 
 def run_command(argv: list[str], *, cwd: str = ROOT, timeout: float = 240, expect_fail: bool = False) -> str:

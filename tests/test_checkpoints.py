@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from harness import ROOT, RankError, run_ranks
+from harness import ROOT, RankError, refusals, run_ranks
 from lab.train_demo import reference_losses, run_layouts
 from lab.checkpoint import complete_checkpoints
 from train import check_args, parse_args
@@ -214,22 +214,6 @@ REFUSALS = [("tampered", [], "cannot be read safely"), ("altered", [], "does not
             ("done", ["--steps", "4"], "nothing is left to train")]
 
 
-def _refusals(cases):
-    """Rank function: lab.train_demo.run on each command line; the ValueError each raises and how many
-    collectives ran before it."""
-    from lab import train_demo
-    from lab.instruments import CommCounter
-    out = []
-    for flags in cases:
-        with CommCounter() as c:
-            try:
-                train_demo.run(flags)
-                out.append((None, c.calls()))
-            except ValueError as e:
-                out.append((str(e), c.calls()))
-    return out
-
-
 def test_damaged_or_unfitting_checkpoints_are_refused_on_every_rank(tmp_path):
     run_ranks(run_layouts, 2, [["--dp-shard", "2", "--stop-at", "4", "--save", str(tmp_path / "ck")]], COMMON,
               timeout=120)
@@ -251,7 +235,7 @@ def test_damaged_or_unfitting_checkpoints_are_refused_on_every_rank(tmp_path):
     cases.append(COMMON + ["--dp-shard", "2", "--resume", "auto"])   # auto needs --save
     msgs = [m for _, _, m in REFUSALS] + ["does not exist", "cannot be read safely", "not a state dict of this model",
                                           "give --save DIR too"]
-    for rank_results in run_ranks(_refusals, 2, cases, timeout=120):
+    for rank_results in run_ranks(refusals, 2, cases, timeout=120):
         for flags, msg, (err, calls) in zip(cases, msgs, rank_results):
             assert err is not None and msg in err and calls == 0, (flags, msg, err)
             path = flags[flags.index("--resume" if "--resume" in flags else "--init-from") + 1]

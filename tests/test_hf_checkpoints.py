@@ -23,7 +23,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from harness import run_ranks
+from harness import refusals as refusal_errors, run_ranks
 from lab import checkpoint
 from lab.data import get_batch, load_corpus
 from lab.hf import config_from_hf, to_course, to_hf
@@ -124,26 +124,10 @@ def _start_from(cases):
     return out
 
 
-def _refusals(cases):
-    """On each rank, lab.train_demo.run on each command line: the ValueError each raises and how many
-    collectives ran before it."""
-    from lab import train_demo
-    from lab.instruments import CommCounter
-    out = []
-    for flags in cases:
-        with CommCounter() as c:
-            try:
-                train_demo.run(flags)
-                out.append((None, c.calls()))
-            except ValueError as e:
-                out.append((str(e), c.calls()))
-    return out
-
-
 def _rank_work(layouts, exports, refusals, shard_bytes):
     """Rank function: everything one spawn of ranks checks."""
     checkpoint.SHARD_BYTES = shard_bytes  # (small: the export is sharded)
-    return dict(layouts=_start_from(layouts), exports=_start_from(exports), refusals=_refusals(refusals))
+    return dict(layouts=_start_from(layouts), exports=_start_from(exports), refusals=refusal_errors(refusals))
 
 
 # (flags, family) on 4 ranks: tp (4 > 2 kv heads: replicated), pp x ZeRO-3, ZeRO-3, cp x tp, tp x pp, tp x ZeRO-3

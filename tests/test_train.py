@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from harness import Exercise, run_ranks
+from harness import Exercise, refusals, run_ranks
 from lab.train_demo import reference_losses, run_layouts
 from train import check_args, lr_at, parse_args
 
@@ -381,24 +381,8 @@ def test_data_too_short_is_named(tmp_path):
             check_args(parse_args(["--data", str(f), "--seq-len", "16"]), 1)
 
 
-def _run_exit_codes(cases):
-    """Rank function: lab.train_demo.run on each invalid command line: the ValueError it raises on every rank
-    (lab.launch.main turns it into one line and exit code 2) — raised before any collective."""
-    from lab import train_demo
-    from lab.instruments import CommCounter
-    out = []
-    for flags in cases:
-        with CommCounter() as c:
-            try:
-                train_demo.run(flags)
-                out.append((None, c.calls()))
-            except ValueError as e:
-                out.append((str(e), c.calls()))
-    return out
-
-
 def test_every_invalid_layout_fails_on_every_rank_before_any_collective():
-    res = run_ranks(_run_exit_codes, 2, [f for f, _, _ in INVALID], timeout=60)
+    res = run_ranks(refusals, 2, [f for f, _, _ in INVALID], timeout=60)
     for codes in res:
         for (flags, _, msg), (err, calls) in zip(INVALID, codes):
             assert err is not None and msg in err and calls == 0, (flags, err)
