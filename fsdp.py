@@ -641,7 +641,7 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                    LlamaDecoderLayer), a tuple or list of classes — every submodule of them, one unit each —
                    or a list of submodules, where an item may be a list of sibling modules forming ONE unit,
                    in the order they run ([model.emb, *model.layers, [model.norm, model.head]], as FSDP2's
-                   fully_shard([norm, head])). None: default_units' rule — each block of the largest
+                   FSDP2 wrapping norm and head together). None: default_units' rule — each block of the largest
                    nn.ModuleList, each embedding before it, the modules after it (final norm + head) as one;
                    a model without an nn.ModuleList must name them (ValueError, never one silent unit).
                    A parameter goes to the innermost unit containing every module that holds it (a tied
@@ -742,7 +742,7 @@ def default_units(model: nn.Module) -> list:
         before them (the token embedding; GPT-2's position embedding too), one unit each;
       - the output side: the modules that hold a trainable parameter and are registered after them (the
         final norm and the head), ONE unit together, in the order registered, which must be the order they
-        run (as FSDP2's fully_shard([norm, output])).
+        run (as FSDP2 users wrap the norm and the head together).
     A model with no nn.ModuleList holding trainable parameters (an nn.Sequential, a hand-written net) has no
     blocks to find: ValueError naming units=, never one silent unit of everything."""
     lists = [m for m in model.modules()
