@@ -27,15 +27,15 @@ B, S = 2, 24
 CAUSAL_LM = {"llama": transformers.LlamaForCausalLM, "mixtral": transformers.MixtralForCausalLM}
 
 
-def llama_config(tied):
-    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+def llama_config(tied=False, vocab=96):
+    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
                                     rope_parameters={"rope_type": "default", "rope_theta": 5e4}, rms_norm_eps=1e-6,
                                     tie_word_embeddings=tied)
 
 
-def mixtral_config():
-    return transformers.MixtralConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+def mixtral_config(vocab=96):
+    return transformers.MixtralConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
                                       num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-6,
                                       rope_parameters={"rope_type": "default", "rope_theta": 5e4},

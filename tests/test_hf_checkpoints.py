@@ -29,6 +29,7 @@ from lab.data import get_batch, load_corpus
 from lab.hf import config_from_hf, to_course, to_hf
 from lab.model import build_model, get_config, num_params
 from lab.train_demo import reference_losses
+import test_hf
 from test_hf import float64_islands  # noqa: F401  (the fixture: transformers' float32 islands in float64)
 from train import parse_args
 
@@ -39,21 +40,14 @@ COMMON = ["--dtype", "float64", "--global-batch-size", "4", "--seq-len", "16", "
 
 
 def llama_config(vocab=256, tied=False):
-    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 5e4}, rms_norm_eps=1e-6,
-                                    tie_word_embeddings=tied)
+    return test_hf.llama_config(tied, vocab)   # (test_hf's tiny shapes, this file's byte vocabulary)
 
 
 def mixtral_config():
-    return transformers.MixtralConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
-                                      num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-6,
-                                      rope_parameters={"rope_type": "default", "rope_theta": 5e4},
-                                      experts_implementation="eager")  # (its grouped_mm takes no float64 on CPU)
+    return test_hf.mixtral_config(vocab=256)
 
 
-CAUSAL_LM = {"llama": transformers.LlamaForCausalLM, "mixtral": transformers.MixtralForCausalLM}
+CAUSAL_LM = test_hf.CAUSAL_LM
 
 
 def saved(path, config, seed=0, **save_kw):
