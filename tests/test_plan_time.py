@@ -80,4 +80,3 @@ def test_predicted_against_measured_on_two_gloo_ranks():
     # at that level noise alone can flip its sign, and a test must give the same answer on a busy machine.
     for name, predicted, measured in out["rows"]:
         assert 1 / 6 <= predicted / measured <= 6, (name, predicted, measured)
-    assert -1 <= out["spearman"] <= 1, out
