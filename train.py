@@ -523,10 +523,15 @@ def config_of(args):
     return get_config(args.model, n_experts=args.experts, top_k=args.top_k, **layers)
 
 
+def model_name(args) -> str:
+    """What the run trains: --model's name, or the Hugging Face directory whose config.json gave the shape."""
+    return f"{args.init_from} (config.json)" if checkpoint.is_hf_directory(args.init_from) else args.model
+
+
 def layout_of(args) -> dict:
     """The layout a run trains on (a checkpoint records it; another layout may load it)."""
-    return {k: getattr(args, k) for k in DIMS + ("ep", "zero_stage", "model", "layers", "experts", "top_k", "dtype",
-                                                  "sequence_parallel", "virtual_stages")}
+    return {**{k: getattr(args, k) for k in DIMS + ("ep", "zero_stage", "layers", "experts", "top_k", "dtype",
+                                                     "sequence_parallel", "virtual_stages")}, "model": model_name(args)}
 
 
 def model_shapes(args) -> dict:

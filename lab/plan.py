@@ -293,7 +293,7 @@ def print_plan(args, plans: list[dict]) -> None:
     cfg, gb = train.config_of(args), 1e9
     world = math.prod(getattr(args, d) for d in DIMS)
     limit = parse_memory(args.device_memory) if args.device_memory else None
-    print(f"plan: {args.model} ({num_params(cfg) / 1e9:.2f}B parameters) on {world} ranks: "
+    print(f"plan: {train.model_name(args)} ({num_params(cfg) / 1e9:.2f}B parameters) on {world} ranks: "
           + ", ".join(f"{d}={getattr(args, d)}" for d in DIMS) + f", ep={args.ep}; ZeRO-{args.zero_stage}, {args.dtype}"
           + (", offload" if args.offload else "") + f", activation checkpointing {args.activation_checkpointing}; "
           f"global batch {args.global_batch_size} x {args.seq_len}, {args.microbatches} micro-batch(es)")

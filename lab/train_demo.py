@@ -75,7 +75,7 @@ class StepMeter:
         self.peak = _peak_flops(self.device) if a.dtype == "bfloat16" else None
         if self.verbose and self.rank0:
             dtype = a.dtype + (" with float8 matmuls" if a.float8 else "")
-            print(f"train.py: {trainer.mesh}, zero stage {a.zero_stage}, model {a.model} ({num_params(trainer.cfg):,} "
+            print(f"train.py: {trainer.mesh}, zero stage {a.zero_stage}, model {train.model_name(a)} ({num_params(trainer.cfg):,} "
                   f"parameters), {dtype}, global batch {a.global_batch_size}x{a.seq_len}, {self.device}"
                   + (f", resuming after step {start}" if start else ""), flush=True)
 
