@@ -740,15 +740,27 @@ def _median(f, n: int) -> float:
     return statistics.median(times)
 
 
+def op_overhead(cfg, rate: float, repeats: int = 20) -> float:
+    """Seconds one operation of the real model costs beyond its FLOPs: a forward and backward of one token
+    (FLOPs next to nothing) timed, less its FLOPs at `rate`, over the operations it dispatches. What a step
+    pays per operation is Python, autograd and the dispatcher around each kernel — several times one bare
+    in-place add's (the first calibration measured that, and every prediction came out low)."""
+    from lab.model import build_model
+    model, x = build_model(cfg), torch.zeros(1, 1, dtype=torch.long)
+    step = lambda: model(x, x).backward()
+    with _OpCount() as ops, _flop_counter() as fc:
+        step()
+    return max(_median(step, repeats) - fc.get_total_flops() / rate, 0.0) / ops.n
+
+
 def calibrate_rank(repeats: int = 20) -> dict:
     """On every rank of a 2-rank gloo group at once: the matmul rate at the calibration model's shapes
     ([B·S, H] @ [H, F]), the memory bandwidth (y += x: 3 passes), gloo's α (a 4-byte all-reduce: 2 ring steps)
-    and β (a 4 MB all-reduce: 2α + 2·(P-1)/P·n/β), and the overhead of one small operation (eager dispatch)."""
+    and β (a 4 MB all-reduce: 2α + 2·(P-1)/P·n/β), and one operation's overhead in the real model (op_overhead)."""
     cfg = train.config_of(train.parse_args(CALIBRATION_MODEL))
     a, w = torch.randn(256, cfg.dim), torch.randn(cfg.dim, cfg.ffn_dim)
     rate = 2 * 256 * cfg.dim * cfg.ffn_dim / _median(lambda: a @ w, repeats)
-    one = torch.zeros(4)
-    op = _median(lambda: [one.add_(1.0) for _ in range(100)], repeats) / 100
+    op = op_overhead(cfg, rate, repeats)
     x, y = torch.randn(2**22), torch.randn(2**22)
     hbm = 3 * x.numel() * 4 / _median(lambda: y.add_(x), repeats)
     small, big = torch.zeros(1), torch.zeros(2**20)
