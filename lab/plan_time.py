@@ -390,8 +390,48 @@ def _bubble(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, w: fl
     return t_f * total(BUBBLE_GRID ** round(math.log(r, BUBBLE_GRID)))
 
 
+_PLAYED: dict = {}   # {repr of a _unit_total key: total}, read from and written to cache_dir with the probes
+
+
+def _played_path() -> str | None:
+    import os
+    d = cache_dir()
+    return d and os.path.join(d, f"schedules-{_code_digest()}.json")
+
+
+def _load_played() -> None:
+    import json
+    import os
+    path = _played_path()
+    if path and not _PLAYED and os.path.exists(path):
+        with open(path) as f:
+            _PLAYED.update(json.load(f))
+    _PLAYED.setdefault("", 0.0)   # loaded (an empty file too)
+
+
+def _save_played() -> None:
+    import json
+    import os
+    path = _played_path()
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(_PLAYED, f)
+        os.replace(path + ".tmp", path)
+
+
 @lru_cache(maxsize=None)
 def _unit_total(schedule: str, p: int, m: int, v: int, w: float, r: float) -> float:
+    """_play_total, kept on disk beside the probes (a search's schedules are the same every run)."""
+    if "" not in _PLAYED:
+        _load_played()
+    key = repr((schedule, p, m, v, w, r))
+    if key not in _PLAYED:
+        _PLAYED[key] = _play_total(schedule, p, m, v, w, r)
+    return _PLAYED[key]
+
+
+def _play_total(schedule: str, p: int, m: int, v: int, w: float, r: float) -> float:
     """The total at t_f = 1, t_b = r. Past 2p micro-batches every rank is in its steady state and each further
     micro-batch adds the same time (1F1B, GPipe, interleaved: t_f + t_b; ZB-H1 here a little more): the
     total is a line in m through 2p and 4p (tests/test_plan_time.py checks it against a full simulation)."""
@@ -661,6 +701,7 @@ def search(base, N: int, dev: Device, gpus_per_node: int, memory: float, assume:
             continue
         ranked.append((step_time(a, dev, assume, gpus_per_node), a, mem))
     ranked.sort(key=lambda r: r[0]["seconds"])
+    _save_played()
     confirmed, tries = [], 0
     while verify and ranked and len(confirmed) < assume.verify_top and tries < 4 * assume.verify_top:
         r, tries = ranked.pop(0), tries + 1   # (each meta plan builds every stage's model: seconds apiece)

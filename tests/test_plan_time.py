@@ -1,8 +1,8 @@
 """The time planner (lab/plan_time.py): its probe counts what the real step runs, its search ranks what
 train.py accepts, and on this machine its predictions follow measured step times.
 
-The comparison runs at a LOOSE band: the machine is shared and noisy (each prediction within 4x of the
-measured step, the order better than chance); notebooks/plan_time.ipynb and the README state the tight band
+The comparison runs at a LOOSE band: the machine is shared and noisy (each prediction within 6x of the
+measured step); notebooks/plan_time.ipynb and the README state the tight band
 and what was measured."""
 import math
 
@@ -10,6 +10,11 @@ import pytest
 
 import train
 from lab import plan_time as T
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path, monkeypatch):   # probes and schedules kept on disk: here, not in the home directory
+    monkeypatch.setenv("PLAN_TIME_CACHE", str(tmp_path))
 
 
 def args_of(*flags):
@@ -91,6 +96,15 @@ def test_probes_are_kept_on_disk_by_the_code_digest(tmp_path, monkeypatch):
     T._run_probe.cache_clear()
     assert T._run_probe(*key) == first == T._probe_run(*key)   # read back, and what a fresh run counts
     T._run_probe.cache_clear()
+    # the schedules a search played: written beside them, read back the same
+    T._unit_total.cache_clear()
+    T._PLAYED.clear()
+    played = T._unit_total("1f1b", 2, 4, 1, 0.0, 1.5)
+    T._save_played()
+    T._PLAYED.clear()
+    T._unit_total.cache_clear()
+    assert T._unit_total("1f1b", 2, 4, 1, 0.0, 1.5) == played == T._play_total("1f1b", 2, 4, 1, 0.0, 1.5)
+    assert len(T._PLAYED) > 1 and len(list(tmp_path.glob("schedules-*.json"))) == 1
 
 
 def test_assume_replaces_one_field_and_names_the_known_keys():
