@@ -500,6 +500,9 @@ def parse_args(argv=None):
     out.add_argument("--gpus", type=int, default=None, help="with --search: the number of ranks to plan for")
     out.add_argument("--gpus-per-node", type=int, default=None,
                      help="with --device: ranks per node (default: the device's); groups beyond it cross nodes")
+    out.add_argument("--assume", action="append", default=[], metavar="KEY=VALUE",
+                     help="with --device: replace one of the time model's assumptions (lab/plan_time.py's "
+                          "Assumptions), e.g. efficiency=0.3, inter_beta=12.5e9, overlap.tp=0.5; repeatable")
     args = p.parse_args(argv)
     if args.zero_stage is None:
         args.zero_stage = 3 if args.dp_shard > 1 else 0
@@ -651,8 +654,9 @@ def check_args(args, world_size: int) -> None:
 
 
 def plan_problems(args) -> list[str]:
-    """--device, --search, --gpus, --gpus-per-node: only with --plan, and with what they need (the device's name:
-    lab.plan_time.device_named, which lists the known ones)."""
+    """--device, --search, --gpus, --gpus-per-node, --assume: only with --plan, and with what they need (the
+    device's name: lab.plan_time.device_named, which lists the known ones; --assume's keys:
+    lab.plan_time.assumptions, which lists them — lab/ imports train, not the other way)."""
     out = []
     device, search = getattr(args, "device", None), getattr(args, "search", False)
     if (device or search) and not args.plan:
@@ -662,6 +666,11 @@ def plan_problems(args) -> list[str]:
     for flag in ("gpus", "gpus_per_node"):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             out.append(f"--{flag.replace('_', '-')} must be >= 1")
+    assume = getattr(args, "assume", None) or []
+    if assume and not device:
+        out.append("--assume changes the time model: give --plan --device NAME too")
+    out += [f"--assume {a!r}: give KEY=VALUE (the keys: lab.plan_time.Assumptions' fields, e.g. efficiency=0.3)"
+            for a in assume if "=" not in a]
     return out
 
 

@@ -102,6 +102,7 @@ class Assumptions:
     optimizer_bytes    bytes AdamW moves per element of its shard (read p, g, m, v; write p, m, v in fp32: 28)
     inter_beta, intra_beta, efficiency_override: None, or a value that replaces the device's
     verify_top  the search runs the full meta plan (lab/plan.py) on its best layouts to confirm they fit
+                (each builds every pipeline stage on meta: seconds apiece, so 1 by default)
     tp_cp_span  the search keeps tp·cp within this many ranks (None: a node's): their collectives run every
                 layer, on the critical path — across nodes they lose to any layout that keeps them inside"""
     efficiency: float = 0.5
@@ -111,8 +112,43 @@ class Assumptions:
     optimizer_bytes: int = 28
     inter_beta: float | None = None
     intra_beta: float | None = None
-    verify_top: int = 3
+    verify_top: int = 1
     tp_cp_span: int | None = None
+
+
+def assumptions(pairs: list[str] = ()) -> Assumptions:
+    """Assumptions with fields replaced by train.py's --assume KEY=VALUE (repeatable): a field's name
+    (efficiency=0.3, inter_beta=12.5e9, verify_top=3; none for a field that may be None) or one overlap
+    share (overlap.tp=0.5). Raises one ValueError naming the known keys."""
+    import dataclasses
+    base = Assumptions()
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Assumptions)}
+    known = [k for k in fields if k != "overlap"] + [f"overlap.{k}" for k in base.overlap]
+    changes, overlap = {}, dict(base.overlap)
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        key = key.strip()
+        if key not in known or not value:
+            raise ValueError(f"--assume {pair!r}: give KEY=VALUE with KEY one of {', '.join(known)}")
+        try:
+            if key.startswith("overlap."):
+                overlap[key.split(".", 1)[1]] = float(value)
+            elif value.lower() == "none" and key in ("inter_beta", "intra_beta", "tp_cp_span"):
+                changes[key] = None
+            else:
+                changes[key] = int(float(value)) if key in ("optimizer_bytes", "verify_top", "tp_cp_span") \
+                    else float(value)
+        except ValueError:
+            raise ValueError(f"--assume {pair!r}: {value!r} is not a number") from None
+    return replace(base, overlap=overlap, **changes)
+
+
+def assumed(assume: Assumptions) -> str:
+    """The fields that differ from the defaults, for the output's first lines."""
+    base = Assumptions()
+    diff = [f"{k}={v}" for k, v in vars(assume).items() if k != "overlap" and v != getattr(base, k)]
+    diff += [f"overlap.{k}={v}" for k, v in assume.overlap.items() if v != base.overlap.get(k)]
+    return ", ".join(diff) or "the defaults"
 
 
 def device_named(name: str, assume: Assumptions = Assumptions()) -> Device:
@@ -203,7 +239,51 @@ def _rest(*key) -> dict:
     return dict(flops={p: 2 * one["flops"][p] - two["flops"][p] for p in PHASES}, comm=comm)
 
 
-def _run_probe(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses, checkpointing,
+@lru_cache(maxsize=None)
+def _code_digest() -> str:
+    """What a probe's result depends on: the course's code (every .py at the root and in lab/)."""
+    import glob
+    import hashlib
+    import os
+    root = os.path.dirname(os.path.abspath(train.__file__))
+    h = hashlib.sha256(torch.__version__.encode())
+    for path in sorted(glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "lab", "*.py"))):
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + f.read())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> str | None:
+    """Where probes are kept between runs: $PLAN_TIME_CACHE, else ~/.cache/plan_time; "off": nowhere. A file
+    is named by its probe and by the digest of the code, so a change to the code is never read stale."""
+    import os
+    d = os.environ.get("PLAN_TIME_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "plan_time"))
+    return None if d == "off" else d
+
+
+@lru_cache(maxsize=None)   # probe's one-layer run without checkpointing is _rest's: run once
+def _run_probe(*key) -> dict:
+    """_probe_run, kept on disk (cache_dir): a search's probes are most of its time, the same every run."""
+    import hashlib
+    import json
+    import os
+    d = cache_dir()
+    path = d and os.path.join(d, hashlib.sha256(repr((_code_digest(),) + key).encode()).hexdigest()[:24] + ".json")
+    if path and os.path.exists(path):
+        with open(path) as f:
+            got = json.load(f)
+        return dict(flops=got["flops"], comm={tuple(k): tuple(v) for k, v in got["comm"]})
+    out = _probe_run(*key)
+    if path:
+        os.makedirs(d, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(dict(key=repr(key), flops=out["flops"], comm=[[list(k), list(v)] for k, v in
+                                                                      out["comm"].items()]), f)
+        os.replace(path + ".tmp", path)
+    return out
+
+
+def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses, checkpointing,
                layers) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from lab.plan import _fused_attention_on_meta
@@ -264,21 +344,113 @@ def collective_time(op: str, n_bytes: float, calls: int, group: int, dev: Device
 
 # ---- the model of one step ----------------------------------------------------------------------------------
 
+def _config(args):
+    """train.config_of, once per model (a search asks for it per layout)."""
+    return _config_of(args.model, args.layers, args.experts, args.top_k, getattr(args, "init_from", None))
+
+
+@lru_cache(maxsize=None)
+def _config_of(model, layers, experts, top_k, init_from):
+    return train.config_of(argparse.Namespace(model=model, layers=layers, experts=experts, top_k=top_k,
+                                              init_from=init_from))
+
+
 def _stage_layers(args) -> list[int]:
-    cfg = train.config_of(args)
-    chunks = pipeline.split_layers(cfg.n_layers, args.pp * args.virtual_stages)
-    return [sum(len(chunks[c * args.pp + s]) for c in range(args.virtual_stages)) for s in range(args.pp)]
+    return _split(_config(args).n_layers, args.pp, args.virtual_stages)
 
 
-@lru_cache(maxsize=4096)
-def _bubble(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float) -> float:
-    return pipeline.simulate(pipeline.SCHEDULES[schedule](p, m, v), t_f, t_b, t_w)["total"]
+@lru_cache(maxsize=None)
+def _split(n_layers: int, pp: int, v: int) -> list[int]:
+    chunks = pipeline.split_layers(n_layers, pp * v)
+    return [sum(len(chunks[c * pp + s]) for c in range(v)) for s in range(pp)]
+
+
+BUBBLE_GRID = 1.005     # where no line is found, t_b/t_f is rounded to this ratio's powers (total within 0.25%)
+LINE = (0.25, 4.25)     # the range of t_b/t_f searched for lines
+
+
+def _bubble(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, w: float) -> float:
+    """pipeline.simulate's total for forward t_f and backward t_b, a share w of it the weight gradient (zb).
+    The simulation is max and + of its compute times (a max over paths of sums): the total scales with them
+    (total(c·t) = c·total(t)) and, along r = t_b/t_f, is convex and piecewise linear. Where it is played at
+    both ends of an interval and its middle lies on the chord between them, convexity leaves no room for a
+    bend inside: the total is exactly t_f·chord(r) there. The interval holding r is halved until that holds
+    (1F1B, GPipe, interleaved: at once; ZB-H1: a few halvings), so a schedule is played a few times per search,
+    not once per layout; past 10 halvings, or outside LINE, r is rounded (BUBBLE_GRID)."""
+    if t_f <= 0 or t_b <= 0:
+        return pipeline.simulate(_schedule(schedule, p, m, v), t_f, t_b * (1 - w), t_b * w)["total"]
+    r, (lo, hi) = t_b / t_f, LINE
+    total = lambda x: _unit_total(schedule, p, m, v, w, x)
+    chord = lambda x: total(lo) + (total(hi) - total(lo)) * (x - lo) / (hi - lo)
+    for _ in range(10 if lo <= r <= hi else 0):
+        mid = (lo + hi) / 2
+        if abs(chord(mid) - total(mid)) <= 1e-9 * total(hi):
+            return t_f * chord(r)
+        lo, hi = (lo, mid) if r <= mid else (mid, hi)
+    return t_f * total(BUBBLE_GRID ** round(math.log(r, BUBBLE_GRID)))
+
+
+_PLAYED: dict = {}   # {repr of a _unit_total key: total}, read from and written to cache_dir with the probes
+
+
+def _played_path() -> str | None:
+    import os
+    d = cache_dir()
+    return d and os.path.join(d, f"schedules-{_code_digest()}.json")
+
+
+def _load_played() -> None:
+    import json
+    import os
+    path = _played_path()
+    if path and not _PLAYED and os.path.exists(path):
+        with open(path) as f:
+            _PLAYED.update(json.load(f))
+    _PLAYED.setdefault("", 0.0)   # loaded (an empty file too)
+
+
+def _save_played() -> None:
+    import json
+    import os
+    path = _played_path()
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(_PLAYED, f)
+        os.replace(path + ".tmp", path)
+
+
+@lru_cache(maxsize=None)
+def _unit_total(schedule: str, p: int, m: int, v: int, w: float, r: float) -> float:
+    """_play_total, kept on disk beside the probes (a search's schedules are the same every run)."""
+    if "" not in _PLAYED:
+        _load_played()
+    key = repr((schedule, p, m, v, w, r))
+    if key not in _PLAYED:
+        _PLAYED[key] = _play_total(schedule, p, m, v, w, r)
+    return _PLAYED[key]
+
+
+def _play_total(schedule: str, p: int, m: int, v: int, w: float, r: float) -> float:
+    """The total at t_f = 1, t_b = r. Past 2p micro-batches every rank is in its steady state and each further
+    micro-batch adds the same time (1F1B, GPipe, interleaved: t_f + t_b; ZB-H1 here a little more): the
+    total is a line in m through 2p and 4p (tests/test_plan_time.py checks it against a full simulation)."""
+    play = lambda k: pipeline.simulate(_schedule(schedule, p, k, v), 1.0, r * (1 - w), r * w)["total"]
+    if m <= 4 * p:
+        return play(m)
+    a, b = play(2 * p), play(4 * p)
+    return a + (b - a) * (m - 2 * p) / (2 * p)
+
+
+@lru_cache(maxsize=None)
+def _schedule(schedule: str, p: int, m: int, v: int):
+    return pipeline.SCHEDULES[schedule](p, m, v)
 
 
 def _local_psi(args, stage: int) -> tuple[float, float]:
     """(this stage's parameters on one tp rank, its largest unit) from the model's shapes: a block's
     parameters /tp; the embedding on the first stage, the norm and head on the last, /tp (vocab parallel)."""
-    cfg = train.config_of(args)
+    cfg = _config(args)
     H, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
     mlp = 3 * H * F * max(cfg.n_experts, 1) // (args.ep if cfg.n_experts else 1)
     block = (2 * H * H + 2 * H * cfg.n_kv_heads * hd + mlp) / args.tp + 2 * H
@@ -305,9 +477,12 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
     b = args.global_batch_size // (dp * m)                     # sequences per micro-batch
     link = {d: crosses_nodes(sizes, (d,), G) for d in DIMS}
     o = assume.overlap
-    best = None
+    best, seen = None, set()
     for s, layers in enumerate(_stage_layers(args)):
         last = s == pp - 1
+        if (layers, s == 0, last) in seen:   # a stage like one timed already: the same time
+            continue
+        seen.add((layers, s == 0, last))
         flops = {p: b * (layers * pr["block"][p] + (pr["rest"][p] if last else 0)) for p in "fb"}
         comm = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "world": 0.0}
         per_phase = {"f": 0.0, "b": 0.0}
@@ -325,14 +500,12 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         t_f = flops["f"] / rate + per_phase["f"] + other["f"]
         t_b = flops["b"] / rate + per_phase["b"] + other["b"]
         if pp > 1:   # a boundary of [b, S/cp(/tp), H] each way per micro-batch, exposed
-            boundary = b * args.seq_len // cp * train.config_of(args).dim * _elem(args) // (tp if sp else 1)
+            boundary = b * args.seq_len // cp * _config(args).dim * _elem(args) // (tp if sp else 1)
             hop = collective_time("send", boundary, 1, 2, dev, link["pp"]) * (1 - o["pp"]) * args.virtual_stages
             t_f, t_b = t_f + hop, t_b + hop
             comm["pp"] = 2 * hop
-        split = args.schedule == "zb"
-        w = assume.weight_grad_share if split else 0.0
-        total = _bubble(args.schedule, pp, m, args.virtual_stages, t_f, t_b * (1 - w), t_b * w) if pp > 1 \
-            else m * (t_f + t_b)
+        w = assume.weight_grad_share if args.schedule == "zb" else 0.0
+        total = _bubble(args.schedule, pp, m, args.virtual_stages, t_f, t_b, w) if pp > 1 else m * (t_f + t_b)
         compute = m * ((flops["f"] + flops["b"]) / rate + other["f"] + other["b"])
         bubble = total - m * (t_f + t_b)
         exposed = {d: m * c for d, c in comm.items() if c}
@@ -394,7 +567,7 @@ def model_flops(args) -> float:
     """The model's FLOPs per step, for MFU: 6 per parameter a token passes through (forward 2, backward 4) plus
     attention's 12·layers·H·S per token (causal: half of it), no recompute — Chowdhery et al. 2022 (PaLM), App. B."""
     from lab.model import num_params
-    cfg = train.config_of(args)
+    cfg = _config(args)
     n = num_params(cfg) - cfg.vocab_size * cfg.dim    # the embedding lookup costs no matmul
     if cfg.n_experts:
         n -= cfg.n_layers * 3 * cfg.dim * cfg.ffn_dim * (cfg.n_experts - cfg.top_k)
@@ -410,7 +583,7 @@ def memory_formula(args) -> float:
     head's fp32 logits, × the micro-batches a pipeline rank holds), the step's transient buffers (one unit's
     packed gradient; ZeRO-3 a unit gathered twice, the next prefetched; a pipeline keeps its units gathered)."""
     from lab.plan import activation_formula
-    cfg, z = train.config_of(args), args.zero_stage
+    cfg, z = _config(args), args.zero_stage
     b_p, bf16 = _elem(args), args.dtype == "bfloat16"
     b_m = 4 if bf16 else b_p
     shard = args.dp_shard * args.cp if z else 1
@@ -512,6 +685,11 @@ def search(base, N: int, dev: Device, gpus_per_node: int, memory: float, assume:
 
     for a in layouts(base, N, assume.tp_cp_span or gpus_per_node):
         seen += 1
+        if a.zero_stage == 0 and a.dp_replicate > 1:
+            # ZeRO-0 all-reduces over dp_replicate × dp_shard × cp (train.py's "dp_cp" group): the same ranks,
+            # bytes and state as dp-shard R·S; ranked once, as that
+            drop("equivalent by construction: ZeRO-0 with dp-replicate R x dp-shard S is dp-shard R*S", a)
+            continue
         try:
             train.check_args(a, N)
         except ValueError as e:
@@ -523,6 +701,7 @@ def search(base, N: int, dev: Device, gpus_per_node: int, memory: float, assume:
             continue
         ranked.append((step_time(a, dev, assume, gpus_per_node), a, mem))
     ranked.sort(key=lambda r: r[0]["seconds"])
+    _save_played()
     confirmed, tries = [], 0
     while verify and ranked and len(confirmed) < assume.verify_top and tries < 4 * assume.verify_top:
         r, tries = ranked.pop(0), tries + 1   # (each meta plan builds every stage's model: seconds apiece)
@@ -532,7 +711,7 @@ def search(base, N: int, dev: Device, gpus_per_node: int, memory: float, assume:
             continue
         confirmed.append((r[0], r[1], planned))
     return dict(ranked=confirmed + ranked, verified=len(confirmed), dropped=dropped, examples=examples,
-                layouts=seen, seconds=time.perf_counter() - t0)
+                layouts=seen, seconds=time.perf_counter() - t0, assume=assume)
 
 
 def breakdown(r: dict) -> str:
@@ -547,7 +726,7 @@ def print_search(base, N, G, dev, found: dict, top: int = 10) -> None:
     cfg = train.config_of(base)
     print(f"search: {base.model} ({num_params(cfg) / 1e9:.2f}B) on {N} x {dev.name} ({G} per node), {base.dtype}, "
           f"global batch {base.global_batch_size} x {base.seq_len}: {found['layouts']} layouts in "
-          f"{found['seconds']:.1f} s, {len(found['ranked'])} fit")
+          f"{found['seconds']:.1f} s, {len(found['ranked'])} fit; assumptions: {assumed(found['assume'])}")
     for reason, n in sorted(found["dropped"].items(), key=lambda kv: -kv[1]):
         print(f"  dropped {n:6d}: {reason} (e.g. {found['examples'][reason]})")
     print(f"  {'#':>3s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>5s} {'GB':>6s}  layout")
@@ -564,7 +743,7 @@ def print_time(args, dev: Device, G: int, plans, assume: Assumptions = Assumptio
     """The one layout's predicted step beside its memory plan (its data-parallel bytes: the plan's)."""
     zero = [ops for dim, ops in plans[-1]["per_step"].items() if dim.startswith("ZeRO")]
     r = step_time(args, dev, assume, G, zero[0] if zero else None)
-    print(f"time on {dev.name} ({G} per node, efficiency {assume.efficiency}): {r['seconds']:.3f} s per step "
+    print(f"time on {dev.name} ({G} per node, assumptions: {assumed(assume)}): {r['seconds']:.3f} s per step "
           f"(stage {r['stage']}), {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.2f}\n  seconds: {breakdown(r)}")
     return r
 
@@ -602,15 +781,27 @@ def _median(f, n: int) -> float:
     return statistics.median(times)
 
 
+def op_overhead(cfg, rate: float, repeats: int = 20) -> float:
+    """Seconds one operation of the real model costs beyond its FLOPs: a forward and backward of one token
+    (FLOPs next to nothing) timed, less its FLOPs at `rate`, over the operations it dispatches. What a step
+    pays per operation is Python, autograd and the dispatcher around each kernel — several times one bare
+    in-place add's (the first calibration measured that, and every prediction came out low)."""
+    from lab.model import build_model
+    model, x = build_model(cfg), torch.zeros(1, 1, dtype=torch.long)
+    step = lambda: model(x, x).backward()
+    with _OpCount() as ops, _flop_counter() as fc:
+        step()
+    return max(_median(step, repeats) - fc.get_total_flops() / rate, 0.0) / ops.n
+
+
 def calibrate_rank(repeats: int = 20) -> dict:
     """On every rank of a 2-rank gloo group at once: the matmul rate at the calibration model's shapes
     ([B·S, H] @ [H, F]), the memory bandwidth (y += x: 3 passes), gloo's α (a 4-byte all-reduce: 2 ring steps)
-    and β (a 4 MB all-reduce: 2α + 2·(P-1)/P·n/β), and the overhead of one small operation (eager dispatch)."""
+    and β (a 4 MB all-reduce: 2α + 2·(P-1)/P·n/β), and one operation's overhead in the real model (op_overhead)."""
     cfg = train.config_of(train.parse_args(CALIBRATION_MODEL))
     a, w = torch.randn(256, cfg.dim), torch.randn(cfg.dim, cfg.ffn_dim)
     rate = 2 * 256 * cfg.dim * cfg.ffn_dim / _median(lambda: a @ w, repeats)
-    one = torch.zeros(4)
-    op = _median(lambda: [one.add_(1.0) for _ in range(100)], repeats) / 100
+    op = op_overhead(cfg, rate, repeats)
     x, y = torch.randn(2**22), torch.randn(2**22)
     hbm = 3 * x.numel() * 4 / _median(lambda: y.add_(x), repeats)
     small, big = torch.zeros(1), torch.zeros(2**20)

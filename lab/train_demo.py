@@ -345,19 +345,20 @@ def run(argv=None, compare=references.train_fsdp2_tp) -> int:
     args = parse_args(argv)
     if args.plan:  # one process plans for the whole layout: the world is the product of the sizes
         from lab import plan_time
+        assume = plan_time.assumptions(args.assume)   # --assume KEY=VALUE: a bad key raises, naming the known
         if args.search:   # every layout for --gpus ranks, ranked by predicted step time
             check_args(args, math.prod(getattr(args, d) for d in train.DIMS))
-            dev = plan_time.device_named(args.device)
+            dev = plan_time.device_named(args.device, assume)
             G = args.gpus_per_node or dev.gpus_per_node
             memory = plan.parse_memory(args.device_memory) if args.device_memory else dev.memory
-            plan_time.print_search(args, args.gpus, G, dev, plan_time.search(args, args.gpus, dev, G, memory))
+            plan_time.print_search(args, args.gpus, G, dev, plan_time.search(args, args.gpus, dev, G, memory, assume))
             return 0
         check_args(args, math.prod(getattr(args, d) for d in train.DIMS))
         plans = plan.plan(args)
         plan.print_plan(args, plans)
         if args.device:
-            dev = plan_time.device_named(args.device)
-            plan_time.print_time(args, dev, args.gpus_per_node or dev.gpus_per_node, plans)
+            dev = plan_time.device_named(args.device, assume)
+            plan_time.print_time(args, dev, args.gpus_per_node or dev.gpus_per_node, plans, assume)
         return 0
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
     device = init_distributed()
