@@ -7,13 +7,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from lab.baseline import single_process  # noqa: F401  (the one single-process reference loop)
-from lab.launch import RankError, run_ranks  # noqa: F401  (re-exported for the tests)
+from lab.launch import RankError, free_port, run_ranks  # noqa: F401  (re-exported for the tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,8 +59,11 @@ def refusals(cases: list[list[str]]) -> list[tuple]:
 
 def run_command(argv: list[str], *, cwd: str = ROOT, timeout: float = 240, expect_fail: bool = False) -> str:
     """Run argv (after the interpreter) as a learner would; check its exit code and that it printed
-    no warning and (unless it is meant to fail) no traceback; return stdout + stderr."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1")
+    no warning and (unless it is meant to fail) no traceback; return stdout + stderr. torchrun's rendezvous
+    port comes from the environment (PET_MASTER_PORT, which torchrun reads when the command names no
+    --master-port): a free one, not the default 29500 another job — or another exercise — may hold."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1",
+               PET_MASTER_PORT=str(free_port()))
     p = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     if expect_fail:
@@ -91,6 +95,7 @@ class Exercise:
     fails     the exercise is about an error: the command must exit non-zero
     setup     README commands the exercise runs first, in the same directory (e.g. the run that saves
               the checkpoint a resume reads); they must succeed, their output is not checked
+    alone     its check reads timings (what overlapped what): run it with no other exercise beside it
     """
     command: str
     check: Callable[[str], None]
@@ -98,6 +103,7 @@ class Exercise:
     fails: bool = False
     timeout: float = 240
     setup: tuple = ()
+    alone: bool = False
 
 
 def exercise_argv(command: str) -> list[str]:
@@ -109,20 +115,55 @@ def exercise_argv(command: str) -> list[str]:
     return words[1:]
 
 
-def run_exercise(ex: Exercise) -> str:
+def _copy_repository(dst: str, edits=()) -> None:
+    """The code (root .py and .ini files, tests/, lab/) copied to dst, with an exercise's edits applied."""
+    for name in os.listdir(ROOT):
+        src = os.path.join(ROOT, name)
+        if name.endswith((".py", ".ini")) or name in ("tests", "lab"):
+            (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(dst, name))
+    for file, old, new in edits:
+        path = os.path.join(dst, file)
+        text = open(path).read()
+        assert text.count(old) == 1, f"the exercise's edit of {file} must match exactly once: {old!r}"
+        open(path, "w").write(text.replace(old, new))
+
+
+class SetupCache:
+    """The directories the exercises' setup commands leave behind, each made once: exercises with the same
+    edits and the same setup (two resumes of one saved checkpoint) start from copies of one directory, as
+    if each had run the setup there itself. Thread-safe; remove() deletes the directories."""
+
+    def __init__(self):
+        self.dirs, self.lock, self.locks = {}, threading.Lock(), {}
+
+    def prepared(self, ex: Exercise, timeout: float) -> str:
+        key = (ex.edits, ex.setup)
+        with self.lock:
+            lock = self.locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self.dirs:
+                d = tempfile.mkdtemp()
+                _copy_repository(d, ex.edits)
+                for command in ex.setup:
+                    run_command(exercise_argv(command), cwd=d, timeout=timeout)
+                self.dirs[key] = d
+            return self.dirs[key]
+
+    def remove(self) -> None:
+        for d in self.dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def run_exercise(ex: Exercise, setups: SetupCache | None = None) -> str:
     """Run ex.command in a copy of the repository (the code, with the exercise's edits), so that nothing an
-    exercise writes — a checkpoint, an exported model — lands in the repository; return what it printed."""
+    exercise writes — a checkpoint, an exported model — lands in the repository; return what it printed.
+    With setups, an exercise's setup commands run once per SetupCache (see there)."""
     argv = exercise_argv(ex.command)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in os.listdir(ROOT):
-            src = os.path.join(ROOT, name)
-            if name.endswith((".py", ".ini")) or name in ("tests", "lab"):
-                (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(tmp, name))
-        for file, old, new in ex.edits:
-            path = os.path.join(tmp, file)
-            text = open(path).read()
-            assert text.count(old) == 1, f"the exercise's edit of {file} must match exactly once: {old!r}"
-            open(path, "w").write(text.replace(old, new))
-        for command in ex.setup:
-            run_command(exercise_argv(command), cwd=tmp, timeout=ex.timeout)
+        if ex.setup and setups is not None:
+            shutil.copytree(setups.prepared(ex, ex.timeout), tmp, dirs_exist_ok=True)
+        else:
+            _copy_repository(tmp, ex.edits)
+            for command in ex.setup:
+                run_command(exercise_argv(command), cwd=tmp, timeout=ex.timeout)
         return run_command(argv, cwd=tmp, timeout=ex.timeout, expect_fail=ex.fails)
