@@ -2,20 +2,65 @@
 — or a README exercise — the way a learner does."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from lab.baseline import single_process  # noqa: F401  (the one single-process reference loop)
-from lab.launch import RankError, run_ranks  # noqa: F401  (re-exported for the tests)
+import lab.launch
+from lab.launch import RankError, free_port  # noqa: F401  (re-exported for the tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Forked:
+    """Stands in for the multiprocessing module inside lab.launch during one run_ranks call: every context it
+    asks for is the forkserver's."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def get_context(self, method=None):
+        return self.ctx
+
+
+_SERVER = {}  # the forkserver context, and the environment, directory and sys.path it started with
+
+
+def _environment():
+    """What a spawned rank would start with: the environment, the working directory and sys.path — less the
+    name of the test pytest runs now, and inductor's cache directory (importing torch._dynamo sets it to the
+    default a rank would compute for itself)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")}
+    return env, os.getcwd(), list(sys.path)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 90, **kwargs) -> list:
+    """lab.launch.run_ranks (the same ranks, results and errors), its ranks forked from one server process that
+    imported torch once (multiprocessing's forkserver) instead of each spawned afresh: a group then starts in a
+    fraction of a second, not the seconds N imports of torch take on 2 cores — and spawning is most of the
+    suite's time. A rank still starts as a fresh process would (nothing of the test process comes with it). A
+    call made while the environment, working directory or sys.path differs from the server's (a test that sets
+    a variable the ranks' C library reads at start) spawns its ranks, as lab.launch does."""
+    if not _SERVER:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "lab.launch"])
+        _SERVER.update(ctx=ctx, started=_environment())
+    if _environment() != _SERVER["started"]:
+        return lab.launch.run_ranks(fn, world_size, *args, timeout=timeout, **kwargs)
+    spawning, lab.launch.mp = lab.launch.mp, _Forked(_SERVER["ctx"])
+    try:
+        return lab.launch.run_ranks(fn, world_size, *args, timeout=timeout, **kwargs)
+    finally:
+        lab.launch.mp = spawning
 
 
 def reference_model(cfg="tiny", seed: int = 0, dtype=torch.float32):
@@ -58,8 +103,11 @@ def refusals(cases: list[list[str]]) -> list[tuple]:
 
 def run_command(argv: list[str], *, cwd: str = ROOT, timeout: float = 240, expect_fail: bool = False) -> str:
     """Run argv (after the interpreter) as a learner would; check its exit code and that it printed
-    no warning and (unless it is meant to fail) no traceback; return stdout + stderr."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1")
+    no warning and (unless it is meant to fail) no traceback; return stdout + stderr. torchrun's rendezvous
+    port comes from the environment (PET_MASTER_PORT, which torchrun reads when the command names no
+    --master-port): a free one, not the default 29500 another job — or another exercise — may hold."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1",
+               PET_MASTER_PORT=str(free_port()))
     p = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     if expect_fail:
@@ -91,6 +139,7 @@ class Exercise:
     fails     the exercise is about an error: the command must exit non-zero
     setup     README commands the exercise runs first, in the same directory (e.g. the run that saves
               the checkpoint a resume reads); they must succeed, their output is not checked
+    alone     its check reads timings (what overlapped what): run it with no other exercise beside it
     """
     command: str
     check: Callable[[str], None]
@@ -98,6 +147,7 @@ class Exercise:
     fails: bool = False
     timeout: float = 240
     setup: tuple = ()
+    alone: bool = False
 
 
 def exercise_argv(command: str) -> list[str]:
@@ -109,20 +159,55 @@ def exercise_argv(command: str) -> list[str]:
     return words[1:]
 
 
-def run_exercise(ex: Exercise) -> str:
+def _copy_repository(dst: str, edits=()) -> None:
+    """The code (root .py and .ini files, tests/, lab/) copied to dst, with an exercise's edits applied."""
+    for name in os.listdir(ROOT):
+        src = os.path.join(ROOT, name)
+        if name.endswith((".py", ".ini")) or name in ("tests", "lab"):
+            (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(dst, name))
+    for file, old, new in edits:
+        path = os.path.join(dst, file)
+        text = open(path).read()
+        assert text.count(old) == 1, f"the exercise's edit of {file} must match exactly once: {old!r}"
+        open(path, "w").write(text.replace(old, new))
+
+
+class SetupCache:
+    """The directories the exercises' setup commands leave behind, each made once: exercises with the same
+    edits and the same setup (two resumes of one saved checkpoint) start from copies of one directory, as
+    if each had run the setup there itself. Thread-safe; remove() deletes the directories."""
+
+    def __init__(self):
+        self.dirs, self.lock, self.locks = {}, threading.Lock(), {}
+
+    def prepared(self, ex: Exercise, timeout: float) -> str:
+        key = (ex.edits, ex.setup)
+        with self.lock:
+            lock = self.locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self.dirs:
+                d = tempfile.mkdtemp()
+                _copy_repository(d, ex.edits)
+                for command in ex.setup:
+                    run_command(exercise_argv(command), cwd=d, timeout=timeout)
+                self.dirs[key] = d
+            return self.dirs[key]
+
+    def remove(self) -> None:
+        for d in self.dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def run_exercise(ex: Exercise, setups: SetupCache | None = None) -> str:
     """Run ex.command in a copy of the repository (the code, with the exercise's edits), so that nothing an
-    exercise writes — a checkpoint, an exported model — lands in the repository; return what it printed."""
+    exercise writes — a checkpoint, an exported model — lands in the repository; return what it printed.
+    With setups, an exercise's setup commands run once per SetupCache (see there)."""
     argv = exercise_argv(ex.command)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in os.listdir(ROOT):
-            src = os.path.join(ROOT, name)
-            if name.endswith((".py", ".ini")) or name in ("tests", "lab"):
-                (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(tmp, name))
-        for file, old, new in ex.edits:
-            path = os.path.join(tmp, file)
-            text = open(path).read()
-            assert text.count(old) == 1, f"the exercise's edit of {file} must match exactly once: {old!r}"
-            open(path, "w").write(text.replace(old, new))
-        for command in ex.setup:
-            run_command(exercise_argv(command), cwd=tmp, timeout=ex.timeout)
+        if ex.setup and setups is not None:
+            shutil.copytree(setups.prepared(ex, ex.timeout), tmp, dirs_exist_ok=True)
+        else:
+            _copy_repository(tmp, ex.edits)
+            for command in ex.setup:
+                run_command(exercise_argv(command), cwd=tmp, timeout=ex.timeout)
         return run_command(argv, cwd=tmp, timeout=ex.timeout, expect_fail=ex.fails)

@@ -460,9 +460,10 @@ def _check_no_agreement(out):
 NO_AGREEMENT = ("ddp.py", "used = dict(zip(self.params, self._agree_on_used()))",
                 "used = {p: p.grad is not None for p in self.params}")
 EXERCISES = [
-    Exercise("torchrun --nproc_per_node 2 ddp.py --model tiny --steps 3 --bucket-mb 0", _check_per_parameter),
+    Exercise("torchrun --nproc_per_node 2 ddp.py --model tiny --steps 3 --bucket-mb 0", _check_per_parameter,
+             alone=True),
     Exercise("torchrun --nproc_per_node 2 ddp.py --model tiny --steps 3 --bucket-mb 100 --first-bucket-mb 100",
-             _check_one_bucket),
+             _check_one_bucket, alone=True),
     Exercise("torchrun --nproc_per_node 4 ddp.py --model tiny --steps 3", _check_ring),
     Exercise("python -m pytest -q tests/test_awkward_ddp.py -k P2-unused", _check_no_agreement, edits=(NO_AGREEMENT,),
              fails=True),

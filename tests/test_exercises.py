@@ -3,7 +3,15 @@
 Each lesson's test module lists its exercises as `EXERCISES = [harness.Exercise(command, check, ...)]`,
 with the command exactly as the README prints it. This module collects them, checks that the README
 and the lists name the same commands (so neither can drift), and runs every one.
+
+Spawning ranks is most of the suite's time, and one exercise leaves a core idle much of the time (torchrun's
+launcher starting alone, the rendezvous, a rank waiting on another), so the selected exercises run two at a
+time, in test order, each in its own copy of the repository on its own port; an exercise marked `alone` (its
+check reads timings) runs with nothing beside it. Each test then checks its own exercise's output. A setup
+that several exercises share (the checkpoint two resumes read) runs once (harness.SetupCache).
 """
+import threading
+from concurrent.futures import ThreadPoolExecutor
 import glob
 import importlib
 import os
@@ -11,7 +19,7 @@ import re
 
 import pytest
 
-from harness import ROOT, run_exercise
+from harness import ROOT, SetupCache, run_exercise
 
 
 def readme_commands() -> list[str]:
@@ -50,7 +58,31 @@ def test_every_readme_exercise_is_run_by_a_test():
                            f"run but not in the README: {sorted(run - readme)}")
 
 
+@pytest.fixture(scope="module")
+def outputs(request):
+    """command -> a future of what it printed, for every exercise selected in this session, two at a time."""
+    selected = [item.callspec.params["command"] for item in request.session.items
+                if item.module is request.module and item.originalname == "test_exercise"]
+    slots, taking, setups = threading.Semaphore(2), threading.Lock(), SetupCache()
+
+    def run(ex):
+        n = 2 if ex.alone else 1  # alone: both slots, so nothing else runs beside it
+        with taking:
+            for _ in range(n):
+                slots.acquire()
+        try:
+            return run_exercise(ex, setups)
+        finally:
+            for _ in range(n):
+                slots.release()
+
+    pool = ThreadPoolExecutor(2)
+    futures = {c: pool.submit(run, EXERCISES[c]) for c in selected}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+    setups.remove()
+
+
 @pytest.mark.parametrize("command", sorted(EXERCISES))
-def test_exercise(command):
-    ex = EXERCISES[command]
-    ex.check(run_exercise(ex))
+def test_exercise(command, outputs):
+    EXERCISES[command].check(outputs[command].result())

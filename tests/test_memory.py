@@ -21,10 +21,11 @@ def test_selective_and_full_checkpointing_equal_one_process_on_every_dimension()
     bubble's split backward, which the recompute splits again, experts), with selective and full checkpointing."""
     layouts = [lay + ["--activation-checkpointing", how] for how in ("selective", "full") for lay in DIMENSIONS]
     res = run_ranks(run_layouts, 2, layouts, COMMON, timeout=600)
-    for lay in res[0]:
-        want = reference_losses(parse_args(COMMON + lay["flags"].split()))
-        err = max(abs(a - b) for a, b in zip(lay["losses"], want))
-        assert err < 1e-9, (lay["flags"], err)
+    for i, flags in enumerate(lay["flags"] for lay in res[0]):
+        want = reference_losses(parse_args(COMMON + flags.split()))
+        for rank, lays in enumerate(res):  # every rank reports the global losses
+            err = max(abs(a - b) for a, b in zip(lays[i]["losses"], want))
+            assert err < 1e-9, (rank, flags, err)
 
 
 @pytest.mark.parametrize("world, dtype, sp", [(1, torch.float32, False), (1, torch.bfloat16, False),
@@ -34,10 +35,11 @@ def test_activation_bytes_equal_the_formula(world, dtype, sp):
     """What one block keeps for its backward, per token, for none / selective / full, measured from what autograd
     and checkpointing save (instruments.SavedBytes; never a tensor only a collective's thread still holds) —
     equal to activation_formula to the byte, with tp = world."""
-    res = run_ranks(activation_profile, world, dtype=dtype, sp=sp, repeats=1, timeout=120)[0]
-    for how, r in res.items():
-        assert r["bytes_per_token"] == r["formula"], (how, r)
-    assert res["none"]["bytes_per_token"] > res["selective"]["bytes_per_token"] > res["full"]["bytes_per_token"] == 0
+    for rank, res in enumerate(run_ranks(activation_profile, world, dtype=dtype, sp=sp, repeats=1, timeout=120)):
+        for how, r in res.items():
+            assert r["bytes_per_token"] == r["formula"], (rank, how, r)
+        none, selective, full = (res[h]["bytes_per_token"] for h in ("none", "selective", "full"))
+        assert none > selective > full == 0, rank
 
 
 OFFLOAD = [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + [
@@ -51,10 +53,13 @@ def test_offload_equals_one_process_and_moves_what_the_formula_says():
     gradient slice down (b_m·n) and each new compute slice up (b_p·n), counted by wrapping OffloadedUnit's
     download and upload from outside. In bf16 the way up carries half the bytes."""
     res = run_ranks(run_layouts, 2, [lay + ["--offload"] for lay in OFFLOAD], COMMON, timeout=600)
-    for lay in res[0]:
-        want = reference_losses(parse_args(COMMON + lay["flags"].split()))
-        assert max(abs(a - b) for a, b in zip(lay["losses"], want)) < 1e-9, lay["flags"]
-        assert lay["offload_bytes"] == [lay["offload_formula"]] * len(lay["losses"]) and lay["offload_formula"][0] > 0
+    for i, flags in enumerate(lay["flags"] for lay in res[0]):
+        want = reference_losses(parse_args(COMMON + flags.split()))
+        for rank, lays in enumerate(res):  # every rank: the global losses, and its own slices moved
+            lay = lays[i]
+            assert max(abs(a - b) for a, b in zip(lay["losses"], want)) < 1e-9, (rank, flags)
+            assert lay["offload_bytes"] == [lay["offload_formula"]] * len(lay["losses"]), (rank, flags)
+            assert lay["offload_formula"][0] > 0, (rank, flags)
     bf16 = run_ranks(run_layouts, 2, [["--dp-shard", "2", "--offload", "--dtype", "bfloat16"]], ["--steps", "2"],
                      timeout=120)[0][0]
     down, up = bf16["offload_formula"]

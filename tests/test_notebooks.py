@@ -5,10 +5,15 @@ notebooks are committed executed, so their figures show on the repository page: 
 copy must hold those PNGs too. To re-execute one in place after a change:
 
     python tests/test_notebooks.py notebooks/ddp.ipynb
+
+A notebook's kernel starts on one core while the other idles, so the selected notebooks execute two at a
+time, in test order (a module fixture); plan_time.ipynb, which times steps, executes with nothing beside it.
 """
 import glob
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import nbformat
 import pytest
@@ -16,6 +21,7 @@ from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+ALONE = ("plan_time.ipynb",)  # it measures step times: nothing else runs beside it
 
 
 def execute(path):
@@ -33,13 +39,41 @@ def has_png(cell) -> bool:
     return any("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
 
 
+@pytest.fixture(scope="module")
+def executed(request):
+    """path -> a future of the executed notebook, for every notebook selected in this session, two at a time."""
+    selected = [item.callspec.params["path"] for item in request.session.items
+                if item.module is request.module and item.originalname == "test_notebook_runs_and_draws_its_figures"]
+    slots, taking = threading.Semaphore(2), threading.Lock()
+    had_backend = "MPLBACKEND" in os.environ
+    os.environ.setdefault("MPLBACKEND", "Agg")  # (for the kernels; taken back below, as harness.run_ranks
+    # forks ranks from a server only while the environment is the one it started with)
+
+    def run(path):
+        n = 2 if os.path.basename(path) in ALONE else 1
+        with taking:
+            for _ in range(n):
+                slots.acquire()
+        try:
+            return execute(path)
+        finally:
+            for _ in range(n):
+                slots.release()
+
+    pool = ThreadPoolExecutor(2)
+    yield {p: pool.submit(run, p) for p in selected}
+    pool.shutdown(wait=True, cancel_futures=True)
+    if not had_backend:
+        del os.environ["MPLBACKEND"]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
-def test_notebook_runs_and_draws_its_figures(path):
+def test_notebook_runs_and_draws_its_figures(path, executed):
     committed = nbformat.read(path, as_version=4)
     assert figure_cells(committed), "tag the cells that draw a figure with 'figure'"
     missing = [i for i, c in enumerate(figure_cells(committed)) if not has_png(c)]
     assert not missing, f"the committed notebook lacks the figures of tagged cells {missing}: execute it in place"
-    nb = execute(path)
+    nb = executed[path].result()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors, errors[0].get("evalue")

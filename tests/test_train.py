@@ -83,11 +83,38 @@ TWO_MOE = [["--dp-shard", "2", "--ep", "2", "--zero-stage", str(z)] for z in ran
     ["--dp-shard", "2", "--ep", "2", "--microbatches", "2"]]
 
 
-def test_world_1_and_every_dimension_alone_on_2_ranks():
+# ---- one spawned group per world size: every test's layouts of that size train in it, each layout once ----------
+
+def _spawned(world, groups, timeout):
+    """groups: name -> layouts (flags after COMMON). Trains every distinct layout once, in one run_ranks call
+    on `world` ranks; returns name -> per-rank lists of results, in each group's order."""
+    unique = list(dict.fromkeys(" ".join(lay) for layouts in groups.values() for lay in layouts))
+    res = run_ranks(run_layouts, world, [flags.split() for flags in unique], COMMON, timeout=timeout)
+    by = [_by_flags(r) for r in res]
+    return {name: [[b[" ".join(lay)] for lay in layouts] for b in by] for name, layouts in groups.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every 2-rank layout of this module's tests (see each test for what it checks)."""
+    resume_dir = tmp_path_factory.mktemp("resume")
+    return dict(_spawned(2, dict(alone=TWO + [MOE + lay for lay in TWO_MOE], zero0=ZERO0_TWO, pad=PAD,
+                                 dtypes=F32 + BF16, resume=_resume_layouts(resume_dir)), timeout=1200),
+                resume_dir=resume_dir)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """Every 4-rank layout of this module's tests."""
+    return _spawned(4, dict(combinations=FOUR + [MOE + lay for lay in FOUR_MOE] + [META], zero0=ZERO0_FOUR),
+                    timeout=900)
+
+
+def test_world_1_and_every_dimension_alone_on_2_ranks(two_ranks):
     """Each dimension alone (every ZeRO stage, every schedule, ring and Ulysses), and experts with
     each of ZeRO 0-3, tp, cp, pp and micro-batches."""
     _check(run_ranks(run_layouts, 1, [[]], COMMON, timeout=120), TOL64, "world 1")
-    res = run_ranks(run_layouts, 2, TWO + [MOE + lay for lay in TWO_MOE], COMMON, timeout=400)
+    res = two_ranks["alone"]
     _check(res, TOL64, "2 ranks")
     _check_bytes_and_memory(_by_flags(res[0]))
 
@@ -157,10 +184,12 @@ FOUR_MOE = [["--dp-shard", "2", "--ep", "2", "--tp", "2"], ["--dp-shard", "2", "
             ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2", "--zero-stage", "3"]]
 
 
-def test_combinations_on_4_ranks():
-    # float32 too (every layout is built on the meta device: each rank materialises only its shard of its tp slice)
-    meta = ["--dp-shard", "2", "--tp", "2", "--dtype", "float32"]
-    res = run_ranks(run_layouts, 4, FOUR + [MOE + lay for lay in FOUR_MOE] + [meta], COMMON, timeout=600)
+# float32 too (every layout is built on the meta device: each rank materialises only its shard of its tp slice)
+META = ["--dp-shard", "2", "--tp", "2", "--dtype", "float32"]
+
+
+def test_combinations_on_4_ranks(four_ranks):
+    res = four_ranks["combinations"]
     _check([r[:-1] for r in res], TOL64, "4 ranks")
     _check([r[-1:] for r in res], TOL32, "float32 meta-initialised")
     assert all(lay["meta_init"] for r in res for lay in r)
@@ -213,7 +242,21 @@ def _check_composed_bytes(by):
         assert 0 <= mem["optimizer"] - sum(f["optimizer"] for f in form) <= 8 * 40, (z, mem, form)  # + step counters
 
 
-def test_zero_stage_0_is_lesson_1s_buckets_overlapped_with_the_last_backward():
+SMALL_BUCKETS = ["--bucket-mb", "0.02"]  # tiny's 273 KiB of fp64 gradients in several buckets
+V2 = ["--virtual-stages", "2", "--layers", "4"]
+ZERO0_TWO = [["--dp-replicate", "2", "--microbatches", "2"] + SMALL_BUCKETS, ["--cp", "2"] + SMALL_BUCKETS,
+             ["--dp-replicate", "2"]]
+ZERO0_FOUR = [["--pp", "2", "--dp-replicate", "2", "--schedule", "zb", "--microbatches", "4"] + SMALL_BUCKETS,
+              ["--pp", "2", "--dp-replicate", "2", "--schedule", "interleaved", "--microbatches", "2"] + V2
+              + SMALL_BUCKETS,
+              ["--dp-replicate", "2", "--tp", "2", "--microbatches", "2"] + SMALL_BUCKETS,
+              MOE + ["--dp-replicate", "4", "--ep", "2"] + SMALL_BUCKETS] + [
+    ["--pp", "2", "--dp-replicate", "2", "--schedule", s, "--microbatches", m, "--steps", "3"] + SMALL_BUCKETS
+    + (V2 if s == "interleaved" else []) for s, m in (("gpipe", "2"), ("gpipe", "4"), ("1f1b", "2"), ("1f1b", "4"),
+                                                     ("zb", "2"), ("interleaved", "4"))]
+
+
+def test_zero_stage_0_is_lesson_1s_buckets_overlapped_with_the_last_backward(two_ranks, four_ranks):
     """At ZeRO-0 the gradients are averaged by ddp.BucketedDDP: one all-reduce per bucket, in bucket order, ONCE a
     step — not per micro-batch, nor per pipeline action — then its used flags (a byte per parameter) and the
     clipping norm; the ZeRO units move nothing. Experts get buckets on their own group (edp). Equal to one process
@@ -222,17 +265,7 @@ def test_zero_stage_0_is_lesson_1s_buckets_overlapped_with_the_last_backward():
     each, train_demo.StepMeter), none after it by synchronize(), and, but under interleaved 1F1B, some by their hooks
     while it computes; the step log's share of all-reduce time hidden in backward is measured."""
     from lab.model import get_config, num_params
-    small = ["--bucket-mb", "0.02"]  # tiny's 273 KiB of fp64 gradients in several buckets
-    v2 = ["--virtual-stages", "2", "--layers", "4"]
-    two = [["--dp-replicate", "2", "--microbatches", "2"] + small, ["--cp", "2"] + small, ["--dp-replicate", "2"]]
-    pipes = [["--pp", "2", "--dp-replicate", "2", "--schedule", s, "--microbatches", m, "--steps", "3"] + small
-             + (v2 if s == "interleaved" else []) for s, m in (("gpipe", "2"), ("gpipe", "4"), ("1f1b", "2"),
-                                                               ("1f1b", "4"), ("zb", "2"), ("interleaved", "4"))]
-    four = [["--pp", "2", "--dp-replicate", "2", "--schedule", "zb", "--microbatches", "4"] + small,
-            ["--pp", "2", "--dp-replicate", "2", "--schedule", "interleaved", "--microbatches", "2"] + v2 + small,
-            ["--dp-replicate", "2", "--tp", "2", "--microbatches", "2"] + small,
-            MOE + ["--dp-replicate", "4", "--ep", "2"] + small] + pipes
-    res2, res4 = run_ranks(run_layouts, 2, two, COMMON, timeout=300), run_ranks(run_layouts, 4, four, COMMON, timeout=400)
+    res2, res4 = two_ranks["zero0"], four_ranks["zero0"]
     _check(res2, TOL64, "ZeRO-0, 2 ranks")
     _check(res4, TOL64, "ZeRO-0, 4 ranks")
     whole = num_params(get_config("tiny"))
@@ -298,7 +331,10 @@ def test_16_ranks_hsdp_tp_pp_and_4d():
         assert len(places) == 16 and all(len(r[i]["losses"]) == 3 for r in res), flags
 
 
-def test_token_weighted_loss_differs_from_a_mean_of_means():
+PAD = [["--dp-shard", "2", "--pad-share", "0.6", "--steps", "1"]]
+
+
+def test_token_weighted_loss_differs_from_a_mean_of_means(two_ranks):
     """With padding, ranks hold different numbers of counted tokens: the global token-weighted mean
     (what one process computes, and train.py) differs from the mean of the ranks' mean losses."""
     from lab.data import get_batch, load_corpus
@@ -311,36 +347,45 @@ def test_token_weighted_loss_differs_from_a_mean_of_means():
         one = model(x, y).item()
         halves = [model(x[:B // 2], y[:B // 2]).item(), model(x[B // 2:], y[B // 2:]).item()]
     assert abs(sum(halves) / 2 - one) > 1e-3       # the naive per-rank mean of means is wrong
-    got = run_ranks(run_layouts, 2, [["--dp-shard", "2", "--pad-share", "0.6", "--steps", "1"]], COMMON, timeout=120)
-    assert abs(got[0][0]["losses"][0] - one) < TOL64  # ours is the global token mean
+    got = two_ranks["pad"]
+    for rank in got:
+        assert abs(rank[0]["losses"][0] - one) < TOL64  # ours is the global token mean, on every rank
 
 
-def test_float32_and_bfloat16_tolerance():
+F32 = [["--dtype", "float32"] + lay for lay in (["--dp-shard", "2"], ["--tp", "2"], ["--pp", "2", "--schedule", "zb"],
+                                                MOE + ["--dp-shard", "2", "--ep", "2"])]
+BF16 = [["--dtype", "float32"] + lay for lay in (["--dp-shard", "2", "--dtype", "bfloat16"],
+                                                 ["--tp", "2", "--dtype", "bfloat16"])]
+
+
+def test_float32_and_bfloat16_tolerance(two_ranks):
     """float32 within 1e-5 of the float32 single-process run; bf16 compute (fp32 master weights,
     optimizer and reductions) within 2e-2 of it."""
-    common = COMMON + ["--dtype", "float32"]
-    f32 = [["--dp-shard", "2"], ["--tp", "2"], ["--pp", "2", "--schedule", "zb"], MOE + ["--dp-shard", "2", "--ep", "2"]]
-    bf16 = [["--dp-shard", "2", "--dtype", "bfloat16"], ["--tp", "2", "--dtype", "bfloat16"]]
-    res = run_ranks(run_layouts, 2, f32 + bf16, common, timeout=300)
-    _check([r[:len(f32)] for r in res], TOL32, "float32", common)
-    _check([r[len(f32):] for r in res], 2e-2, "bfloat16", common)
+    res = two_ranks["dtypes"]
+    _check([r[:len(F32)] for r in res], TOL32, "float32")
+    _check([r[len(F32):] for r in res], 2e-2, "bfloat16")
 
 
-def test_save_at_5_resume_to_10_equals_uninterrupted(tmp_path):
-    """ZeRO-3 and ZeRO-1 shards, a tensor-parallel model and experts: each rank its own shards."""
+def _resume_layouts(tmp_path):
     layouts = []
     for i, lay in enumerate((["--dp-shard", "2", "--zero-stage", "3"], ["--dp-shard", "2", "--zero-stage", "1"],
                              ["--tp", "2"], MOE + ["--dp-shard", "2", "--ep", "2", "--zero-stage", "2"])):
         d = str(tmp_path / f"ckpt{i}")
         layouts += [lay + ["--stop-at", "5", "--save", d], lay + ["--resume", d]]
-    res = run_ranks(run_layouts, 2, layouts, COMMON, timeout=300)
-    for i in range(0, len(layouts), 2):
-        first, second = res[0][i], res[0][i + 1]
-        want = reference_losses(parse_args(COMMON + first["flags"].split()))
-        assert len(first["losses"]) == 5 and second["start"] == 5 and len(second["losses"]) == 5
-        err = max(abs(a - b) for a, b in zip(first["losses"] + second["losses"], want))
-        assert err < TOL64, (first["flags"], err)
-        step5 = tmp_path / f"ckpt{i // 2}" / "step_00000005"
+    return layouts
+
+
+def test_save_at_5_resume_to_10_equals_uninterrupted(two_ranks):
+    """ZeRO-3 and ZeRO-1 shards, a tensor-parallel model and experts: each rank its own shards."""
+    res = two_ranks["resume"]
+    for i in range(0, len(res[0]), 2):
+        want = reference_losses(parse_args(COMMON + res[0][i]["flags"].split()))
+        for rank, lays in enumerate(res):  # every rank reports the global losses
+            first, second = lays[i], lays[i + 1]
+            assert len(first["losses"]) == 5 and second["start"] == 5 and len(second["losses"]) == 5, rank
+            err = max(abs(a - b) for a, b in zip(first["losses"] + second["losses"], want))
+            assert err < TOL64, (rank, first["flags"], err)
+        step5 = two_ranks["resume_dir"] / f"ckpt{i // 2}" / "step_00000005"
         assert sorted(os.listdir(step5)) == ["meta.json", "rank0.pt", "rank1.pt"]
 
 
@@ -570,11 +615,13 @@ EXERCISES = [
     Exercise(f"python train.py --plan --model gpt2-xl --dp-shard 8 {XL}", _check_plan(3.28)),
     Exercise(f"python train.py --plan --model llama2-7b --dp-replicate 2 --dp-shard 8 {L7}", _check_plan(15.16)),
     Exercise(f"python train.py --plan --model llama2-7b --dp-shard 16 {L7}", _check_plan(7.58)),
-    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP}", _check_hidden(0.05, 1.0)),
-    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP} --bucket-mb 0", _check_hidden(0.5, 1.0)),
-    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP} --bucket-mb 1000", _check_hidden(0, 0.5)),
+    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP}", _check_hidden(0.05, 1.0), alone=True),
+    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP} --bucket-mb 0", _check_hidden(0.5, 1.0),
+             alone=True),
+    Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP} --bucket-mb 1000", _check_hidden(0, 0.5),
+             alone=True),
     Exercise(f"torchrun --nproc_per_node 2 train.py --dp-replicate 2 {OVERLAP} --microbatches 4",
-             _check_hidden(0.05, 1.0)),
+             _check_hidden(0.05, 1.0), alone=True),
     Exercise("torchrun --nproc_per_node 2 train.py --dp-shard 2 --pad-share 0.6 --dtype float64 --check", _check_ok),
 ]
 EXERCISES.append(Exercise(EXERCISES[-1].command, _check_mismatch, fails=True, edits=(
