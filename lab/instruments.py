@@ -505,12 +505,31 @@ def host_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def resident_high_water() -> tuple | None:
+    """Linux: reset the kernel's high-water mark of this process's resident size (VmHWM) to what it holds
+    now, and return a function giving the growth since, in bytes — a peak no sampling can miss on a busy
+    machine (it counts mapped file pages too). None where /proc does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        now = _status_kib("VmRSS")
+    except (OSError, StopIteration):
+        return None
+    return lambda: (_status_kib("VmHWM") - now) * 1024
+
+
 @contextmanager
 def watch_calls(owner, name: str, every: float = 0.001, memory: bool = True):
     """Each call of `owner.name` inside the region, measured by wrapping it from outside: yields the list
-    each call appends dict(seconds, rss_before, rss_peak, result) to — host_bytes() before the call, and
-    its peak sampled every `every` seconds by a thread while the call runs (the peak of THIS call);
-    memory=False: seconds and result only."""
+    each call appends dict(seconds, rss_before, rss_peak, rss_growth, result) to — host_bytes() before the
+    call, and its peak sampled every `every` seconds by a thread while the call runs (the peak of THIS call);
+    rss_growth: the kernel's high-water mark of the resident size over the call, above its start (None where
+    not available: resident_high_water). memory=False: seconds and result only."""
     import threading
     inner, calls = getattr(owner, name), []
 
@@ -521,6 +540,7 @@ def watch_calls(owner, name: str, every: float = 0.001, memory: bool = True):
             calls.append(dict(seconds=time.perf_counter() - t0, result=result))
             return result
         before, peak, done = host_bytes(), [0], threading.Event()
+        growth = resident_high_water()
 
         def sample():
             while not done.is_set():
@@ -535,7 +555,8 @@ def watch_calls(owner, name: str, every: float = 0.001, memory: bool = True):
             seconds = time.perf_counter() - t0
             done.set()
             thread.join()
-        calls.append(dict(seconds=seconds, rss_before=before, rss_peak=max(peak[0], host_bytes()), result=result))
+        calls.append(dict(seconds=seconds, rss_before=before, rss_peak=max(peak[0], host_bytes()),
+                          rss_growth=growth() if growth else None, result=result))
         return result
     setattr(owner, name, watched)
     try:

@@ -217,9 +217,10 @@ def measured_train(args, device=None, verbose: bool = True, meter=None) -> dict:
 
 def checkpoint_io(trainer, saves, loads, inits, exports) -> dict:
     """Per call, on every rank: seconds, this rank's bytes written (its file) and its peak host memory over
-    the call (above what it held before); gathered so every rank holds every rank's numbers."""
+    the call (above what it held before: sampled, and the kernel's high-water mark, `growth`); gathered so
+    every rank holds every rank's numbers."""
     def mine(calls, written):
-        return [dict(seconds=c["seconds"], peak=c["rss_peak"] - c["rss_before"],
+        return [dict(seconds=c["seconds"], peak=c["rss_peak"] - c["rss_before"], growth=c["rss_growth"],
                      written=c["result"][1] if written else 0, path=c["result"][0] if written else None)
                 for c in calls]
     masters = sum(u.master.numel() * u.master.element_size() for u in trainer.opt.units)

@@ -279,5 +279,9 @@ def test_export_then_start_any_layout_from_it_in_both_reading_modes(tmp_path):
         for rank, lays in enumerate(res):  # every rank reports the global losses
             assert max(abs(a - b) for a, b in zip(lays[i]["losses"], want)) < TOL64, (rank, flags)
     every, rank0 = (res[0][i]["checkpoint_io"]["per_rank"] for i in range(2))
-    assert all(r["inits"][0]["peak"] > 0.7 * whole for r in every), [r["inits"] for r in every]
-    assert all(r["inits"][0]["peak"] < 0.5 * whole for r in rank0[1:]), [r["inits"] for r in rank0]
+    # the larger of the sampled peak and the kernel's high-water mark: a sampler thread starved on a busy
+    # machine can miss the moment the whole model is held; the high-water mark cannot (neither file is mapped:
+    # every-rank loads the file into memory, ranks 1-3 of rank-0 never open it)
+    held = lambda r: max(r["inits"][0]["peak"], r["inits"][0]["growth"] or 0)  # noqa: E731
+    assert all(held(r) > 0.7 * whole for r in every), [r["inits"] for r in every]
+    assert all(held(r) < 0.5 * whole for r in rank0[1:]), [r["inits"] for r in rank0]
