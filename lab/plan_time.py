@@ -13,14 +13,19 @@ as lab/plan.py), at a device's rates:
                  link the group crosses: inside a node or between nodes, from where its ranks sit on the mesh
                  (ranks are numbered tp fastest, then cp, dp_shard, dp_replicate, pp: a group of stride s and
                  size n stays inside a node of G ranks when s·n <= G); data parallel's reductions and ZeRO's
-                 gathers come from the lessons' formulas (fsdp_demo.zero_comm_formula: they happen at the step)
+                 gathers come from the lessons' formulas (fsdp_demo.zero_comm_formula: they happen at the step),
+                 one call per ZeRO unit (ZeRO-3: per micro-batch, forward and backward) or DDP bucket, each paying
+                 α; the clip's all-reduce of the norm; an op slower than a ring by Device.collective_factor
+    experts      an MoE layer: the dense probe plus the experts' FLOPs for uniform routing and the dispatch and
+                 combine all-to-alls, forward and backward (_moe: routing by value cannot run on meta)
     bubble       pipeline.simulate of the schedule itself, with the forward and backward times above
     overlap      Assumptions.overlap: the share of a window of compute that hides a collective, per strategy
                  (ZeRO-3's prefetched gathers behind the whole step's compute, a single backward's reductions
                  behind that backward, DDP's buckets behind the last backward; tp, cp's ring and the pipeline's
                  sends exposed)
-    optimizer    AdamW reads and writes its state once: Assumptions.optimizer_bytes per element of the local
-                 shard at the memory bandwidth
+    optimizer    AdamW and the clip's arithmetic: per element of the local shard (Device.optimizer_elem, else
+                 Assumptions.optimizer_bytes at the memory bandwidth) and per tensor piece it loops over
+                 (Device.optimizer_tensor: eager single-tensor AdamW on a CPU costs ~0.3 ms a tensor here)
 
 A probe runs ONE block and the head (a model of one layer, one sequence) per distinct (tp, cp, sp, cp method,
 checkpointing, sequence): the block's FLOPs and collective bytes scale with its layers and the micro-batch's
@@ -54,7 +59,11 @@ class Device:
     """A device's rates. flops: peak dense FLOP/s by compute dtype; hbm: memory bandwidth (B/s); alpha/beta:
     latency (s) and bandwidth per rank per direction (B/s) of a collective's step inside a node (intra) and
     between nodes (inter); memory: bytes; gpus_per_node: the default G; op_overhead: seconds each operation
-    costs beyond its FLOPs (eager PyTorch's dispatch and a kernel launch: a few µs on a GPU)."""
+    costs beyond its FLOPs (eager PyTorch's dispatch and a kernel launch: a few µs on a GPU).
+    collective_factor  per op, a collective's wire time over the ring formula's (gloo's reduce-scatter and
+                 all-gather on loopback are not ring-optimal: measured 1.5-3x; NCCL's are: 1)
+    optimizer_elem, optimizer_tensor  the optimizer step (AdamW) and the clip's norm, per element of the local
+                 shard and per parameter tensor (piece) it loops over; None: Assumptions.optimizer_bytes at hbm"""
     name: str
     flops: dict
     hbm: float
@@ -66,6 +75,9 @@ class Device:
     gpus_per_node: int
     source: str
     op_overhead: float = 5e-6
+    collective_factor: dict = field(default_factory=dict)
+    optimizer_elem: float | None = None
+    optimizer_tensor: float = 0.0
 
 
 DEVICES = {
@@ -80,10 +92,11 @@ DEVICES = {
     # one 200 Gb/s HDR NIC per GPU in a DGX A100 (25 GB/s)
     "a100": Device("a100", {"bfloat16": 312e12, "float32": 19.5e12, "float64": 9.7e12}, 2.04e12, 5e-6, 300e9, 10e-6,
                    25e9, 80e9, 8, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide"),
-    # this machine: gloo on loopback and one core per rank, measured by calibrate() (tests/test_plan_time.py
-    # measures it again; these are the numbers of one run here, 2 cores shared with other jobs)
-    "cpu-gloo": Device("cpu-gloo", {"float32": 2.0e10, "float64": 1.0e10, "bfloat16": 2.0e9}, 5e9, 60e-6, 1.0e9,
-                       60e-6, 1.0e9, 8e9, 2, "measured here: lab.plan_time.calibrate()"),
+    # this machine: gloo on loopback and one core per rank, measured by calibration_steps (predicted_vs_measured
+    # measures it again; these are the numbers of the notebook's run here, 2 cores shared with other jobs)
+    "cpu-gloo": Device("cpu-gloo", {"float32": 7.5e10, "float64": 3.7e10, "bfloat16": 7.5e9}, 2.8e10, 8e-4, 0.95e9,
+                       8e-4, 0.95e9, 8e9, 2, "measured here: lab.plan_time.calibration_steps", 15e-6,
+                       dict(reduce_scatter=2.8, all_gather=1.8, all_to_all=1.2), 2.8e-9, 3.0e-4),
 }
 
 
@@ -339,7 +352,9 @@ def collective_time(op: str, n_bytes: float, calls: int, group: int, dev: Device
     a, b = (dev.inter_alpha, dev.inter_beta) if inter else (dev.intra_alpha, dev.intra_beta)
     steps = {"all_reduce": 2 * (group - 1), "send": 1, "recv": 0}.get(op, group - 1)
     wire = n_bytes if op == "send" else wire_bytes(op, n_bytes, group)
-    return calls * steps * a + wire / b
+    # every call pays α per ring step; the bytes at β, times how far this device's implementation of the op is
+    # from a ring (Device.collective_factor)
+    return calls * steps * a + wire / b * dev.collective_factor.get(op, 1.0)
 
 
 # ---- the model of one step ----------------------------------------------------------------------------------
@@ -460,6 +475,67 @@ def _local_psi(args, stage: int) -> tuple[float, float]:
     return psi, max(block, emb)
 
 
+def _unit_tensors(args, stage: int) -> list[int]:
+    """The parameter tensors of each ZeRO unit of a stage (train.py's units): a block each (2 norms, 4 attention
+    projections, 3 MLP weights — an MoE's are 3 stacked expert weights and a router), the embedding, and the
+    final norm with the head (one unit; a pipeline's last stage: two)."""
+    block = 9 + (1 if _config(args).n_experts else 0)
+    units = [block] * _stage_layers(args)[stage] + ([1] if stage == 0 else [])
+    return units + (([1, 1] if args.pp > 1 else [2]) if stage == args.pp - 1 else [])
+
+
+@lru_cache(maxsize=None)
+def _moe_ops(model: str, experts: int, top_k: int) -> tuple:
+    """(routing's operations, one expert's) beyond a dense block's, forward and backward: model.py's MoE run
+    for real on a narrow copy of the model (its counts do not depend on the widths; routing by value needs
+    real tensors), at E and 2E experts. ((f, b), (f, b))."""
+    import dataclasses
+    from lab.model import build_model
+    cfg = _config_of(model, 1, experts, top_k, None)
+    x = torch.zeros(1, 32, dtype=torch.long)
+
+    def count(e):
+        c = dataclasses.replace(cfg, n_layers=1, dim=8 * cfg.n_heads, ffn_dim=16, vocab_size=32, n_experts=e,
+                                max_seq_len=32)
+        torch.manual_seed(0)
+        net = build_model(c)
+        with _OpCount() as f:
+            loss = net(x, x)
+        with _OpCount() as b:
+            loss.backward()
+        return f.n, b.n
+    dense, one, two = count(0), count(experts), count(2 * experts)
+    per = tuple((t - o) / experts for t, o in zip(two, one))
+    return tuple(o - d - experts * e for o, d, e in zip(one, dense, per)), per
+
+
+def _moe(args, b: int, dev: Device, link: bool) -> dict | None:
+    """An MoE layer beyond the dense MLP the probe ran in its place (tokens are routed by value, which meta
+    tensors do not have, so the probe runs the dense model and this adds the difference analytically, for
+    UNIFORM routing): per micro-batch and layer on one rank, T = b·S/cp tokens, T/tp of them dispatched
+    (expert_parallel.py: each tp rank sends its share once). Its local E/ep experts receive, from the ep
+    ranks, T/tp·k rows in all, each through an expert's 3 matmuls (2·3·H·F FLOPs forward, twice that
+    backward); the dense probe counted one MLP per token at 1/tp of its width, which is taken off; the router
+    adds 2·T·H·E forward; the operations routing and each local expert dispatch: _moe_ops. Communication: dispatch and combine
+    all-to-alls of T/tp·k·H·b bytes each forward (wire (ep−1)/ep of it), both again backward, and the counts'
+    small all-to-all forward."""
+    cfg = _config(args)
+    if not cfg.n_experts:
+        return None
+    H, F, E, k, tp = cfg.dim, cfg.ffn_dim, cfg.n_experts, args.top_k, args.tp
+    T = b * args.seq_len // args.cp
+    rows = T / tp * k                                      # rows my local experts run, uniform routing
+    mlp = 2 * 3 * H * F                                    # one row through one expert (or a dense MLP), forward
+    f = rows * mlp - T * mlp / tp + 2 * T * H * E          # the experts less the dense MLP the probe counted
+    n = rows * H * _elem(args)                             # one all-to-all's API bytes (dispatch or combine)
+    a2a = lambda calls, nb: collective_time("all_to_all", nb, calls, args.ep, dev, link)
+    counts = args.ep * (E // args.ep + 1) * 8
+    routing, expert = _moe_ops(args.model, E, k)    # operations: the routing's, and my E/ep experts'
+    ops = {p: routing[i] + E // args.ep * expert[i] for i, p in enumerate("fb")}
+    return dict(f=f, b=2 * f, comm_f=a2a(2, 2 * n) + a2a(1, counts), comm_b=a2a(2, 2 * n), ops_f=ops["f"],
+                ops_b=ops["b"])
+
+
 def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_node: int | None = None,
               dp_bytes: dict | None = None) -> dict:
     """Predicted seconds of one step on the slowest pipeline stage, with its breakdown: compute (this rank's
@@ -471,12 +547,16 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
     world = math.prod(sizes.values())
     dp, tp, cp, pp, m, z = args.dp_replicate * args.dp_shard, args.tp, args.cp, args.pp, args.microbatches, args.zero_stage
     sp = args.sequence_parallel and tp > 1
-    pr = probe(args.model, args.experts, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
-               args.cp_ulysses, args.activation_checkpointing)
+    # an MoE model: the dense model probed, the experts added by _moe (routing needs values)
+    pr = probe(args.model, 0, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
+               args.cp_ulysses, args.activation_checkpointing) if args.experts else \
+        probe(args.model, args.experts, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
+              args.cp_ulysses, args.activation_checkpointing)
     rate = dev.flops[args.dtype] * assume.efficiency
     b = args.global_batch_size // (dp * m)                     # sequences per micro-batch
     link = {d: crosses_nodes(sizes, (d,), G) for d in DIMS}
     o = assume.overlap
+    moe = _moe(args, b, dev, link["dp_shard"])
     best, seen = None, set()
     for s, layers in enumerate(_stage_layers(args)):
         last = s == pp - 1
@@ -484,7 +564,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
             continue
         seen.add((layers, s == 0, last))
         flops = {p: b * (layers * pr["block"][p] + (pr["rest"][p] if last else 0)) for p in "fb"}
-        comm = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "world": 0.0}
+        comm = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "ep": 0.0, "world": 0.0}
         per_phase = {"f": 0.0, "b": 0.0}
         for (phase, where, dim, op), (calls, n) in pr["comm"].items():
             # calls inside the block: once per layer; the rest (the head's, the loss's): on the last stage
@@ -494,7 +574,13 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
             exposed = t * (1 - o.get(dim, 0.0))
             comm[dim] += exposed
             per_phase[phase] += exposed
-        ops = {p: layers * pr["block"]["ops_" + p] + (pr["rest"]["ops_" + p] if last else 0) for p in "fb"}
+        if moe:
+            for p in "fb":
+                flops[p] += layers * moe[p]
+                per_phase[p] += layers * moe["comm_" + p]
+            comm["ep"] = layers * (moe["comm_f"] + moe["comm_b"])
+        ops = {p: layers * (pr["block"]["ops_" + p] + (moe["ops_" + p] if moe else 0)) +
+               (pr["rest"]["ops_" + p] if last else 0) for p in "fb"}
         mem = {p: b * (layers * pr["block"]["mem_" + p] + (pr["rest"]["mem_" + p] if last else 0)) for p in "fb"}
         other = {p: ops[p] * dev.op_overhead + mem[p] / dev.hbm for p in "fb"}   # beyond the FLOPs
         t_f = flops["f"] / rate + per_phase["f"] + other["f"]
@@ -509,16 +595,28 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         compute = m * ((flops["f"] + flops["b"]) / rate + other["f"] + other["b"])
         bubble = total - m * (t_f + t_b)
         exposed = {d: m * c for d, c in comm.items() if c}
-        # data parallel: the step's reductions (and ZeRO's gathers), from the lessons' formula
+        # data parallel: the step's reductions (and ZeRO's gathers), from the lessons' formula; one collective
+        # per ZeRO unit (and per DDP bucket), each paying its α and its wait — not one per step
         psi, unit = _local_psi(args, s)
+        units = _unit_tensors(args, s)
         shard = args.dp_shard * cp if z else 1
         several = pp > 1 or m > 1
-        ops = dp_bytes if dp_bytes is not None else _dp_formula(args, psi, shard)
+        cfg = _config(args)
+        psi_e = layers * 3 * cfg.dim * cfg.ffn_dim * cfg.n_experts // args.ep if cfg.n_experts else 0
+        n_e = dp * cp // args.ep if cfg.n_experts else 1   # ranks holding a copy of my experts
+        ops = dp_bytes if dp_bytes is not None else \
+            _dp_formula(args, psi - (psi_e if n_e == 1 else 0), shard)   # experts alone on their ranks: no reduction
         group = dict(reduce_scatter=shard, all_gather=shard, all_reduce=shard if z else dp * cp)
+        grad_bytes = psi * train.store_dtype(args).itemsize
+        buckets = 1 + math.ceil(max(grad_bytes - 2**20, 0) / (args.bucket_mb * 2**20))
+        regather = 2 * m if z == 3 and pp == 1 else 1     # ZeRO-3 gathers for the forward and again the backward
+        calls = dict(reduce_scatter=len(units), all_gather=len(units) * regather,
+                     all_reduce=buckets if z == 0 else 1)   # (ZeRO-1-3's all-reduce: the used-flags, once)
         inter = crosses_nodes(sizes, ("dp_replicate", "dp_shard", "cp") if not z else ("dp_shard", "cp"), G)
-        dpt = {op: collective_time(op, n, 1, group[op], dev, inter) for op, n in ops.items()}
+        dpt = {op: collective_time(op, n, calls[op], group[op], dev, inter) for op, n in ops.items()}
         if z and args.dp_replicate > 1:   # HSDP: the shard's all-reduce across replicas
-            dpt["all_reduce"] = collective_time("all_reduce", ops.get("all_reduce", 0), 1, args.dp_replicate, dev,
+            dpt["all_reduce"] = collective_time("all_reduce", ops.get("all_reduce", 0), len(units),
+                                                args.dp_replicate, dev,
                                                 crosses_nodes(sizes, ("dp_replicate",), G)) * (1 - o["replicas"])
         t_last_b = t_b
         if z == 0:
@@ -535,8 +633,16 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
             dp_exposed = rs + dpt.get("all_gather", 0) * (1 - o["step"]) + dpt.get("all_reduce", 0)
         if dp_exposed:
             exposed["dp"] = dp_exposed
-        optimizer = (psi / (shard if z else 1)) * assume.optimizer_bytes / dev.hbm
-        seconds = total + dp_exposed + optimizer
+        # the clip's norm: one all-reduce of a scalar over every rank, at the step
+        clip = collective_time("all_reduce", 8, 1, world, dev, world > G) if args.grad_clip else 0.0
+        if clip:
+            exposed["clip"] = clip
+        # the optimizer (and the clip's arithmetic): per element of the local shard, and per tensor piece it loops
+        # over (ZeRO: a unit's flat shard cuts its tensors; the most a rank holds: about half of them plus one)
+        pieces = sum(min(t, math.ceil(t / shard) + 1) if shard > 1 else t for t in units)
+        per_elem = dev.optimizer_elem if dev.optimizer_elem is not None else assume.optimizer_bytes / dev.hbm
+        optimizer = (psi / shard) * per_elem + pieces * dev.optimizer_tensor
+        seconds = total + dp_exposed + clip + optimizer
         out = dict(seconds=seconds, compute=compute, bubble=bubble, exposed=exposed, optimizer=optimizer,
                    stage=s, flops=m * (flops["f"] + flops["b"]))
         if best is None or seconds > best["seconds"]:
@@ -750,20 +856,22 @@ def print_time(args, dev: Device, G: int, plans, assume: Assumptions = Assumptio
 
 # ---- proven on this machine: the cpu-gloo profile measured, then predicted against measured ----------------
 
-# one small model, 2 gloo ranks (one core each), every kind of layout (ep apart: its tokens are routed by value,
-# which a meta run does not have, so the probe cannot run it)
+# one small model, 2 gloo ranks (one core each), every kind of layout (ep's experts are added to the dense probe
+# analytically, for uniform routing: _moe)
 CALIBRATION_MODEL = ["--model", "small", "--layers", "2", "--seq-len", "64", "--global-batch-size", "4",
                      "--dtype", "float32"]
 CALIBRATED_LAYOUTS = {
     "dp ZeRO-0": ["--dp-shard", "2", "--zero-stage", "0"],
     "dp ZeRO-1": ["--dp-shard", "2", "--zero-stage", "1"],
     "dp ZeRO-2": ["--dp-shard", "2", "--zero-stage", "2"],
-    "dp ZeRO-3, 2 micro-batches": ["--dp-shard", "2", "--zero-stage", "3", "--microbatches", "2"],
+    # (4 micro-batches: ZeRO-3 gathers every unit again for each one — the slowest layout, spreading the set)
+    "dp ZeRO-3, 4 micro-batches": ["--dp-shard", "2", "--zero-stage", "3", "--microbatches", "4"],
     "tp": ["--tp", "2"],
     "tp + sp, full checkpointing": ["--tp", "2", "--sequence-parallel", "--activation-checkpointing", "full"],
     "pp 1f1b, 2 micro-batches": ["--pp", "2", "--microbatches", "2"],
     "pp gpipe, 4 micro-batches": ["--pp", "2", "--microbatches", "4", "--schedule", "gpipe"],
     "cp ring, full checkpointing": ["--cp", "2", "--activation-checkpointing", "full"],
+    "ep, 4 experts top-2": ["--dp-shard", "2", "--zero-stage", "0", "--experts", "4", "--ep", "2"],
 }
 # one core per rank: gloo's thread and the compute share it, so nothing hides behind anything; the measured
 # matmul rate is the peak (efficiency 1)
@@ -771,76 +879,118 @@ CPU_ASSUMPTIONS = Assumptions(efficiency=1.0, overlap=dict(zero3=0.0, ddp=0.0, z
                                                            replicas=0.0, step=0.0))
 
 
-def _median(f, n: int) -> float:
-    import statistics
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def op_overhead(cfg, rate: float, repeats: int = 20) -> float:
-    """Seconds one operation of the real model costs beyond its FLOPs: a forward and backward of one token
-    (FLOPs next to nothing) timed, less its FLOPs at `rate`, over the operations it dispatches. What a step
-    pays per operation is Python, autograd and the dispatcher around each kernel — several times one bare
-    in-place add's (the first calibration measured that, and every prediction came out low)."""
+def _optimizer_step(cfg):
+    """(the step's optimizer work on the calibration model's parameters, its tensors, its elements): torch's
+    AdamW (ZeroOptimizer's inner optimizer) after the clip's arithmetic (fsdp.ZeroOptimizer.clip_grad_norm_:
+    each piece's squares summed in float64, then every gradient scaled)."""
     from lab.model import build_model
-    model, x = build_model(cfg), torch.zeros(1, 1, dtype=torch.long)
-    step = lambda: model(x, x).backward()
-    with _OpCount() as ops, _flop_counter() as fc:
-        step()
-    return max(_median(step, repeats) - fc.get_total_flops() / rate, 0.0) / ops.n
+    params = list(build_model(cfg).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params)
+
+    @torch.no_grad()
+    def step():
+        norm = sum(p.grad.double().pow(2).sum() for p in params).sqrt()
+        for p in params:
+            p.grad.mul_((1.0 / (norm + 1e-6)).clamp(max=1.0).to(p.grad))
+        opt.step()
+    step()
+    return step, len(params), sum(p.numel() for p in params)
 
 
-def calibrate_rank(repeats: int = 20) -> dict:
-    """On every rank of a 2-rank gloo group at once: the matmul rate at the calibration model's shapes
-    ([B·S, H] @ [H, F]), the memory bandwidth (y += x: 3 passes), gloo's α (a 4-byte all-reduce: 2 ring steps)
-    and β (a 4 MB all-reduce: 2α + 2·(P-1)/P·n/β), and one operation's overhead in the real model (op_overhead)."""
-    cfg = train.config_of(train.parse_args(CALIBRATION_MODEL))
+def calibration_steps(cfg) -> tuple[dict, callable]:
+    """What measures the cpu-gloo profile, as step functions timed in the SAME alternating rounds as the
+    layouts' steps (the machine's load drifts; each rate is the one the steps saw), and derive({name: seconds
+    per call}) -> the profile's numbers:
+      rate        matmuls at the calibration model's shapes ([B·S, H] @ [H, F])
+      op          one operation's overhead in the real model: a forward and backward of one token (FLOPs next
+                  to nothing), less its FLOPs at `rate`, over the operations it dispatches — Python, autograd
+                  and the dispatcher around each kernel, several times a bare in-place add's
+      hbm         y += x (3 passes over 16 MB)
+      opt_tensor, opt_elem   the optimizer step (_optimizer_step): each tensor its operations' overhead (counted,
+                  at `op`), the rest per element — eager single-tensor AdamW makes ~10 passes over a tensor
+      alpha       per ring step, what a collective pays INSIDE a step: an all-reduce of an activation [B·S, H]
+                  after matmuls, less the matmuls alone and its bytes at β (bare_alpha: 50 back-to-back 4-byte
+                  all-reduces, 2 ring steps each — several times less: the ranks arrive apart and gloo's threads
+                  wake from sleep). A step makes many collectives and pays each one's tail: means, not medians
+      beta        an all-reduce of the model's gradient, Ψ·4 bytes: 2·bare_alpha + 2·(P-1)/P·n/β
+      collective_factor  reduce-scatter, all-gather, all-to-all at that size over the ring formula's time"""
+    from lab.model import build_model
+    from mesh import all_gather_single, reduce_scatter_single
+    P = dist.get_world_size()
     a, w = torch.randn(256, cfg.dim), torch.randn(cfg.dim, cfg.ffn_dim)
-    rate = 2 * 256 * cfg.dim * cfg.ffn_dim / _median(lambda: a @ w, repeats)
-    op = op_overhead(cfg, rate, repeats)
+    model, one = build_model(cfg), torch.zeros(1, 1, dtype=torch.long)
+    with _OpCount() as ops, _flop_counter() as fc:
+        model(one, one).backward()
+    optimize, tensors, elements = _optimizer_step(cfg)
+    with _OpCount() as opt_ops:
+        optimize()
     x, y = torch.randn(2**22), torch.randn(2**22)
-    hbm = 3 * x.numel() * 4 / _median(lambda: y.add_(x), repeats)
-    small, big = torch.zeros(1), torch.zeros(2**20)
-    dist.barrier()
-    alpha = _median(lambda: dist.all_reduce(small), repeats) / 2
-    dist.barrier()
-    t = _median(lambda: dist.all_reduce(big), repeats // 2)
-    beta = big.numel() * 4 / max(t - 2 * alpha, 1e-9)
-    out = torch.tensor([rate, hbm, alpha, beta, op], dtype=torch.float64)
-    dist.all_reduce(out)
-    return dict(zip(("rate", "hbm", "alpha", "beta", "op"), (out / dist.get_world_size()).tolist()))
+    act = torch.zeros(a.shape[0] * cfg.dim)
+    small, big = torch.zeros(1), torch.zeros(elements // P * P)
+    part, into, n = big.new_empty(big.numel() // P), torch.empty_like(big), big.numel() * 4
+    steps = {"cal:op": lambda: [model(one, one).backward() for _ in range(5)],
+             "cal:optimizer": optimize,
+             "cal:memory": lambda: [y.add_(x) for _ in range(5)],
+             "cal:alpha": lambda: [dist.all_reduce(small) for _ in range(50)],
+             # a collective inside a step: after a layer's worth of matmuls (~[B·S, H] @ [H, F]), an all-reduce
+             # of an activation [B·S, H]; less the matmuls alone
+             "cal:in_step": lambda: [(a @ w, dist.all_reduce(act)) for _ in range(5)],
+             "cal:segment": lambda: [a @ w for _ in range(5)],
+             "cal:all_reduce": lambda: dist.all_reduce(big),
+             "cal:reduce_scatter": lambda: reduce_scatter_single(part, big),
+             "cal:all_gather": lambda: all_gather_single(big, part),
+             "cal:all_to_all": lambda: dist.all_to_all_single(into, big),
+             # last: the rounds run in a cycle, and each step follows the one before it — what follows a 13 MB
+             # collective pays for it (its buffers, gloo's threads); what follows matmuls does not
+             "cal:matmul": lambda: [a @ w for _ in range(10)]}
+
+    def derive(t: dict) -> dict:
+        rate = 10 * 2 * a.shape[0] * cfg.dim * cfg.ffn_dim / t["cal:matmul"]
+        op = max(t["cal:op"] / 5 - fc.get_total_flops() / rate, 0.0) / ops.n
+        opt_tensor = opt_ops.n / tensors * op
+        # α: what one collective pays inside a step beyond its bytes — the two ranks arrive apart (each was
+        # descheduled at other moments by the machine's other jobs) and wake gloo's threads from sleep: measured
+        # after matmuls, several times what 50 back-to-back all-reduces (cal:alpha) pay each
+        bare = t["cal:alpha"] / 50 / 2
+        wire = wire_bytes("all_reduce", act.numel() * 4, P)
+        beta = wire_bytes("all_reduce", n, P) / max(t["cal:all_reduce"] - 2 * (P - 1) * bare, 1e-9)
+        alpha = max((t["cal:in_step"] - t["cal:segment"]) / 5 - wire / beta, 2 * (P - 1) * bare) / (2 * (P - 1))
+        c = dict(bare_alpha=bare, rate=rate, hbm=3 * x.numel() * 4 * 5 / t["cal:memory"], alpha=alpha, beta=beta, op=op,
+                 opt_elem=max(t["cal:optimizer"] - tensors * opt_tensor, 0.0) / elements, opt_tensor=opt_tensor)
+        for name in ("reduce_scatter", "all_gather", "all_to_all"):
+            c[name] = max(t["cal:" + name] - (P - 1) * bare, 1e-9) / (wire_bytes(name, n, P) / beta)
+        return c
+    return steps, derive
 
 
 def measure_rank(names: list[str], rounds: int = 3, per_round: int = 2) -> dict:
-    """Calibrate, then build every layout's Trainer on these ranks and time their steps in alternating rounds
-    (instruments.time_side_by_side), the slowest rank's median."""
+    """Build every layout's Trainer on these ranks and time their steps, and the calibration's
+    (calibration_steps), in alternating rounds (instruments.time_side_by_side): the slowest rank's medians."""
     from lab.data import load_corpus
     from lab.instruments import time_side_by_side
     from mesh import Mesh
-    calibration = calibrate_rank()
     cfg = train.config_of(train.parse_args(CALIBRATION_MODEL))
-    a, w = torch.randn(256, cfg.dim), torch.randn(cfg.dim, cfg.ffn_dim)
-    tokens, steps = load_corpus(None), {"matmul": lambda: [a @ w for _ in range(10)]}
+    steps, derive = calibration_steps(cfg)
+    tokens, layouts = load_corpus(None), {}
     for name in names:
         args = train.parse_args(CALIBRATION_MODEL + CALIBRATED_LAYOUTS[name])
         trainer = train.Trainer(args, Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep), torch.device("cpu"))
-        steps[name] = (lambda tr: lambda: tr.step(0, tokens))(trainer)
-    t = time_side_by_side(steps, rounds, per_round)
-    slowest = torch.tensor([t[n] for n in names] + [t["matmul"]], dtype=torch.float64)
+        layouts[name] = (lambda tr: lambda: tr.step(0, tokens))(trainer)
+    t = time_side_by_side(dict(layouts, **steps), rounds, per_round)
+    slowest = torch.tensor(list(t.values()), dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    # the matmul rate as the steps saw the machine: timed in the same alternating rounds, beside them
-    calibration["rate"] = 10 * 2 * a.shape[0] * cfg.dim * cfg.ffn_dim / slowest[-1].item()
-    return dict(calibration=calibration, measured=dict(zip(names, slowest[:-1].tolist())))
+    t = dict(zip(t, slowest.tolist()))
+    return dict(calibration=derive(t), measured={n: t[n] for n in names})
 
 
 def cpu_gloo(calibration: dict) -> Device:
     c = calibration
     return Device("cpu-gloo", {"float32": c["rate"], "float64": c["rate"] / 2, "bfloat16": c["rate"] / 10}, c["hbm"],
-                  c["alpha"], c["beta"], c["alpha"], c["beta"], 8e9, 2, "measured here: calibrate_rank", c["op"])
+                  c["alpha"], c["beta"], c["alpha"], c["beta"], 8e9, 2, "measured here: calibration_steps", c["op"],
+                  {k: c[k] for k in ("reduce_scatter", "all_gather", "all_to_all")}, c["opt_elem"],
+                  c["opt_tensor"])
 
 
 def spearman(a: list, b: list) -> float:
