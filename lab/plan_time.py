@@ -107,7 +107,8 @@ class Assumptions:
                 along). 0.5 is a typical large-model MFU ceiling on H100s with bf16.
     overlap     per strategy, the share of its window of compute that hides the collective: 1 fully behind
                 it (what is longer than the window is exposed), 0 exposed. zero3: gathers prefetched behind
-                the step's compute, its reduce-scatter behind a single backward; ddp: buckets behind the last
+                the step's compute, its reduce-scatter behind a single backward — both on one group, so
+                their sum behind the step's compute; ddp: buckets behind the last
                 backward; zero2: the reduce-scatter behind a single backward; tp, cp (the ring), pp (the
                 sends), replicas (HSDP's all-reduce after the reduce-scatter), step (ZeRO-1/2's gathers and
                 reductions at the step) exposed unless measured otherwise.
@@ -623,10 +624,13 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
             hidden = o["ddp"] * t_last_b
             dp_exposed = max(0.0, dpt.get("all_reduce", 0) - hidden)
         elif z == 3:
-            gathers = max(0.0, dpt.get("all_gather", 0) - o["zero3"] * compute)
-            rs = dpt.get("reduce_scatter", 0)
-            rs = max(0.0, rs - o["zero3"] * t_last_b) if not several else rs * (1 - o["step"])
-            dp_exposed = gathers + rs + dpt.get("all_reduce", 0)
+            ag, rs = dpt.get("all_gather", 0), dpt.get("reduce_scatter", 0)
+            if several:   # the reduce-scatter deferred over the micro-batches, to the step
+                dp_exposed = max(0.0, ag - o["zero3"] * compute) + rs * (1 - o["step"])
+            else:         # gathers and reduce-scatters queue on one group, one link: their sum hides behind the
+                          # step's compute, the reduce-scatter's part behind the backward only
+                dp_exposed = max(0.0, ag + rs - o["zero3"] * compute, rs - o["zero3"] * t_last_b)
+            dp_exposed += dpt.get("all_reduce", 0)
         else:
             rs = dpt.get("reduce_scatter", 0)
             rs = max(0.0, rs - o["zero2"] * t_last_b) if z == 2 and not several else rs * (1 - o["step"])

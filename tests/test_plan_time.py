@@ -6,10 +6,12 @@ measured step); notebooks/plan_time.ipynb and the README state the tight band
 and what was measured."""
 import dataclasses
 import math
+import re
 
 import pytest
 
 import train
+from harness import Exercise
 from lab import plan_time as T
 
 
@@ -168,3 +170,38 @@ def test_predicted_against_measured_on_two_gloo_ranks():
     # layout's measured step by up to 2x, and a test must give the same answer on a busy machine.
     for name, predicted, measured in out["rows"]:
         assert 1 / 6 <= predicted / measured <= 6, (name, predicted, measured)
+
+
+# ---- the README's exercise: one assumption changed, and the choice moves -------------------------------------
+
+SEARCH64 = ("python train.py --plan --search --gpus 64 --gpus-per-node 8 --device h100 --model llama3-8b "
+            "--dtype bfloat16 --seq-len 8192 --global-batch-size 512")
+
+
+def _first(out: str) -> dict:
+    """The top-ranked layout's mesh sizes, from the ranking's line 1."""
+    line = next(l for l in out.splitlines() if re.match(r"\s+1\s+[\d.]+\s+\d+\s", l))
+    mesh = line.split(None, 5)[5].split(",")[0]
+    return {k: int(v) for k, v in re.findall(r"(pp|dp-replicate|dp-shard|cp|tp) (\d+)", mesh)}
+
+
+def _inside_a_node(first: dict) -> bool:
+    """Whether the top layout's ZeRO (shard) group, with the cp and tp ranks inside it, fits a node of 8."""
+    return first.get("dp-shard", 1) * first.get("cp", 1) * first.get("tp", 1) <= 8
+
+
+def _check_default(out):
+    assert "assumptions: the defaults" in out, out[:400]
+    assert not _inside_a_node(_first(out)), out          # ZeRO over more ranks than a node holds
+
+
+def _check_slow_network(out):
+    assert "assumptions: inter_beta=5000000000.0" in out, out[:400]
+    first = _first(out)
+    assert _inside_a_node(first) and first.get("dp-replicate", 1) > 1, out   # HSDP: shard groups in a node
+
+
+EXERCISES = [
+    Exercise(SEARCH64, _check_default, timeout=600),
+    Exercise(SEARCH64 + " --assume inter_beta=5e9", _check_slow_network, timeout=600),
+]
