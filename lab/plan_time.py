@@ -35,7 +35,11 @@ makes is a field of Assumptions; every rate a field of Device.
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
+import json
 import math
+import os
 import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -256,9 +260,6 @@ def _rest(*key) -> dict:
 @lru_cache(maxsize=None)
 def _code_digest() -> str:
     """What a probe's result depends on: the course's code (every .py at the root and in lab/)."""
-    import glob
-    import hashlib
-    import os
     root = os.path.dirname(os.path.abspath(train.__file__))
     h = hashlib.sha256(torch.__version__.encode())
     for path in sorted(glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "lab", "*.py"))):
@@ -270,30 +271,36 @@ def _code_digest() -> str:
 def cache_dir() -> str | None:
     """Where probes are kept between runs: $PLAN_TIME_CACHE, else ~/.cache/plan_time; "off": nowhere. A file
     is named by its probe and by the digest of the code, so a change to the code is never read stale."""
-    import os
     d = os.environ.get("PLAN_TIME_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "plan_time"))
     return None if d == "off" else d
+
+
+def _cache_file(name: str) -> str | None:
+    """cache_dir()'s file for `name` under this code's digest (None: no cache)."""
+    d = cache_dir()
+    return d and os.path.join(d, f"{name}-{_code_digest()}.json")
+
+
+def _write_json(path: str, obj) -> None:
+    """Written whole or not at all: a reader never sees half a file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
 
 
 @lru_cache(maxsize=None)   # probe's one-layer run without checkpointing is _rest's: run once
 def _run_probe(*key) -> dict:
     """_probe_run, kept on disk (cache_dir): a search's probes are most of its time, the same every run."""
-    import hashlib
-    import json
-    import os
-    d = cache_dir()
-    path = d and os.path.join(d, hashlib.sha256(repr((_code_digest(),) + key).encode()).hexdigest()[:24] + ".json")
+    path = _cache_file("probe-" + hashlib.sha256(repr(key).encode()).hexdigest()[:24])
     if path and os.path.exists(path):
         with open(path) as f:
             got = json.load(f)
         return dict(flops=got["flops"], comm={tuple(k): tuple(v) for k, v in got["comm"]})
     out = _probe_run(*key)
     if path:
-        os.makedirs(d, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(dict(key=repr(key), flops=out["flops"], comm=[[list(k), list(v)] for k, v in
-                                                                      out["comm"].items()]), f)
-        os.replace(path + ".tmp", path)
+        _write_json(path, dict(key=repr(key), flops=out["flops"],
+                               comm=[[list(k), list(v)] for k, v in out["comm"].items()]))
     return out
 
 
@@ -409,16 +416,8 @@ def _bubble(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, w: fl
 _PLAYED: dict = {}   # {repr of a _unit_total key: total}, read from and written to cache_dir with the probes
 
 
-def _played_path() -> str | None:
-    import os
-    d = cache_dir()
-    return d and os.path.join(d, f"schedules-{_code_digest()}.json")
-
-
 def _load_played() -> None:
-    import json
-    import os
-    path = _played_path()
+    path = _cache_file("schedules")
     if path and not _PLAYED and os.path.exists(path):
         with open(path) as f:
             _PLAYED.update(json.load(f))
@@ -426,14 +425,9 @@ def _load_played() -> None:
 
 
 def _save_played() -> None:
-    import json
-    import os
-    path = _played_path()
+    path = _cache_file("schedules")
     if path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(_PLAYED, f)
-        os.replace(path + ".tmp", path)
+        _write_json(path, _PLAYED)
 
 
 @lru_cache(maxsize=None)
