@@ -146,7 +146,7 @@ class ExpertParallelMoE(MoE):
         rows = self.all_to_all(x[tok], recv, send, self.ep_group)               # [N_recv, H]
         row_expert = torch.arange(n_local, device=x.device).repeat(ep).repeat_interleave(keep_recv.flatten())
         perm = torch.argsort(row_expert, stable=True)        # expert-major: one matmul per expert
-        ys = [self.expert(e, c) for e, c in enumerate(rows[perm].split(keep_recv.sum(0).tolist()))]
+        ys = self.experts(rows[perm].split(keep_recv.sum(0).tolist()))
         y = torch.cat(ys)[torch.argsort(perm)]               # back to arrival order [N_recv, H]
 
         # combine: results go home (splits swapped), are weighted and summed into their tokens

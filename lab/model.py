@@ -210,6 +210,13 @@ class MoE(nn.Module):
     def expert(self, e: int, x):
         return F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T) @ self.w2[e].T
 
+    def experts(self, xs: list) -> list:
+        """[expert e's output for xs[e]]: the experts' rows, one matmul chain each. The stacked weights are
+        unbound once, so backward stacks each weight's gradient once — indexing w[e] per expert would make
+        a zero-filled [E, ...] gradient per expert, E times the weights' bytes written and added."""
+        return [F.silu(x @ a.T) * (x @ c.T) @ b.T
+                for x, a, c, b in zip(xs, self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0))]
+
     def forward(self, x):
         B, S, H = x.shape
         x = x.reshape(-1, H)                               # [T, H]
@@ -217,13 +224,12 @@ class MoE(nn.Module):
         cap = self.capacity(x.shape[0])
         out = torch.zeros_like(x)
         kept = []
-        for e in range(self.n_experts):
-            token, slot = (experts == e).nonzero(as_tuple=True)  # assignments to e, in token order
-            if cap is not None:
-                token, slot = token[:cap], slot[:cap]
+        picks = [(experts == e).nonzero(as_tuple=True) for e in range(self.n_experts)]  # to e, in token order
+        if cap is not None:
+            picks = [(token[:cap], slot[:cap]) for token, slot in picks]
+        for (token, slot), y in zip(picks, self.experts([x[token] for token, _ in picks])):
             kept.append(token.numel())
-            y = self.expert(e, x[token]) * weights[token, slot, None]
-            out = out.index_add(0, token, y)
+            out = out.index_add(0, token, y * weights[token, slot, None])
         self.tokens_per_expert = torch.tensor(kept)
         self.dropped = experts.numel() - sum(kept)
         return out.view(B, S, H)

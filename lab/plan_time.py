@@ -35,6 +35,7 @@ makes is a field of Assumptions; every rate a field of Device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import hashlib
 import json
@@ -304,6 +305,21 @@ def _run_probe(*key) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _counting_batches():
+    """[ops per call] of dist.batch_isend_irecv while inside (its sends run together, and wait once)."""
+    real, batches = dist.batch_isend_irecv, []
+
+    def counted(ops):
+        batches.append(len(ops))
+        return real(ops)
+    dist.batch_isend_irecv = counted
+    try:
+        yield batches
+    finally:
+        dist.batch_isend_irecv = real
+
+
 def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses, checkpointing,
                layers) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -322,8 +338,9 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
         trainer = train.Trainer(args, mesh, None, shapes_only=True)
         x = torch.zeros(1, seq_len // cp, dtype=torch.long, device="meta")
         flops, comm = {}, {}
-        with trainer.opt.accumulating(), _fused_attention_on_meta():
+        with trainer.opt.accumulating(), _fused_attention_on_meta(), _counting_batches() as batches:
             for phase in ("f", "b"):
+                batches.clear()
                 with _flop_counter() as fc, CommCounter() as cc, _OpCount() as ops:
                     if phase == "f":
                         loss = trainer.model(x, x, positions=trainer.positions)
@@ -334,6 +351,9 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
                     key = (phase, _dim_of(e.group_ranks, mesh), e.op)
                     calls, n = comm.get(key, (0, 0))
                     comm[key] = (calls + 1, n + e.api_bytes)
+                # the ring's sends of one hop (k and v; dk and dv) go in one batch, which waits once: one call
+                for key in [k for k in comm if k[0] == phase and k[2] == "send" and batches]:
+                    comm[key] = (len(batches), comm[key][1])
         trainer.opt.zero_grad(set_to_none=True)
     finally:
         dist.destroy_process_group()
@@ -504,7 +524,7 @@ def _moe_ops(model: str, experts: int, top_k: int) -> tuple:
     return tuple(o - d - experts * e for o, d, e in zip(one, dense, per)), per
 
 
-def _moe(args, b: int, dev: Device, link: bool) -> dict | None:
+def _moe(args, b: int, dev: Device, link: bool, aux_link: bool) -> dict | None:
     """An MoE layer beyond the dense MLP the probe ran in its place (tokens are routed by value, which meta
     tensors do not have, so the probe runs the dense model and this adds the difference analytically, for
     UNIFORM routing): per micro-batch and layer on one rank, T = b·S/cp tokens, T/tp of them dispatched
@@ -512,8 +532,9 @@ def _moe(args, b: int, dev: Device, link: bool) -> dict | None:
     ranks, T/tp·k rows in all, each through an expert's 3 matmuls (2·3·H·F FLOPs forward, twice that
     backward); the dense probe counted one MLP per token at 1/tp of its width, which is taken off; the router
     adds 2·T·H·E forward; the operations routing and each local expert dispatch: _moe_ops. Communication: dispatch and combine
-    all-to-alls of T/tp·k·H·b bytes each forward (wire (ep−1)/ep of it), both again backward, and the counts'
-    small all-to-all forward."""
+    all-to-alls of T/tp·k·H·b bytes each forward (wire (ep−1)/ep of it), both again backward, the counts'
+    small all-to-all forward, and the aux loss's all-reduce of 2E + 1 float64 over every rank holding other
+    tokens (dp·cp, ·tp under tp) forward. link: the ep group crosses nodes; aux_link: that group does."""
     cfg = _config(args)
     if not cfg.n_experts:
         return None
@@ -527,7 +548,9 @@ def _moe(args, b: int, dev: Device, link: bool) -> dict | None:
     counts = args.ep * (E // args.ep + 1) * 8
     routing, expert = _moe_ops(args.model, E, k)    # operations: the routing's, and my E/ep experts'
     ops = {p: routing[i] + E // args.ep * expert[i] for i, p in enumerate("fb")}
-    return dict(f=f, b=2 * f, comm_f=a2a(2, 2 * n) + a2a(1, counts), comm_b=a2a(2, 2 * n), ops_f=ops["f"],
+    aux_ranks = args.dp_replicate * args.dp_shard * args.cp * tp
+    aux = collective_time("all_reduce", (2 * E + 1) * 8, 1, aux_ranks, dev, aux_link)
+    return dict(f=f, b=2 * f, comm_f=a2a(2, 2 * n) + a2a(1, counts) + aux, comm_b=a2a(2, 2 * n), ops_f=ops["f"],
                 ops_b=ops["b"])
 
 
@@ -548,10 +571,13 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         probe(args.model, args.experts, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
               args.cp_ulysses, args.activation_checkpointing)
     rate = dev.flops[args.dtype] * assume.efficiency
+    if args.global_batch_size % (dp * m):                      # (train.check_args says so before a run)
+        raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel "
+                         f"size {dp} times --microbatches {m}: no whole micro-batch to time")
     b = args.global_batch_size // (dp * m)                     # sequences per micro-batch
     link = {d: crosses_nodes(sizes, (d,), G) for d in DIMS}
     o = assume.overlap
-    moe = _moe(args, b, dev, link["dp_shard"])
+    moe = _moe(args, b, dev, link["dp_shard"], crosses_nodes(sizes, ("dp_replicate", "dp_shard", "cp", "tp"), G))
     best, seen = None, set()
     for s, layers in enumerate(_stage_layers(args)):
         last = s == pp - 1
@@ -856,14 +882,16 @@ def print_time(args, dev: Device, G: int, plans, assume: Assumptions = Assumptio
 
 # one small model, 2 gloo ranks (one core each), every kind of layout (ep's experts are added to the dense probe
 # analytically, for uniform routing: _moe)
+# (--lr 0: every round takes the same step from the same weights — a router that learns moves tokens between
+#  experts, and the busiest rank's share of them went from 1.1x to 1.9x the uniform one within two steps here)
 CALIBRATION_MODEL = ["--model", "small", "--layers", "2", "--seq-len", "64", "--global-batch-size", "4",
-                     "--dtype", "float32"]
+                     "--dtype", "float32", "--lr", "0"]
 CALIBRATED_LAYOUTS = {
     "dp ZeRO-0": ["--dp-shard", "2", "--zero-stage", "0"],
     "dp ZeRO-1": ["--dp-shard", "2", "--zero-stage", "1"],
     "dp ZeRO-2": ["--dp-shard", "2", "--zero-stage", "2"],
-    # (4 micro-batches: ZeRO-3 gathers every unit again for each one — the slowest layout, spreading the set)
-    "dp ZeRO-3, 4 micro-batches": ["--dp-shard", "2", "--zero-stage", "3", "--microbatches", "4"],
+    # (2 micro-batches: ZeRO-3 gathers every unit again for each one)
+    "dp ZeRO-3, 2 micro-batches": ["--dp-shard", "2", "--zero-stage", "3", "--microbatches", "2"],
     "tp": ["--tp", "2"],
     "tp + sp, full checkpointing": ["--tp", "2", "--sequence-parallel", "--activation-checkpointing", "full"],
     "pp 1f1b, 2 micro-batches": ["--pp", "2", "--microbatches", "2"],
@@ -963,6 +991,19 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
     return steps, derive
 
 
+def calibrated_args(name: str):
+    """A calibrated layout's arguments, checked as train.py checks a run's (an invalid one raises here)."""
+    args = train.parse_args(CALIBRATION_MODEL + CALIBRATED_LAYOUTS[name])
+    train.check_args(args, 2)
+    return args
+
+
+# glibc gives a freed block above its mmap threshold back to the system, and the next allocation of its size
+# page-faults it in again: thousands of faults a step here (a dense ZeRO-0 step: ~4,000; with these, under 600),
+# which a GPU's caching allocator never pays and the model does not price. The measured ranks keep their heap.
+KEPT_HEAP = dict(MALLOC_MMAP_THRESHOLD_=str(32 * 2**20), MALLOC_TRIM_THRESHOLD_=str(2**32))
+
+
 def measure_rank(names: list[str], rounds: int = 3, per_round: int = 2) -> dict:
     """Build every layout's Trainer on these ranks and time their steps, and the calibration's
     (calibration_steps), in alternating rounds (instruments.time_side_by_side): the slowest rank's medians."""
@@ -973,7 +1014,7 @@ def measure_rank(names: list[str], rounds: int = 3, per_round: int = 2) -> dict:
     steps, derive = calibration_steps(cfg)
     tokens, layouts = load_corpus(None), {}
     for name in names:
-        args = train.parse_args(CALIBRATION_MODEL + CALIBRATED_LAYOUTS[name])
+        args = calibrated_args(name)
         trainer = train.Trainer(args, Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep), torch.device("cpu"))
         layouts[name] = (lambda tr: lambda: tr.step(0, tokens))(trainer)
     t = time_side_by_side(dict(layouts, **steps), rounds, per_round)
@@ -1009,11 +1050,20 @@ def predicted_vs_measured(names=None, rounds: int = 3, per_round: int = 2, timeo
     profile and CPU_ASSUMPTIONS. Returns calibration, rows [(name, predicted s, measured s)], spearman."""
     from lab.launch import run_ranks
     names = list(CALIBRATED_LAYOUTS) if names is None else names
-    out = run_ranks(measure_rank, 2, names, rounds, per_round, timeout=timeout)[0]
+    before = {k: os.environ.get(k) for k in KEPT_HEAP}
+    os.environ.update(KEPT_HEAP)    # (the ranks are spawned: they start with it)
+    try:
+        out = run_ranks(measure_rank, 2, names, rounds, per_round, timeout=timeout)[0]
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     dev = cpu_gloo(out["calibration"])
     rows = []
     for name in names:
-        args = train.parse_args(CALIBRATION_MODEL + CALIBRATED_LAYOUTS[name])
+        args = calibrated_args(name)
         rows.append((name, step_time(args, dev, CPU_ASSUMPTIONS, 2)["seconds"], out["measured"][name]))
     return dict(calibration=out["calibration"], rows=rows,
                 spearman=spearman([r[1] for r in rows], [r[2] for r in rows]))

@@ -149,17 +149,30 @@ def test_collectives_are_counted_per_unit_and_experts_per_token():
     small = ["--model", "small", "--layers", "2", "--seq-len", "64", "--global-batch-size", "4", "--grad-clip", "0"]
     one = lambda *f: T.step_time(train.parse_args(small + list(f)), dev, T.CPU_ASSUMPTIONS, 2)
     assert one("--dp-shard", "2", "--zero-stage", "1")["exposed"]["dp"] == pytest.approx(8e-3)
-    assert one("--dp-shard", "2", "--zero-stage", "3", "--microbatches", "4")["exposed"]["dp"] == \
-        pytest.approx((4 + 4 * 2 * 4) * 1e-3)
-    # experts, uniform routing: per layer 5 all-to-alls (counts, dispatch, combine; both again in backward),
-    # and my experts run T·k rows (k = 2) where the dense probe ran T: the FLOPs grow by the difference
+    assert one("--dp-shard", "2", "--zero-stage", "3", "--microbatches", "2")["exposed"]["dp"] == \
+        pytest.approx((4 + 4 * 2 * 2) * 1e-3)
+    # experts, uniform routing: per layer 5 all-to-alls (counts, dispatch, combine; both again in backward) of
+    # one ring step each, and the aux loss's all-reduce (2 steps), and my experts run T·k rows (k = 2) where the
+    # dense probe ran T: the FLOPs grow by the difference
     ep, dense = one("--dp-shard", "2", "--zero-stage", "0", "--experts", "4", "--ep", "2"), \
         one("--dp-shard", "2", "--zero-stage", "0")
-    assert ep["exposed"]["ep"] == pytest.approx(2 * 5 * 1e-3)
+    assert ep["exposed"]["ep"] == pytest.approx(2 * (5 + 2) * 1e-3)
     cfg = train.config_of(train.parse_args(small))
     T_tok, E = 2 * 64, 4
     extra = 2 * (T_tok * 2 * 6 * cfg.dim * cfg.ffn_dim - T_tok * 6 * cfg.dim * cfg.ffn_dim + 2 * T_tok * cfg.dim * E)
     assert ep["flops"] - dense["flops"] == pytest.approx(3 * extra)
+
+
+def test_calibrated_layouts_are_runs_train_accepts():
+    # every layout the comparison times is one train.py would run on 2 ranks (a micro-batch of no sequence was
+    # once timed, and predicted as no compute)
+    for name in T.CALIBRATED_LAYOUTS:
+        T.calibrated_args(name)
+    bad = train.parse_args(T.CALIBRATION_MODEL + ["--dp-shard", "2", "--zero-stage", "3", "--microbatches", "4"])
+    with pytest.raises(ValueError, match="not divisible"):
+        train.check_args(bad, 2)
+    with pytest.raises(ValueError, match="no whole micro-batch"):
+        T.step_time(bad, T.device_named("cpu-gloo"), T.CPU_ASSUMPTIONS, 2)
 
 
 def test_predicted_against_measured_on_two_gloo_ranks():
