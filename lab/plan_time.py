@@ -189,31 +189,42 @@ def _sdpa_cpu_backward_flops(g, q, k, v, *a, out_shape=None, **kw):
     return sdpa_backward_flop_count(g, q, k, v)
 
 
-def _flop_counter():
-    from torch.utils.flop_counter import FlopCounterMode
+@lru_cache(maxsize=None)
+def _flop_formulas() -> dict:
+    """{op: its FLOPs(*args, out_val=out)}: PyTorch's formulas (torch.utils.flop_counter's registry, those
+    FlopCounterMode applies) and the CPU attention kernel's, which it lacks."""
+    from torch.utils.flop_counter import shape_wrapper
     aten = torch.ops.aten
-    return FlopCounterMode(display=False, custom_mapping={
-        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops})
+    return {**_flop_registry(), aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_sdpa_cpu_flops),
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_sdpa_cpu_backward_flops)}
+
+
+def _flop_registry() -> dict:
+    from torch.utils.flop_counter import flop_registry
+    return flop_registry
 
 
 PHASES = ("f", "b", "ops_f", "ops_b", "mem_f", "mem_b")
 
 
 class _OpCount(TorchDispatchMode):
-    """The operations a region dispatches — each costs Device.op_overhead beyond its FLOPs (a launch, Python) —
-    and the bytes the ones without FLOPs (elementwise, norms, copies: memory-bound) read and write, at the
-    device's memory bandwidth. Views move nothing."""
+    """What a region dispatches: its FLOPs (PyTorch's formulas, _flop_formulas — FlopCounterMode's sums without
+    its per-module tracking, which took most of a probe's time); its operations, each costing
+    Device.op_overhead beyond its FLOPs (a launch, Python); and the bytes the ones without FLOPs (elementwise,
+    norms, copies: memory-bound) read and write, at the device's memory bandwidth. Views move nothing."""
 
     def __enter__(self):
-        self.n, self.bytes = 0, 0
+        self.n, self.bytes, self.flops = 0, 0, 0
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
+        kwargs = kwargs or {}
         self.n += 1
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket not in flop_registry and not func.is_view and func.namespace == "aten":
+        out = func(*args, **kwargs)
+        formula = _flop_formulas().get(func.overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        if func.overloadpacket not in _flop_registry() and not func.is_view and func.namespace == "aten":
             tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         return out
@@ -341,12 +352,12 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
         with trainer.opt.accumulating(), _fused_attention_on_meta(), _counting_batches() as batches:
             for phase in ("f", "b"):
                 batches.clear()
-                with _flop_counter() as fc, CommCounter() as cc, _OpCount() as ops:
+                with CommCounter() as cc, _OpCount() as ops:
                     if phase == "f":
                         loss = trainer.model(x, x, positions=trainer.positions)
                     else:
                         loss.backward()
-                flops[phase], flops["ops_" + phase], flops["mem_" + phase] = fc.get_total_flops(), ops.n, ops.bytes
+                flops[phase], flops["ops_" + phase], flops["mem_" + phase] = ops.flops, ops.n, ops.bytes
                 for e in cc.events:
                     key = (phase, _dim_of(e.group_ranks, mesh), e.op)
                     calls, n = comm.get(key, (0, 0))
@@ -983,7 +994,7 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
     P = dist.get_world_size()
     a, w = torch.randn(256, cfg.dim), torch.randn(cfg.dim, cfg.ffn_dim)
     model, one = build_model(cfg), torch.zeros(1, 1, dtype=torch.long)
-    with _OpCount() as ops, _flop_counter() as fc:
+    with _OpCount() as ops:
         model(one, one).backward()
     optimize, tensors, elements = _optimizer_step(cfg)
     with _OpCount() as opt_ops:
@@ -1010,7 +1021,7 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
 
     def derive(t: dict) -> dict:
         rate = 10 * 2 * a.shape[0] * cfg.dim * cfg.ffn_dim / t["cal:matmul"]
-        op = max(t["cal:op"] / 5 - fc.get_total_flops() / rate, 0.0) / ops.n
+        op = max(t["cal:op"] / 5 - ops.flops / rate, 0.0) / ops.n
         opt_tensor = opt_ops.n / tensors * op
         # α: what one collective pays inside a step beyond its bytes — the two ranks arrive apart (each was
         # descheduled at other moments by the machine's other jobs) and wake gloo's threads from sleep: measured
