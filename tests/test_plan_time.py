@@ -178,11 +178,12 @@ def test_calibrated_layouts_are_runs_train_accepts():
 def test_predicted_against_measured_on_two_gloo_ranks():
     out = T.predicted_vs_measured(rounds=3, per_round=1, timeout=600)
     assert len(out["rows"]) >= 8
-    # A loose band: predictions ran at 0.52-1.40x of measured here, on a busy machine (10 layouts). The rank
-    # correlation (0.64-0.95 over runs) is reported by the notebook, not asserted: one run's noise moves a
-    # layout's measured step by up to 2x, and a test must give the same answer on a busy machine.
+    # A loose band, 3x: predictions ran at 0.78-1.11x of measured here in the benchmark's runs (python -m
+    # lab.plan_time, 5 rounds), where the tight band (TIGHT_BAND, and the rank correlation >= 0.8) is held. A
+    # test must give the same answer on a busy machine, where one run's noise moves a step by up to 1.7x.
     for name, predicted, measured in out["rows"]:
-        assert 1 / 6 <= predicted / measured <= 6, (name, predicted, measured)
+        assert 1 / 3 <= predicted / measured <= 3, (name, predicted, measured)
+    assert len(T.report(out)) == len(out["rows"]) + 4
 
 
 # ---- the README's exercise: one assumption changed, and the choice moves -------------------------------------
