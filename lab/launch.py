@@ -5,7 +5,10 @@
     main(fn)        a demo's entry point: fn(argv) -> exit code; bad input is one line per rank, exit 2
     finish(ok)      the one clean end of a run on every rank (barrier, groups torn down)
 
-- Ranks are spawned processes on gloo (CPU); every call gets a fresh free port.
+- Ranks are fresh processes on gloo (CPU), forked from one server process that imported torch once
+  (multiprocessing's forkserver: a group starts in a fraction of a second, not the seconds N imports of torch
+  take on 2 cores) — spawned afresh instead while the environment, working directory or sys.path differs from
+  the server's (a rank starts with what a spawned one would). Every call gets a fresh free port.
 - An exception on any rank fails the call with *that* rank's traceback.
 - A rank that hangs (a collective nobody answers) fails the call after `timeout`
   seconds, and every rank is killed: nothing stalls.
@@ -90,8 +93,30 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90, **kwargs) -> list
                 raise
 
 
+_SERVER = {}  # the forkserver context, and the environment, directory and sys.path it started with
+
+
+def _environment():
+    """What a spawned rank would start with: the environment, the working directory and sys.path — less the
+    name of the test pytest runs now, and inductor's cache directory (importing torch._dynamo sets it to the
+    default a rank would compute for itself)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")}
+    return env, os.getcwd(), list(sys.path)
+
+
+def _context():
+    """The forkserver's context, started at the first call; "spawn" while the environment, working directory or
+    sys.path differs from what the server started with (e.g. a variable the ranks' C library reads at start:
+    a forked rank would not see it). Nothing of the calling process comes with a forked rank either."""
+    if not _SERVER:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "lab.launch"])
+        _SERVER.update(ctx=ctx, started=_environment())
+    return _SERVER["ctx"] if _environment() == _SERVER["started"] else mp.get_context("spawn")
+
+
 def _run_once(fn, world_size, args, kwargs, timeout):
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     # A collective gives up a little before the harness does, so a hang usually ends in a

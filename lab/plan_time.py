@@ -1098,7 +1098,7 @@ def predicted_vs_measured(names=None, rounds: int = 3, per_round: int = 2, timeo
     from lab.launch import run_ranks
     names = list(CALIBRATED_LAYOUTS) if names is None else names
     before = {k: os.environ.get(k) for k in KEPT_HEAP}
-    os.environ.update(KEPT_HEAP)    # (the ranks are spawned: they start with it)
+    os.environ.update(KEPT_HEAP)    # (not the environment the forkserver started with: the ranks are spawned)
     try:
         out = run_ranks(measure_rank, 2, names, rounds, per_round, timeout=timeout)[0]
     finally:

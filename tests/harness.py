@@ -2,7 +2,6 @@
 — or a README exercise — the way a learner does."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import subprocess
@@ -15,52 +14,9 @@ from typing import Callable
 import torch
 
 from lab.baseline import single_process  # noqa: F401  (the one single-process reference loop)
-import lab.launch
-from lab.launch import RankError, free_port  # noqa: F401  (re-exported for the tests)
+from lab.launch import RankError, free_port, run_ranks  # noqa: F401  (re-exported for the tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class _Forked:
-    """Stands in for the multiprocessing module inside lab.launch during one run_ranks call: every context it
-    asks for is the forkserver's."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-
-    def get_context(self, method=None):
-        return self.ctx
-
-
-_SERVER = {}  # the forkserver context, and the environment, directory and sys.path it started with
-
-
-def _environment():
-    """What a spawned rank would start with: the environment, the working directory and sys.path — less the
-    name of the test pytest runs now, and inductor's cache directory (importing torch._dynamo sets it to the
-    default a rank would compute for itself)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")}
-    return env, os.getcwd(), list(sys.path)
-
-
-def run_ranks(fn, world_size: int, *args, timeout: float = 90, **kwargs) -> list:
-    """lab.launch.run_ranks (the same ranks, results and errors), its ranks forked from one server process that
-    imported torch once (multiprocessing's forkserver) instead of each spawned afresh: a group then starts in a
-    fraction of a second, not the seconds N imports of torch take on 2 cores — and spawning is most of the
-    suite's time. A rank still starts as a fresh process would (nothing of the test process comes with it). A
-    call made while the environment, working directory or sys.path differs from the server's (a test that sets
-    a variable the ranks' C library reads at start) spawns its ranks, as lab.launch does."""
-    if not _SERVER:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "lab.launch"])
-        _SERVER.update(ctx=ctx, started=_environment())
-    if _environment() != _SERVER["started"]:
-        return lab.launch.run_ranks(fn, world_size, *args, timeout=timeout, **kwargs)
-    spawning, lab.launch.mp = lab.launch.mp, _Forked(_SERVER["ctx"])
-    try:
-        return lab.launch.run_ranks(fn, world_size, *args, timeout=timeout, **kwargs)
-    finally:
-        lab.launch.mp = spawning
 
 
 def reference_model(cfg="tiny", seed: int = 0, dtype=torch.float32):

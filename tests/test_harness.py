@@ -1,4 +1,5 @@
 """The harness itself: results per rank, a raising rank, a hanging rank."""
+import os
 import time
 
 import pytest
@@ -54,3 +55,21 @@ def test_tensors_survive_the_ranks_exiting():
     out = run_ranks(_big_tensors, 2, timeout=60)
     assert [o["rank"] for o in out] == [0, 1]
     assert all(torch.equal(o["t"], torch.full((1000, 100), float(r))) for r, o in enumerate(out))
+
+
+def _env_and_state(name):
+    import lab.launch
+    return os.environ.get(name), getattr(lab.launch, "_SET_BY_THE_TEST", None)
+
+
+def test_ranks_start_as_fresh_processes(monkeypatch):
+    import lab.launch
+    # forked from the server: nothing of this process comes with a rank
+    monkeypatch.setattr(lab.launch, "_SET_BY_THE_TEST", 1, raising=False)
+    assert lab.launch._context().get_start_method() == "forkserver"
+    assert run_ranks(_env_and_state, 2, "COURSE_TEST_VARIABLE", timeout=60) == [(None, None)] * 2
+    # a variable the server did not start with: the ranks are spawned, and see it
+    monkeypatch.setenv("COURSE_TEST_VARIABLE", "set after the server started")
+    assert lab.launch._context().get_start_method() == "spawn"
+    assert run_ranks(_env_and_state, 2, "COURSE_TEST_VARIABLE", timeout=60) == \
+        [("set after the server started", None)] * 2

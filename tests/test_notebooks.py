@@ -46,7 +46,7 @@ def executed(request):
                 if item.module is request.module and item.originalname == "test_notebook_runs_and_draws_its_figures"]
     slots, taking = threading.Semaphore(2), threading.Lock()
     had_backend = "MPLBACKEND" in os.environ
-    os.environ.setdefault("MPLBACKEND", "Agg")  # (for the kernels; taken back below, as harness.run_ranks
+    os.environ.setdefault("MPLBACKEND", "Agg")  # (for the kernels; taken back below, as lab.launch.run_ranks
     # forks ranks from a server only while the environment is the one it started with)
 
     def run(path):
