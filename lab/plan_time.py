@@ -512,10 +512,12 @@ def _unit_tensors(args, stage: int) -> list[int]:
 
 @lru_cache(maxsize=None)
 def _moe_ops(model: str, experts: int, top_k: int) -> tuple:
-    """(routing's operations, one expert's) beyond a dense block's, forward and backward: model.py's MoE run
-    for real on a narrow copy of the model (its counts do not depend on the widths; routing by value needs
-    real tensors), at E and 2E experts. ((f, b), (f, b))."""
+    """(routing's operations, one expert's) beyond a dense block's, forward and backward: expert_parallel.py's
+    layer run for real (routing by value needs real tensors) on a narrow copy of the model (its counts do not
+    depend on the widths), on a group of one gloo rank (its all-to-alls copy), at E and 2E experts — so
+    routing = at E less E experts, one expert = (at 2E less at E)/E. ((f, b), (f, b))."""
     import dataclasses
+    from expert_parallel import ExpertParallelMoE
     from lab.model import build_model
     cfg = _config_of(model, 1, experts, top_k, None)
     x = torch.zeros(1, 32, dtype=torch.long)
@@ -525,12 +527,18 @@ def _moe_ops(model: str, experts: int, top_k: int) -> tuple:
                                 max_seq_len=32)
         torch.manual_seed(0)
         net = build_model(c)
+        if e:
+            net.layers[0].mlp = ExpertParallelMoE(net.layers[0].mlp, dist.group.WORLD)
         with _OpCount() as f:
             loss = net(x, x)
         with _OpCount() as b:
             loss.backward()
         return f.n, b.n
-    dense, one, two = count(0), count(experts), count(2 * experts)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dense, one, two = count(0), count(experts), count(2 * experts)
+    finally:
+        dist.destroy_process_group()
     per = tuple((t - o) / experts for t, o in zip(two, one))
     return tuple(o - d - experts * e for o, d, e in zip(one, dense, per)), per
 
