@@ -657,7 +657,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         buckets = 1 + math.ceil(max(grad_bytes - 2**20, 0) / (args.bucket_mb * 2**20))
         regather = 2 * m if z == 3 and pp == 1 else 1     # ZeRO-3 gathers for the forward and again the backward
         calls = dict(reduce_scatter=len(units), all_gather=len(units) * regather,
-                     all_reduce=buckets if z == 0 else 1)   # (ZeRO-1-3's all-reduce: the used-flags, once)
+                     all_reduce=buckets + 1 if z == 0 else 1)   # (+ the used-flags' all-reduce, once a step)
         inter = crosses_nodes(sizes, ("dp_replicate", "dp_shard", "cp") if not z else ("dp_shard", "cp"), G)
         dpt = {op: collective_time(op, n, calls[op], group[op], dev, inter) for op, n in ops.items()}
         if z and args.dp_replicate > 1:   # HSDP: the shard's all-reduce across replicas

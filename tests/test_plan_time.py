@@ -149,6 +149,9 @@ def test_collectives_are_counted_per_unit_and_experts_per_token():
     small = ["--model", "small", "--layers", "2", "--seq-len", "64", "--global-batch-size", "4", "--grad-clip", "0"]
     one = lambda *f: T.step_time(train.parse_args(small + list(f)), dev, T.CPU_ASSUMPTIONS, 2)
     assert one("--dp-shard", "2", "--zero-stage", "1")["exposed"]["dp"] == pytest.approx(8e-3)
+    # ZeRO-0: DDP's buckets (13.4 MB of gradients: the first closes past 1 MiB, the rest fit one of 25 MiB) and
+    # the all-reduce of the used flags after them, 2 ring steps each
+    assert one("--dp-shard", "2", "--zero-stage", "0")["exposed"]["dp"] == pytest.approx((2 + 1) * 2 * 1e-3)
     assert one("--dp-shard", "2", "--zero-stage", "3", "--microbatches", "2")["exposed"]["dp"] == \
         pytest.approx((4 + 4 * 2 * 2) * 1e-3)
     # experts, uniform routing: per layer 5 all-to-alls (counts, dispatch, combine; both again in backward) of
