@@ -99,9 +99,9 @@ DEVICES = {
                    25e9, 80e9, 8, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide"),
     # this machine: gloo on loopback and one core per rank, measured by calibration_steps (predicted_vs_measured
     # measures it again; these are the numbers of the notebook's run here, 2 cores shared with other jobs)
-    "cpu-gloo": Device("cpu-gloo", {"float32": 7.5e10, "float64": 3.7e10, "bfloat16": 7.5e9}, 2.8e10, 8e-4, 0.95e9,
-                       8e-4, 0.95e9, 8e9, 2, "measured here: lab.plan_time.calibration_steps", 15e-6,
-                       dict(reduce_scatter=2.8, all_gather=1.8, all_to_all=1.2), 2.8e-9, 3.0e-4),
+    "cpu-gloo": Device("cpu-gloo", {"float32": 8.2e10, "float64": 4.1e10, "bfloat16": 8.2e9}, 2.5e10, 7.5e-4, 1.0e9,
+                       7.5e-4, 1.0e9, 8e9, 2, "measured here: lab.plan_time.calibration_steps", 16e-6,
+                       dict(reduce_scatter=2.4, all_gather=1.5, all_to_all=1.0), 2.6e-9, 3.2e-4),
 }
 
 
