@@ -79,9 +79,9 @@ def batches():
             for _ in range(STEPS)]
 
 
-def reference(case, P):
-    """One process: the loss is the mean over ranks of each rank's loss on its rows (each part of a
-    two-backward step backwarded in turn)."""
+def reference(case, P, steps=STEPS):
+    """One process on the first `steps` global batches: the loss is the mean over ranks of each rank's loss
+    on its rows (each part of a two-backward step backwarded in turn)."""
     def loss_fn(model, batch):
         x, y = batch
         total = None
@@ -90,7 +90,20 @@ def reference(case, P):
                 total.backward()
             total = sum(parts) / P
         return total
-    return single_process(Net(0, case), batches(), lr=LR, weight_decay=WD, keep_grads=True, loss_fn=loss_fn)
+    return single_process(Net(0, case), batches()[:steps], lr=LR, weight_decay=WD, keep_grads=True, loss_fn=loss_fn)
+
+
+def reference_evals(P):
+    """[rank][i]: one process's loss on rank r's rows of global batch i + 1, with the weights after i + 1
+    steps: what each rank's eval_between forward must give."""
+    data, out = batches(), [[] for _ in range(P)]
+    for steps in range(1, STEPS):
+        model = reference("eval_between", P, steps)["model"]
+        x, y = data[steps]
+        with torch.no_grad():
+            for r in range(P):
+                out[r].append(model(_local(x, r, P), _local(y, r, P), r).item())
+    return out
 
 
 def _train(case, wrapper, rank, P):
@@ -146,6 +159,9 @@ def differences(case, P, results) -> dict:
         if case == "eval_between":  # the ranks' mean eval loss is one process's loss at the next step
             evals = [sum(r[case, w]["evals"][i] for r in results) / P for i in range(STEPS - 1)]
             worst = max(worst, max(abs(a - b) for a, b in zip(evals, ref["losses"][1:])))
+            for rank, (r, want) in enumerate(zip(results, reference_evals(P))):  # and each rank's, on its rows
+                assert len(r[case, w]["evals"]) == len(want), (w, rank)
+                worst = max(worst, max(abs(a - b) for a, b in zip(r[case, w]["evals"], want)))
         out[w] = worst
     return out
 

@@ -174,20 +174,22 @@ def test_awkward_case_equals_one_process(world, case):
 
 def test_frozen_parameters_round_trip_into_a_plain_model(world):
     P, results = world
-    for config in CONFIGS:
-        state = results[0][("frozen", config)]["state"]
-        plain = build("plain", seed=3)
-        plain.load_state_dict(state, strict=True)  # every name, the frozen ones too
-        assert max_diff(plain.state_dict(), state) == 0
-        assert torch.equal(state["norm.weight"], build("frozen").norm.weight), config  # frozen: untouched
+    for rank, res in enumerate(results):
+        for config in CONFIGS:
+            state = res[("frozen", config)]["state"]
+            plain = build("plain", seed=3)
+            plain.load_state_dict(state, strict=True)  # every name, the frozen ones too
+            assert max_diff(plain.state_dict(), state) == 0, (rank, config)
+            assert torch.equal(state["norm.weight"], build("frozen").norm.weight), (rank, config)  # frozen: untouched
 
 
 def test_tied_weight_listed_under_both_names(world):
     P, results = world
-    for config in CONFIGS:
-        state = results[0][("tied", config)]["state"]
-        assert torch.equal(state["output.weight"], state["tok_embeddings.weight"]), config
-        assert not torch.equal(state["output.weight"], build("tied").output.weight), config  # it moved
+    for rank, res in enumerate(results):
+        for config in CONFIGS:
+            state = res[("tied", config)]["state"]
+            assert torch.equal(state["output.weight"], state["tok_embeddings.weight"]), (rank, config)
+            assert not torch.equal(state["output.weight"], build("tied").output.weight), (rank, config)  # it moved
 
 
 def test_a_parameter_no_rank_uses_gets_no_update(world):

@@ -25,15 +25,22 @@ MOE = ["--experts", "4"]
 TOL64 = 1e-9
 
 
-def _resumed_equal_one_process(res, common=COMMON):
-    """res: run_layouts' result on rank 0 of a run that resumed: its losses from the resumed step on equal the
-    single-process run's."""
-    args = parse_args(list(common) + res["flags"].split())
-    want = reference_losses(args, range(res["start"], args.steps))
-    assert res["start"] > 0 and len(res["losses"]) == len(want), res["flags"]
-    err = max(abs(a - b) for a, b in zip(res["losses"], want))
-    assert err < TOL64, f"[{res['flags']}]: max |loss diff| {err:.2e} after resuming at step {res['start']}"
-    return err
+def _resumed_equal_one_process(per_rank, common=COMMON):
+    """per_rank: run_layouts' result for one layout on every rank of a run that resumed: each rank resumed at
+    the same step and its losses (every rank reports the global ones) from there on equal the single-process
+    run's. The worst rank's error."""
+    first = per_rank[0]
+    args = parse_args(list(common) + first["flags"].split())
+    want = reference_losses(args, range(first["start"], args.steps))  # once: it trains a model
+    worst = 0.0
+    for rank, res in enumerate(per_rank):
+        assert res["flags"] == first["flags"] and res["start"] == first["start"], (rank, res["flags"], res["start"])
+        assert res["start"] > 0 and len(res["losses"]) == len(want), (rank, res["flags"])
+        err = max(abs(a - b) for a, b in zip(res["losses"], want))
+        assert err < TOL64, \
+            f"rank {rank} [{res['flags']}]: max |loss diff| {err:.2e} after resuming at step {res['start']}"
+        worst = max(worst, err)
+    return worst
 
 
 # (saved on, with how many ranks) -> (resumed on, with how many ranks): six pairs and a world of one
@@ -62,8 +69,9 @@ def test_a_checkpoint_resumes_on_any_layout(tmp_path):
         loads.setdefault(n, []).append(load + ["--resume", str(tmp_path / f"c{i}")])
     errors = {}
     for n, layouts in loads.items():
-        for res in run_ranks(run_layouts, n, layouts, COMMON, timeout=400)[0]:
-            errors[res["flags"]] = _resumed_equal_one_process(res)
+        results = run_ranks(run_layouts, n, layouts, COMMON, timeout=400)
+        for i, res in enumerate(results[0]):
+            errors[res["flags"]] = _resumed_equal_one_process([rank[i] for rank in results])
     assert len(errors) == len(PAIRS)
 
 
@@ -162,7 +170,7 @@ def test_a_save_killed_half_way_leaves_the_last_checkpoint_loadable(tmp_path):
     res = run_ranks(run_layouts, 2, [["--dp-shard", "2", "--save", ck, "--resume", "auto"]], COMMON, timeout=120)
     for rank in res:  # every rank resumed after step 2 and reports the global losses
         assert rank[0]["start"] == 2
-        _resumed_equal_one_process(rank[0])
+    _resumed_equal_one_process([rank[0] for rank in res])
     assert [s for s, _ in complete_checkpoints(ck)] == [2, 8] and not os.path.exists(ck + "/step_00000004.partial")
 
 

@@ -292,8 +292,9 @@ def test_every_stage_equals_single_process(p2, p4):
         for key in ("stage0", "stage1", "stage2", "stage3", "stage3_keep", "stage3_noprefetch", "stage3_by_class"):
             assert _err(rank_out[key]["state"], ref) < 1e-4, key
     sgd = single_process(reference_model(), global_batches(STEPS, B, S), lr=LR, optimizer=torch.optim.SGD, momentum=0.9)
-    assert _err(p2[0]["sgd1"], sgd["model"].state_dict()) < 1e-6
-    assert _err(p2[1]["explicit_units"], ref) < 1e-4
+    for r, rank_out in enumerate(p2):  # full_state_dict gathers the whole model on every rank
+        assert _err(rank_out["sgd1"], sgd["model"].state_dict()) < 1e-6, r
+        assert _err(rank_out["explicit_units"], ref) < 1e-4, r
     for rank_out in p4:  # float64: only the order of additions differs
         for s in range(4):
             assert _err(rank_out[f"fp64_{s}"]["state"], ref64) < 1e-10, s
@@ -309,18 +310,20 @@ def reference_losses():
 def test_any_module_with_units_by_class(p2):
     net, batches = _mlp_and_data()
     ref = single_process(net, batches, lr=LR, loss_fn=_mse)["model"].state_dict()
-    for stage in (2, 3):
-        assert _err(p2[0][f"mlp{stage}"], ref) < 1e-5, stage
+    for r, rank_out in enumerate(p2):
+        for stage in (2, 3):
+            assert _err(rank_out[f"mlp{stage}"], ref) < 1e-5, (r, stage)
     assert _err(p2[0]["mlp3"], net.state_dict()) > 1e-3
 
 
 def test_gradient_clipping_by_global_norm(p2):
     ref_clip, norms = reference(clip=CLIP)
     assert max(norms) > 2 * CLIP  # clipping is active
-    for s in range(4):
-        out = p2[0][f"clip{s}"]
-        assert _err(out["state"], ref_clip) < 2e-5, s
-        assert abs(out["grad_norm"] - norms[-1]) < 1e-4 * norms[-1], s
+    for r, rank_out in enumerate(p2):  # the norm is all-reduced: every rank clips by the same factor
+        for s in range(4):
+            out = rank_out[f"clip{s}"]
+            assert _err(out["state"], ref_clip) < 2e-5, (r, s)
+            assert abs(out["grad_norm"] - norms[-1]) < 1e-4 * norms[-1], (r, s)
 
 
 def test_mixed_precision_matches_same_casts(p2, p4):
@@ -333,10 +336,11 @@ def test_mixed_precision_matches_same_casts(p2, p4):
     def rel(state, ref):
         err = sum(((state[k] - ref[k]) ** 2).sum() for k in ref).sqrt()
         return (err / sum(((ref[k] - init[k]) ** 2).sum() for k in ref).sqrt()).item()
-    for s in range(4):
-        state = p2[0][f"bf16_{s}"]["state"]
-        assert rel(state, ref_mp) < 0.05 and rel(state, ref_mp) < rel(state, ref32), s
-    assert _err(p2[0]["bf16_3"]["state"], p2[0]["fsdp2_bf16"]) < 1e-6  # = FSDP2, same MixedPrecisionPolicy
+    for r, rank_out in enumerate(p2):
+        for s in range(4):
+            state = rank_out[f"bf16_{s}"]["state"]
+            assert rel(state, ref_mp) < 0.05 and rel(state, ref_mp) < rel(state, ref32), (r, s)
+        assert _err(rank_out["bf16_3"]["state"], rank_out["fsdp2_bf16"]) < 1e-6, r  # = FSDP2, same MixedPrecisionPolicy
 
 
 def test_stage3_equals_fsdp2_fully_shard(p2):
@@ -347,24 +351,27 @@ def test_stage3_equals_fsdp2_fully_shard(p2):
 # ---- bytes and memory against the formulas ------------------------------------------------------------
 
 def test_bytes_per_step_equal_the_formulas(p2, p4):
-    for out_by_key, P, keys in ((p2[0], 2, ("stage0", "stage1", "stage2", "stage3", "stage3_keep", "bf16_0",
-                                              "bf16_1", "bf16_2", "bf16_3")),
-                                (p4[0], 4, ("fp64_0", "fp64_1", "fp64_2", "fp64_3", "bf16_3"))):
-        for key in keys:
-            out = out_by_key[key]
-            got = {op: s["bytes"] for op, s in out["comm"].items()}
-            assert got == out["comm_formula"], (P, key, got, out["comm_formula"])
-            # ZeRO §7 in ring bytes per rank: 2Ψ for stages 0-2, 3Ψ for stage 3 (+ the used-flags)
-            psi, pb, gb, stage = out["numel"], out["param_bytes"], 8 if "fp64" in key else 4, out["stage"]
-            gathers = (2 * psi - out["root_numel"]) if stage == 3 and key != "stage3_keep" else psi
-            want = {0: 2 * gb * psi, 1: (gb + pb) * psi, 2: (gb + pb) * psi, 3: gb * psi + pb * gathers}[stage]
-            flags = 2 * 4 * out["n_params"]
-            assert sum(s["wire_bytes"] for s in out["comm"].values()) == pytest.approx((want + flags) * (P - 1) / P)
-    s3, keep = p2[0]["stage3"], p2[0]["stage3_keep"]
-    assert keep["comm"]["all_gather"]["bytes"] == 4 * keep["numel"]  # no re-gather: b_p Ψ in all
-    # 4 units (embedding, 2 blocks, norm + head), each gathered for forward and again for backward; the
-    # course's model leaves no parameter to the root unit, which alone would stay gathered into backward
-    assert s3["root_numel"] == 0 and s3["comm"]["all_gather"]["calls"] == 2 * 4
+    for results, P, keys in ((p2, 2, ("stage0", "stage1", "stage2", "stage3", "stage3_keep", "bf16_0",
+                                      "bf16_1", "bf16_2", "bf16_3")),
+                             (p4, 4, ("fp64_0", "fp64_1", "fp64_2", "fp64_3", "bf16_3"))):
+        for r, out_by_key in enumerate(results):  # each rank counted its own calls
+            for key in keys:
+                out = out_by_key[key]
+                got = {op: s["bytes"] for op, s in out["comm"].items()}
+                assert got == out["comm_formula"], (P, r, key, got, out["comm_formula"])
+                # ZeRO §7 in ring bytes per rank: 2Ψ for stages 0-2, 3Ψ for stage 3 (+ the used-flags)
+                psi, pb, gb, stage = out["numel"], out["param_bytes"], 8 if "fp64" in key else 4, out["stage"]
+                gathers = (2 * psi - out["root_numel"]) if stage == 3 and key != "stage3_keep" else psi
+                want = {0: 2 * gb * psi, 1: (gb + pb) * psi, 2: (gb + pb) * psi, 3: gb * psi + pb * gathers}[stage]
+                flags = 2 * 4 * out["n_params"]
+                assert sum(s["wire_bytes"] for s in out["comm"].values()) == \
+                    pytest.approx((want + flags) * (P - 1) / P), (P, r, key)
+    for r, out_by_key in enumerate(p2):
+        s3, keep = out_by_key["stage3"], out_by_key["stage3_keep"]
+        assert keep["comm"]["all_gather"]["bytes"] == 4 * keep["numel"], r  # no re-gather: b_p Ψ in all
+        # 4 units (embedding, 2 blocks, norm + head), each gathered for forward and again for backward; the
+        # course's model leaves no parameter to the root unit, which alone would stay gathered into backward
+        assert s3["root_numel"] == 0 and s3["comm"]["all_gather"]["calls"] == 2 * 4, r
 
 
 def test_model_state_bytes_by_category_match_zero_formulas(p2, p4):
@@ -377,8 +384,9 @@ def test_model_state_bytes_by_category_match_zero_formulas(p2, p4):
                     # AdamW adds one step counter per piece (a few bytes): within 5%
                     assert (mem[cat] == 0) if form[cat] == 0 else abs(mem[cat] - form[cat]) <= 0.05 * form[cat], \
                         (key, cat, mem[cat], form[cat])
-    psi = p2[0]["stage0"]["numel"]  # the headline: bytes per parameter 16 -> 12 -> 10 -> 8 at P = 2 (fp32 Adam)
-    assert [round(p2[0][f"stage{s}"]["memory"]["total"] / psi) for s in range(4)] == [16, 12, 10, 8]
+    for r, out in enumerate(p2):  # the headline: bytes per parameter 16 -> 12 -> 10 -> 8 at P = 2 (fp32 Adam)
+        psi = out["stage0"]["numel"]
+        assert [round(out[f"stage{s}"]["memory"]["total"] / psi) for s in range(4)] == [16, 12, 10, 8], r
 
 
 def test_meta_init_materialises_only_the_shard(p2):
@@ -415,16 +423,17 @@ def test_accumulating_reduces_once_per_step(p2):
     """m micro-batches inside opt.accumulating(): equal to one process in float64, and one
     reduce-scatter 4Ψ per step whatever m; stage 3 without resharding gathers b_p Ψ once."""
     ref64 = reference(torch.float64)[0]
-    for (stage, m, rs), out in p2[0]["accumulate"].items():
-        assert _err(out["state"], ref64) < 1e-10 and max(abs(a - b) for a, b in zip(
-            out["losses"], reference_losses())) < 1e-10, (stage, m, rs)
-        got = {op: s["bytes"] for op, s in out["comm"].items()}
-        assert got == out["comm_formula"], (stage, m, rs, got, out["comm_formula"])
-        assert got["reduce_scatter"] == 8 * out["numel"]  # once per step, whatever m
-        if stage != 3 or not rs:
-            assert got["all_gather"] == 8 * out["numel"]  # once per step, whatever m
-        else:
-            assert got["all_gather"] == m * 8 * (2 * out["numel"] - out["root_numel"])
+    for r, rank_out in enumerate(p2):
+        for (stage, m, rs), out in rank_out["accumulate"].items():
+            assert _err(out["state"], ref64) < 1e-10 and max(abs(a - b) for a, b in zip(
+                out["losses"], reference_losses())) < 1e-10, (r, stage, m, rs)
+            got = {op: s["bytes"] for op, s in out["comm"].items()}
+            assert got == out["comm_formula"], (r, stage, m, rs, got, out["comm_formula"])
+            assert got["reduce_scatter"] == 8 * out["numel"], r  # once per step, whatever m
+            if stage != 3 or not rs:
+                assert got["all_gather"] == 8 * out["numel"], r  # once per step, whatever m
+            else:
+                assert got["all_gather"] == m * 8 * (2 * out["numel"] - out["root_numel"]), r
 
 
 def test_experts_sharded_over_their_own_group(p4):
@@ -455,17 +464,19 @@ def test_experts_sharded_over_their_own_group(p4):
 def test_clip_norm_over_the_ranks_that_hold_every_parameter(p4):
     """clip_grad_norm_(max_norm, group, weight_of): the norm of the whole model, as torch computes it."""
     ref_state, norms = reference(torch.float64, clip=CLIP)
-    for s in (1, 3):
-        out = p4[0]["clip_world"][s]
-        assert max(abs(a - b) for a, b in zip(out["norms"], norms)) < 1e-10 * norms[0], s
-        assert _err(out["state"], ref_state) < 1e-10, s
+    for r, rank_out in enumerate(p4):
+        for s in (1, 3):
+            out = rank_out["clip_world"][s]
+            assert max(abs(a - b) for a, b in zip(out["norms"], norms)) < 1e-10 * norms[0], (r, s)
+            assert _err(out["state"], ref_state) < 1e-10, (r, s)
     # experts: over the world every element is held once; over each unit's own group (the default)
     # the experts of the other ep rank are missing from the norm
     from lab.model import build_model, get_config
     ref = single_process(build_model(get_config("tiny", n_experts=4), seed=0, dtype=torch.float64),
                          global_batches(STEPS, B, S), lr=LR, clip=CLIP)
-    assert abs(p4[0]["experts_clip"]["world"]["norm"] - ref["norms"][-1]) < 1e-10
-    assert abs(p4[0]["experts_clip"]["default"]["norm"] - ref["norms"][-1]) > 1e-6
+    for r, rank_out in enumerate(p4):
+        assert abs(rank_out["experts_clip"]["world"]["norm"] - ref["norms"][-1]) < 1e-10, r
+        assert abs(rank_out["experts_clip"]["default"]["norm"] - ref["norms"][-1]) > 1e-6, r
 
 
 def test_before_reduce_sums_partial_gradients_first(p4):
@@ -473,7 +484,8 @@ def test_before_reduce_sums_partial_gradients_first(p4):
     for r in range(4):
         for s in range(4):
             assert _err(p4[r]["tp"][s], ref64) < 1e-10, (r, s)
-    assert _err(p4[0]["tp_without_hook"], ref64) > 1e-4
+    for r in range(4):  # without the hook every rank steps on a partial gradient
+        assert _err(p4[r]["tp_without_hook"], ref64) > 1e-4, r
 
 
 # ---- the demos and the README's exercises ------------------------------------------------------------
