@@ -980,6 +980,9 @@ def _optimizer_step(cfg):
     return step, len(params), sum(p.numel() for p in params)
 
 
+IN_STEP = 12   # collectives (after matmuls) that measure alpha: a difference of two medians, noisy with fewer
+
+
 def calibration_steps(cfg) -> tuple[dict, callable]:
     """What measures the cpu-gloo profile, as step functions timed in the SAME alternating rounds as the
     layouts' steps (the machine's load drifts; each rate is the one the steps saw), and derive({name: seconds
@@ -1017,8 +1020,8 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
              "cal:alpha": lambda: [dist.all_reduce(small) for _ in range(50)],
              # a collective inside a step: after a layer's worth of matmuls (~[B·S, H] @ [H, F]), an all-reduce
              # of an activation [B·S, H]; less the matmuls alone
-             "cal:in_step": lambda: [(a @ w, dist.all_reduce(act)) for _ in range(5)],
-             "cal:segment": lambda: [a @ w for _ in range(5)],
+             "cal:in_step": lambda: [(a @ w, dist.all_reduce(act)) for _ in range(IN_STEP)],
+             "cal:segment": lambda: [a @ w for _ in range(IN_STEP)],
              "cal:all_reduce": lambda: dist.all_reduce(big),
              "cal:reduce_scatter": lambda: reduce_scatter_single(part, big),
              "cal:all_gather": lambda: all_gather_single(big, part),
@@ -1037,7 +1040,7 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
         bare = t["cal:alpha"] / 50 / 2
         wire = wire_bytes("all_reduce", act.numel() * 4, P)
         beta = wire_bytes("all_reduce", n, P) / max(t["cal:all_reduce"] - 2 * (P - 1) * bare, 1e-9)
-        alpha = max((t["cal:in_step"] - t["cal:segment"]) / 5 - wire / beta, 2 * (P - 1) * bare) / (2 * (P - 1))
+        alpha = max((t["cal:in_step"] - t["cal:segment"]) / IN_STEP - wire / beta, 2 * (P - 1) * bare) / (2 * (P - 1))
         c = dict(bare_alpha=bare, rate=rate, hbm=3 * x.numel() * 4 * 5 / t["cal:memory"], alpha=alpha, beta=beta, op=op,
                  opt_elem=max(t["cal:optimizer"] - tensors * opt_tensor, 0.0) / elements, opt_tensor=opt_tensor)
         for name in ("reduce_scatter", "all_gather", "all_to_all"):
