@@ -105,14 +105,20 @@ def _environment():
 
 
 def _context():
-    """The forkserver's context, started at the first call; "spawn" while the environment, working directory or
-    sys.path differs from what the server started with (e.g. a variable the ranks' C library reads at start:
-    a forked rank would not see it). Nothing of the calling process comes with a forked rank either."""
-    if not _SERVER:
+    """The forkserver's context; "spawn" while the environment, working directory or sys.path differs from
+    what the server started with (e.g. a variable the ranks' C library reads at start: a forked rank would not
+    see it). The server starts at the first call made with the environment and directory this module was
+    imported with — not inside a caller's temporary change, which would send every later call to spawn.
+    Nothing of the calling process comes with a forked rank either."""
+    now = _environment()
+    if not _SERVER and now[:2] == _AT_IMPORT[:2]:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "lab.launch"])
-        _SERVER.update(ctx=ctx, started=_environment())
-    return _SERVER["ctx"] if _environment() == _SERVER["started"] else mp.get_context("spawn")
+        _SERVER.update(ctx=ctx, started=now)
+    return _SERVER["ctx"] if _SERVER and now == _SERVER["started"] else mp.get_context("spawn")
+
+
+_AT_IMPORT = _environment()
 
 
 def _run_once(fn, world_size, args, kwargs, timeout):

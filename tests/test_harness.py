@@ -73,3 +73,6 @@ def test_ranks_start_as_fresh_processes(monkeypatch):
     assert lab.launch._context().get_start_method() == "spawn"
     assert run_ranks(_env_and_state, 2, "COURSE_TEST_VARIABLE", timeout=60) == \
         [("set after the server started", None)] * 2
+    # a caller's temporary change never becomes the server's: a first call made inside one spawns, starting nothing
+    monkeypatch.setattr(lab.launch, "_SERVER", {})
+    assert lab.launch._context().get_start_method() == "spawn" and not lab.launch._SERVER
