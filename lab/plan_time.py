@@ -41,6 +41,7 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -294,11 +295,18 @@ def _cache_file(name: str) -> str | None:
 
 
 def _write_json(path: str, obj) -> None:
-    """Written whole or not at all: a reader never sees half a file."""
+    """Written whole or not at all, by any number of processes at once (two searches starting together): each
+    writes its own temporary file and renames it into place — a reader never sees half a file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 @lru_cache(maxsize=None)   # probe's one-layer run without checkpointing is _rest's: run once

@@ -5,8 +5,11 @@ The comparison runs at a LOOSE band: the machine is shared and noisy (each predi
 measured step); notebooks/plan_time.ipynb and the README state the tight band
 and what was measured."""
 import dataclasses
+import json
 import math
+import os
 import re
+import threading
 
 import pytest
 
@@ -88,6 +91,28 @@ def test_bubble_shortcuts_equal_the_full_simulation(schedule, v, w):
                 got = T._bubble(schedule, p, m, v, t_f, t_b, w)
                 tol = 1e-9 if t_b / t_f <= T.LINE[1] else 0.003   # outside LINE: the ratio rounded
                 assert got == pytest.approx(exact["total"], rel=tol), (p, m, t_f, t_b)
+
+
+def test_searches_started_together_write_the_cache_safely(tmp_path):
+    # two searches started at once write the same probe's file: each through its own temporary file (one shared
+    # temporary name made the second rename find nothing, and a search exited 1 in CI)
+    path, errors = str(tmp_path / "probe-x.json"), []
+
+    def write(i):
+        try:
+            for _ in range(50):
+                T._write_json(path, {"n": list(range(2000)), "writer": i})
+        except Exception as e:  # noqa: BLE001 - collected, asserted below
+            errors.append(e)
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:1]
+    with open(path) as f:
+        assert json.load(f)["n"] == list(range(2000))
+    assert os.listdir(tmp_path) == ["probe-x.json"]   # no temporary file left behind
 
 
 def test_probes_are_kept_on_disk_by_the_code_digest(tmp_path, monkeypatch):
