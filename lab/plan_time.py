@@ -49,6 +49,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 import pipeline
 import train
@@ -181,12 +182,10 @@ def device_named(name: str, assume: Assumptions = Assumptions()) -> Device:
 # ---- the probe: one block and the head, run on the meta device --------------------------------------------
 
 def _sdpa_cpu_flops(q, k, v, *a, out_shape=None, **kw):     # FlopCounterMode knows the GPU kernels, not the CPU one
-    from torch.utils.flop_counter import sdpa_flop_count
     return sdpa_flop_count(q, k, v)
 
 
 def _sdpa_cpu_backward_flops(g, q, k, v, *a, out_shape=None, **kw):
-    from torch.utils.flop_counter import sdpa_backward_flop_count
     return sdpa_backward_flop_count(g, q, k, v)
 
 
@@ -194,15 +193,9 @@ def _sdpa_cpu_backward_flops(g, q, k, v, *a, out_shape=None, **kw):
 def _flop_formulas() -> dict:
     """{op: its FLOPs(*args, out_val=out)}: PyTorch's formulas (torch.utils.flop_counter's registry, those
     FlopCounterMode applies) and the CPU attention kernel's, which it lacks."""
-    from torch.utils.flop_counter import shape_wrapper
     aten = torch.ops.aten
-    return {**_flop_registry(), aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_sdpa_cpu_flops),
+    return {**flop_registry, aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_sdpa_cpu_flops),
             aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_sdpa_cpu_backward_flops)}
-
-
-def _flop_registry() -> dict:
-    from torch.utils.flop_counter import flop_registry
-    return flop_registry
 
 
 PHASES = ("f", "b", "ops_f", "ops_b", "mem_f", "mem_b")
@@ -225,7 +218,7 @@ class _OpCount(TorchDispatchMode):
         formula = _flop_formulas().get(func.overloadpacket)
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
-        if func.overloadpacket not in _flop_registry() and not func.is_view and func.namespace == "aten":
+        if func.overloadpacket not in flop_registry and not func.is_view and func.namespace == "aten":
             tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         return out
@@ -599,11 +592,9 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
     world = math.prod(sizes.values())
     dp, tp, cp, pp, m, z = args.dp_replicate * args.dp_shard, args.tp, args.cp, args.pp, args.microbatches, args.zero_stage
     sp = args.sequence_parallel and tp > 1
-    # an MoE model: the dense model probed, the experts added by _moe (routing needs values)
+    # an MoE model: the dense model probed (experts 0), the experts added by _moe (routing needs values)
     pr = probe(args.model, 0, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
-               args.cp_ulysses, args.activation_checkpointing) if args.experts else \
-        probe(args.model, args.experts, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
-              args.cp_ulysses, args.activation_checkpointing)
+               args.cp_ulysses, args.activation_checkpointing)
     rate = dev.flops[args.dtype] * assume.efficiency
     if args.global_batch_size % (dp * m):                      # (train.check_args says so before a run)
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel "

@@ -60,10 +60,10 @@ def test_offload_equals_one_process_and_moves_what_the_formula_says():
             assert max(abs(a - b) for a, b in zip(lay["losses"], want)) < 1e-9, (rank, flags)
             assert lay["offload_bytes"] == [lay["offload_formula"]] * len(lay["losses"]), (rank, flags)
             assert lay["offload_formula"][0] > 0, (rank, flags)
-    bf16 = run_ranks(run_layouts, 2, [["--dp-shard", "2", "--offload", "--dtype", "bfloat16"]], ["--steps", "2"],
-                     timeout=120)[0][0]
-    down, up = bf16["offload_formula"]
-    assert bf16["offload_bytes"] == [(down, up)] * 2 and down == 2 * up
+    for bf16, in run_ranks(run_layouts, 2, [["--dp-shard", "2", "--offload", "--dtype", "bfloat16"]], ["--steps", "2"],
+                           timeout=120):
+        down, up = bf16["offload_formula"]
+        assert bf16["offload_bytes"] == [(down, up)] * 2 and down == 2 * up
 
 
 PLANNED = {2: [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + [
@@ -77,16 +77,16 @@ PLANNED = {2: [["--dp-shard", "2", "--zero-stage", str(z)] for z in range(4)] + 
 @pytest.mark.parametrize("world", sorted(PLANNED))
 def test_the_planner_holds_what_a_real_run_holds(world):
     """train.py --plan builds the sharded model on the meta device under a fake process group of P ranks; what
-    it reads off for rank 0 — parameters, master, gradients, optimizer state — equals, to the byte, what rank 0
-    of a real run on P gloo ranks holds after a step (lab.fsdp_demo.held_bytes)."""
+    it reads off for each rank — parameters, master, gradients, optimizer state — equals, to the byte, what that
+    rank of a real run on P gloo ranks holds after a step (lab.fsdp_demo.held_bytes): every rank, every stage."""
     from lab.plan import plan_rank
     common = ["--steps", "1", "--global-batch-size", "8", "--seq-len", "16"]
-    real = run_ranks(run_layouts, world, PLANNED[world], common, timeout=300)[0]
-    for lay in real:
-        planned = plan_rank(parse_args(common + lay["flags"].split()), 0)
-        held = lay["state_bytes"]
-        for k in ("parameters", "master", "gradients", "optimizer"):
-            assert planned["state"][k] == held[k], (lay["flags"], k, planned["state"][k], held[k])
+    for rank, real in enumerate(run_ranks(run_layouts, world, PLANNED[world], common, timeout=300)):
+        for lay in real:
+            planned = plan_rank(parse_args(common + lay["flags"].split()), rank)
+            held = lay["state_bytes"]
+            for k in ("parameters", "master", "gradients", "optimizer"):
+                assert planned["state"][k] == held[k], (rank, lay["flags"], k, planned["state"][k], held[k])
 
 
 ACTIVATIONS = {2: [["--dp-shard", "2", "--zero-stage", "3"], ["--tp", "2", "--sequence-parallel"],
@@ -122,11 +122,11 @@ def test_the_planners_activations_are_a_real_runs(world):
     layer's input and the logits: it leaves out the final norm, the rotary tables and the loss's own tensors.)"""
     from lab.plan import plan_rank
     common = ["--global-batch-size", "8", "--seq-len", "16"]
-    real = run_ranks(_real_activations, world, ACTIVATIONS[world], common, timeout=300)[0]
-    for flags, kept in zip(ACTIVATIONS[world], real):
-        planned = plan_rank(parse_args(common + flags), 0)
-        assert kept > 0 and kept == planned["activations_measured"], (flags, planned, kept)
-        assert planned["activations"] == planned["activations_measured"] * planned["held"]
+    for rank, real in enumerate(run_ranks(_real_activations, world, ACTIVATIONS[world], common, timeout=300)):
+        for flags, kept in zip(ACTIVATIONS[world], real):   # every rank: a pipeline's stages keep different bytes
+            planned = plan_rank(parse_args(common + flags), rank)
+            assert kept > 0 and kept == planned["activations_measured"], (rank, flags, planned, kept)
+            assert planned["activations"] == planned["activations_measured"] * planned["held"]
 
 
 def test_selective_keeps_less_than_none_under_context_parallel():

@@ -36,11 +36,13 @@ def test_compile_composes_with_every_strategy_and_equals_one_eager_process():
     (relative) of one eager process. tp's f/g trace into one graph per block; ring attention's sends and the
     experts' data-dependent splits break it (still compiled between them)."""
     common = COMMON + ["--compile"]
-    two = run_ranks(_compiled, 2, TWO, common, timeout=1500)[0]
-    _check(two, COMMON)
-    _check(run_ranks(_compiled, 4, [["--dp-replicate", "2", "--dp-shard", "2"]], common, timeout=600)[0], COMMON)
-    by = {lay["flags"]: lay for lay in two}
-    assert by["--tp 2"]["breaks"] == 0 and by["--cp 2"]["breaks"] > 0 and by["--experts 4 --dp-shard 2 --ep 2"]["breaks"] > 0
+    twos = run_ranks(_compiled, 2, TWO, common, timeout=1500)
+    for rank in run_ranks(_compiled, 4, [["--dp-replicate", "2", "--dp-shard", "2"]], common, timeout=600) + twos:
+        _check(rank, COMMON)   # every rank: the global losses, and what it compiled itself (a pipeline stage its own)
+    for two in twos:
+        by = {lay["flags"]: lay for lay in two}
+        assert by["--tp 2"]["breaks"] == 0 and by["--cp 2"]["breaks"] > 0 and \
+            by["--experts 4 --dp-shard 2 --ep 2"]["breaks"] > 0
 
 
 # ---- float8 matmuls, by hand (lab/model.py) ------------------------------------------------------------------
