@@ -231,15 +231,29 @@ def _dim_of(ranks: tuple, mesh) -> str:
     return "world"
 
 
-@lru_cache(maxsize=None)
-def probe(model: str, experts: int, top_k: int, dtype: str, seq_len: int, tp: int, cp: int, sp: bool,
+def probe(model, experts: int, top_k: int, dtype: str, seq_len: int, tp: int, cp: int, sp: bool,
           cp_method: str, cp_ulysses: int, checkpointing: str) -> dict:
-    """One sequence through the real model of `model` cut to one layer, and to two, on a fake group of tp·cp
+    """One sequence through the real model of `model` (a ModelConfig: the shape the run trains, from --model or
+    from --init-from's config.json; or a registered name) cut to one layer, and to two, on a fake group of tp·cp
     ranks (meta tensors), forward then backward, under FlopCounterMode and CommCounter. Their difference is one
     block; the one-layer run less a block is the rest (the embedding, final norm, head and loss — checkpointing
     wraps blocks only, so the rest is measured once without it):
     {"block"|"rest": {"f"|"b": flops}, "comm": {("f"|"b", "block"|"rest", dim, op): (calls, API bytes)}}.
     A pipeline's layer split and the micro-batch's sequences scale these."""
+    return _probe(_probe_shape(model), experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses,
+                  checkpointing)
+
+
+def _probe_shape(model):
+    """The shape a probe runs: the model's config, one layer (the probe cuts it to one and two), its name gone —
+    so --model, a directory's config.json and any depth of the same widths share one probe."""
+    from lab.model import get_config
+    cfg = get_config(model) if isinstance(model, str) else model
+    return replace(cfg, n_layers=1)
+
+
+@lru_cache(maxsize=None)
+def _probe(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses, checkpointing) -> dict:
     key = (model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses)
     rest = _rest(*key)
     one = _run_probe(*key, checkpointing, 1)
@@ -332,12 +346,25 @@ def _counting_batches():
         dist.batch_isend_irecv = real
 
 
+@contextlib.contextmanager
+def _shaped(cfg):
+    """train.py builds the model of config_of(args): while inside, that is `cfg` (a probe's shape, cut to its
+    layers, whatever --model or --init-from named)."""
+    real = train.config_of
+    train.config_of = lambda args: cfg
+    try:
+        yield
+    finally:
+        train.config_of = real
+
+
 def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses, checkpointing,
                layers) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from lab.plan import _fused_attention_on_meta
     from mesh import Mesh
-    args = train.parse_args(["--model", model, "--layers", str(layers), "--tp", str(tp), "--cp", str(cp),
+    model = _probe_shape(model)
+    args = train.parse_args(["--layers", str(layers), "--tp", str(tp), "--cp", str(cp),
                              "--seq-len", str(seq_len), "--global-batch-size", "1", "--dtype", dtype,
                              "--activation-checkpointing", checkpointing, "--cp-method", cp_method, "--cp-ulysses",
                              str(cp_ulysses), "--experts", str(experts), "--top-k", str(top_k)]
@@ -347,7 +374,8 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
     try:
         mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=1)
-        trainer = train.Trainer(args, mesh, None, shapes_only=True)
+        with _shaped(replace(model, n_layers=layers, n_experts=experts, top_k=top_k)):
+            trainer = train.Trainer(args, mesh, None, shapes_only=True)
         x = torch.zeros(1, seq_len // cp, dtype=torch.long, device="meta")
         flops, comm = {}, {}
         with trainer.opt.accumulating(), _fused_attention_on_meta(), _counting_batches() as batches:
@@ -512,7 +540,7 @@ def _unit_tensors(args, stage: int) -> list[int]:
 
 
 @lru_cache(maxsize=None)
-def _moe_ops(model: str, experts: int, top_k: int) -> tuple:
+def _moe_ops(model, experts: int, top_k: int) -> tuple:
     """(routing's operations, one expert's) beyond a dense block's, forward and backward: expert_parallel.py's
     layer run for real (routing by value needs real tensors) on a narrow copy of the model (its counts do not
     depend on the widths), on a group of one gloo rank (its all-to-alls copy), at E and 2E experts — so
@@ -520,7 +548,7 @@ def _moe_ops(model: str, experts: int, top_k: int) -> tuple:
     import dataclasses
     from expert_parallel import ExpertParallelMoE
     from lab.model import build_model
-    cfg = _config_of(model, 1, experts, top_k, None)
+    cfg = replace(_probe_shape(model), n_experts=experts, top_k=top_k)
     x = torch.zeros(1, 32, dtype=torch.long)
 
     def count(e):
@@ -566,7 +594,7 @@ def _moe(args, b: int, dev: Device, link: bool, aux_link: bool) -> dict | None:
     n = rows * H * _elem(args)                             # one all-to-all's API bytes (dispatch or combine)
     a2a = lambda calls, nb: collective_time("all_to_all", nb, calls, args.ep, dev, link)
     counts = args.ep * (E // args.ep + 1) * 8
-    routing, expert = _moe_ops(args.model, E, k)    # operations: the routing's, and my E/ep experts'
+    routing, expert = _moe_ops(replace(cfg, n_experts=0), E, k)   # operations: the routing's, my E/ep experts'
     ops = {p: routing[i] + E // args.ep * expert[i] for i, p in enumerate("fb")}
     aux_ranks = args.dp_replicate * args.dp_shard * args.cp * tp
     aux = collective_time("all_reduce", (2 * E + 1) * 8, 1, aux_ranks, dev, aux_link)
@@ -593,7 +621,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
     dp, tp, cp, pp, m, z = args.dp_replicate * args.dp_shard, args.tp, args.cp, args.pp, args.microbatches, args.zero_stage
     sp = args.sequence_parallel and tp > 1
     # an MoE model: the dense model probed (experts 0), the experts added by _moe (routing needs values)
-    pr = probe(args.model, 0, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
+    pr = probe(_config(args), 0, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
                args.cp_ulysses, args.activation_checkpointing)
     rate = dev.flops[args.dtype] * assume.efficiency
     if args.global_batch_size % (dp * m):                      # (train.check_args says so before a run)

@@ -254,3 +254,39 @@ EXERCISES = [
     Exercise(SEARCH64, _check_default, timeout=600),
     Exercise(SEARCH64 + " --assume inter_beta=5e9", _check_slow_network, timeout=600),
 ]
+
+
+# ---- issue 40: bugs found by planning published runs ----------------------------------------------------------
+
+def _config_dir(path, model="small", **overrides):
+    """A Hugging Face directory holding config.json alone (the model's shape, no weights), as a user writes or
+    downloads before the weights: lab.hf.hf_config of a named model's shape."""
+    from lab.hf import hf_config
+    from lab.model import get_config
+    hf_config(get_config(model, **overrides)).save_pretrained(str(path))
+    return str(path)
+
+
+def test_a_directory_is_timed_as_its_own_shape(tmp_path):
+    # --init-from DIR gives the shape (config.json): the time probe must run that shape, not --model's (default
+    # tiny). Before: a 2-layer small model through a directory was timed as tiny (its FLOPs, its MFU)
+    d = _config_dir(tmp_path / "small2", n_layers=2)
+    common = ["--seq-len", "64", "--global-batch-size", "4", "--dtype", "bfloat16"]
+    dev = T.device_named("h100")
+    by_dir = T.step_time(train.parse_args(["--init-from", d] + common), dev)
+    by_name = T.step_time(train.parse_args(["--model", "small", "--layers", "2"] + common), dev)
+    by_dir_medium = T.step_time(train.parse_args(["--init-from", d, "--model", "medium"] + common), dev)
+    assert by_dir["flops"] == by_name["flops"] == by_dir_medium["flops"]
+    assert by_dir["seconds"] == pytest.approx(by_name["seconds"]) and by_dir["mfu"] == pytest.approx(by_name["mfu"])
+
+
+def test_a_directory_of_config_json_alone_plans_but_does_not_train(tmp_path):
+    # planning before downloading the weights: --plan reads config.json alone; a run still needs the weights
+    d = _config_dir(tmp_path / "cfg", n_layers=2)
+    flags = ["--init-from", d, "--seq-len", "64", "--global-batch-size", "4", "--dp-shard", "2"]
+    train.check_args(train.parse_args(flags + ["--plan", "--device", "h100"]), 2)
+    with pytest.raises(ValueError, match="holds neither"):
+        train.check_args(train.parse_args(flags), 2)
+    from lab import plan
+    planned = plan.plan(train.parse_args(flags + ["--plan"]))
+    assert planned[0]["state"]["parameters"] > 0
