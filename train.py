@@ -615,7 +615,7 @@ def check_args(args, world_size: int) -> None:
         if given:
             problems.append(f"{' and '.join(given)}: --init-from {args.init_from!r} is a Hugging Face directory, "
                             f"whose config.json gives the model's shape: leave them out")
-        hf_problems = checkpoint.hf_problems(args.init_from)
+        hf_problems = checkpoint.hf_problems(args.init_from, weights=not args.plan)  # a plan: config.json alone
         problems += hf_problems
         tokenizer = None if hf_problems else checkpoint.tokenizer_of(args.init_from)
     if args.data is not None and not os.path.isfile(args.data):

@@ -368,17 +368,22 @@ def _tensor_files(path: str) -> dict:
     return files
 
 
-def hf_problems(path: str) -> list[str]:
+def hf_problems(path: str, weights: bool = True) -> list[str]:
     """Everything that forbids starting from the Hugging Face directory at `path`, found by reading its
     config.json and the safetensors headers alone (no weights) — so every rank finds the same, before any
     collective: no config.json, or a model the course cannot express (lab/hf.py says which setting); no
-    weights; a tensor missing, unexpected or of another shape; a tokenizer whose ids do not fit the vocabulary."""
+    weights; a tensor missing, unexpected or of another shape; a tokenizer whose ids do not fit the vocabulary.
+    weights=False (train.py --plan: a plan needs the shape, not the values): config.json alone, so a run is
+    planned before its weights are downloaded."""
     from safetensors import safe_open
 
     try:
-        cfg, files = hf.read_config(path), _tensor_files(path)
+        cfg = hf.read_config(path)
+        files = _tensor_files(path) if weights else {}
     except ValueError as e:
         return [str(e)]
+    if not weights:
+        return []
     _, shapes = hf.disk_map(cfg, set(files))
     problems = []
     missing = [n for n in shapes if n not in files]
