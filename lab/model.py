@@ -359,14 +359,16 @@ def num_params(cfg: ModelConfig, active: bool = False) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B).
+    """Training FLOPs per token, 6N + 6·L·H·Q·T (PaLM, appendix B, causal).
 
     N: parameters a token touches in matrix multiplies — all but the embedding table
     (a lookup), counting only top_k experts. The second term is attention's
-    score and value products (L layers, H heads, Q head dim, T sequence length).
+    score and value products (L layers, H heads, Q head dim, T sequence length):
+    PaLM's 12·L·H·Q·T counts every query against every key; the model's attention is
+    causal, and its fused kernels compute only the half on and below the diagonal.
     """
     n = num_params(cfg, active=True) - cfg.vocab_size * cfg.dim
-    return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    return 6 * n + 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
 # ---- float8 matmuls, by hand (train.py --float8) ---------------------------------------------------

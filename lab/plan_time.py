@@ -192,10 +192,27 @@ def _sdpa_cpu_backward_flops(g, q, k, v, *a, out_shape=None, **kw):
 @lru_cache(maxsize=None)
 def _flop_formulas() -> dict:
     """{op: its FLOPs(*args, out_val=out)}: PyTorch's formulas (torch.utils.flop_counter's registry, those
-    FlopCounterMode applies) and the CPU attention kernel's, which it lacks."""
+    FlopCounterMode applies) and the CPU attention kernel's, which it lacks. Attention's are halved where the
+    call is causal (_causal_half)."""
     aten = torch.ops.aten
-    return {**flop_registry, aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_sdpa_cpu_flops),
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_sdpa_cpu_backward_flops)}
+    formulas = {**flop_registry, aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_sdpa_cpu_flops),
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_sdpa_cpu_backward_flops)}
+    return {op: _causal_half(op, f) if "scaled_dot_product" in op.__name__ else f for op, f in formulas.items()}
+
+
+def _causal_half(op, formula):
+    """A fused attention kernel called with is_causal=True computes the blocks on and below the diagonal only:
+    half of the S×S products PyTorch's formula counts (it ignores is_causal: 'we aren't accounting for causal
+    attention'), forward and backward. The flag is read from the op's schema (each kernel has it elsewhere)."""
+    names = [a.name for a in op.default._schema.arguments] if hasattr(op, "default") else []
+    where = names.index("is_causal") if "is_causal" in names else None
+    if where is None:
+        return formula
+
+    def counted(*args, **kwargs):
+        causal = kwargs.get("is_causal", args[where] if len(args) > where else False)
+        return formula(*args, **kwargs) // (2 if causal else 1)
+    return counted
 
 
 PHASES = ("f", "b", "ops_f", "ops_b", "mem_f", "mem_b")

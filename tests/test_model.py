@@ -21,7 +21,7 @@ def test_small_is_about_10M_and_flops_formula():
     cfg = get_config("small")
     assert 8e6 < num_params(cfg) < 12e6
     n = num_params(cfg) - cfg.vocab_size * cfg.dim
-    assert flops_per_token(cfg, 256) == 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 256
+    assert flops_per_token(cfg, 256) == 6 * n + 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 256  # causal
     moe = get_config("tiny", n_experts=8, top_k=2)
     dense_like = num_params(moe, active=True)
     assert dense_like == num_params(moe) - 6 * 3 * moe.dim * moe.ffn_dim * moe.n_layers

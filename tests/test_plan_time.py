@@ -290,3 +290,18 @@ def test_a_directory_of_config_json_alone_plans_but_does_not_train(tmp_path):
     from lab import plan
     planned = plan.plan(train.parse_args(flags + ["--plan"]))
     assert planned[0]["state"]["parameters"] > 0
+
+
+def test_causal_attention_counts_half_the_flops():
+    # the model's attention is causal: the fused kernels skip the blocks above the diagonal, so half of
+    # 4·S²·H forward (and of the backward's 5 products, 10·S²·H); PyTorch's formula ignores is_causal
+    # (before: the full count, 4·S²·H). The MFU's model FLOPs (lab.model.flops_per_token) by the same rule.
+    from lab.model import flops_per_token
+    S, cfg = 32, train.config_of(args_of())
+    pr = T.probe("tiny", 0, 2, "float32", S, 1, 1, False, "ring", 1, "none")
+    weights = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.n_kv_heads * cfg.head_dim + 3 * cfg.dim * cfg.ffn_dim
+    attention = pr["block"]["f"] - 2 * weights * S
+    assert attention == 4 * S * S * cfg.dim // 2, attention
+    n = sum(p.numel() for p in __import__("lab.model", fromlist=["x"]).build_model(cfg).parameters())
+    n -= cfg.vocab_size * cfg.dim
+    assert flops_per_token(cfg, S) == 6 * n + 6 * cfg.n_layers * cfg.dim * S   # 12·L·H·S, halved
