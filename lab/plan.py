@@ -271,11 +271,40 @@ def _per_step(args, trainer, mesh) -> dict:
 
 
 def plan(args, ranks=None) -> list[dict]:
-    """plan_rank for rank 0 and the first rank of every other pipeline stage (they hold different layers)."""
-    if ranks is None:
-        per_stage = math.prod(getattr(args, d) for d in DIMS[1:])
-        ranks = [s * per_stage for s in range(args.pp)]
-    return [plan_rank(args, r) for r in ranks]
+    """plan_rank for rank 0 and the first rank of every other pipeline stage (they hold different layers). Stages
+    of one kind (_stage_kind: the same layers' shapes, neither first nor last) are built on meta once: the others
+    take its numbers at their own schedule's held micro-batches (_restaged) — a 64-stage pipeline plans three."""
+    if ranks is not None:
+        return [plan_rank(args, r) for r in ranks]
+    per_stage = math.prod(getattr(args, d) for d in DIMS[1:])
+    planned, out = {}, []
+    for s in range(args.pp):
+        kind = _stage_kind(args, s)
+        if kind not in planned:
+            planned[kind] = plan_rank(args, s * per_stage)
+            out.append(planned[kind])
+        else:
+            out.append(_restaged(args, planned[kind], s, s * per_stage))
+    return out
+
+
+def _stage_kind(args, s: int) -> tuple:
+    """What a pipeline stage's plan depends on beyond its held micro-batches: the layers of each of its chunks
+    (pipeline.Stage's split), and whether it holds the embedding (the first) or the head and loss (the last)."""
+    from pipeline import split_layers
+    chunks = split_layers(train.config_of(args).n_layers, args.pp * args.virtual_stages)
+    return tuple(len(chunks[c * args.pp + s]) for c in range(args.virtual_stages)), s == 0, s == args.pp - 1
+
+
+def _restaged(args, p: dict, s: int, rank: int) -> dict:
+    """Stage s's plan from the plan `p` of a stage of its kind: the same model state, buffers, per-micro-batch
+    activations and bytes per step; its own rank, place on the mesh, and micro-batches held at once."""
+    held = held_formula(args.schedule, args.pp, args.microbatches, s, args.virtual_stages) / args.virtual_stages
+    scale = lambda x: None if x is None else x * held / p["held"]   # noqa: E731 (activations: x held)
+    activations = scale(p["activations"])
+    total = p["total"] - (p["activations"] or 0) + (activations or 0)
+    return dict(p, rank=rank, coords=dict(p["coords"], pp=s), held=held, activations=activations,
+                activations_formula=scale(p["activations_formula"]), total=total)
 
 
 def parse_memory(text: str) -> float:
