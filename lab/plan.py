@@ -75,6 +75,30 @@ def activation_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False) -> 
     return norms + b * (2 * H / tp + 2 * K) + w * a / tp + 4 * b * F / tp
 
 
+def layer_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False, cp: str | None = None) -> float:
+    """Bytes per token (of the B·S a rank sees) one block keeps while its backward waits, its input included where
+    it is kept: activation_formula, plus the block's input b·H/t' (t' = tp under sequence parallel, else 1) —
+    checkpointing (selective, full) keeps it to run the block again from it; without, a block in fp32 (b = w)
+    keeps it as its first norm's input, where 16-bit keeps that norm's fp32 copy instead. Context parallel
+    (cp: "ring" or "ulysses"): without checkpointing the ring's autograd function also saves its fp32 output,
+    w·H/tp, and Ulysses its output before the all-to-all, b·H/tp; under selective the ring's function saves
+    nothing (its output and log-sum-exp are recomputed: less b·H/tp + w·a/tp). (Measured on meta for medium,
+    fp32 and bf16, with tp, sp, ring, Ulysses and each checkpointing: equal.)"""
+    w, t_norm, H, a = max(b, 4), tp if sp else 1, cfg.dim, cfg.n_heads
+    kept_input = b * H / t_norm if how != "none" or b == w else 0
+    extra = {("ring", "none"): w * H / tp, ("ulysses", "none"): b * H / tp,
+             ("ring", "selective"): -(b * H + w * a) / tp}.get((cp, how), 0)
+    return activation_formula(cfg, how, b, tp, sp) + kept_input + extra
+
+
+def rest_formula(cfg, b: int, tp: int = 1, sp: bool = False) -> float:
+    """Bytes per token the last stage keeps beyond its blocks: the final norm's input in fp32 (w·H), 1/rms (w)
+    and x/rms (b·H), /tp under sequence parallel; the head's input b·H (whole: all-gathered); the loss's fp32
+    log-probabilities 4·V/tp (vocabulary parallel). (Measured on meta: within 40 bytes of it.)"""
+    w, t_norm = max(b, 4), tp if sp else 1
+    return (w * cfg.dim + w + b * cfg.dim) / t_norm + b * cfg.dim + 4 * cfg.vocab_size / tp
+
+
 @contextmanager
 def _fused_attention_on_meta():
     """On the meta device SDPA would take its math fallback, which keeps the S×S scores; a real run takes a
@@ -170,9 +194,10 @@ def _read(args, trainer, mesh, measured=None) -> dict:
     t, sp, b_c = mesh.size("tp"), args.sequence_parallel and mesh.size("tp") > 1, b_p
     held = 1 if trainer.pipe is None else held_formula(args.schedule, args.pp, args.microbatches, trainer.pipe.r,
                                                        args.virtual_stages) / args.virtual_stages
-    per_token = layers * (activation_formula(cfg, args.activation_checkpointing, b_c, t, sp) + b_c * cfg.dim)
+    cp = None if mesh.size("cp") == 1 else "ring" if args.cp_ulysses < mesh.size("cp") else "ulysses"
+    per_token = layers * layer_formula(cfg, args.activation_checkpointing, b_c, t, sp, cp)
     if trainer.pipe is None or trainer.pipe.r == args.pp - 1:
-        per_token += 2 * 4 * cfg.vocab_size / t  # the head's logits and log-softmax, in fp32
+        per_token += rest_formula(cfg, b_c, t, sp)   # the final norm, the head's input, the loss
     formula_activations = None if cfg.n_experts else per_token * tokens * held
     activations = formula_activations if measured is None else measured * held
     buffers = _buffers(opt.units, z, b_p, keep_gathered=trainer.pipe is not None)

@@ -535,16 +535,29 @@ def _schedule(schedule: str, p: int, m: int, v: int):
 
 
 def _local_psi(args, stage: int) -> tuple[float, float]:
-    """(this stage's parameters on one tp rank, its largest unit) from the model's shapes: a block's
-    parameters /tp; the embedding on the first stage, the norm and head on the last, /tp (vocab parallel)."""
+    """(this stage's dense parameters on one tp rank, its largest unit) from the model's shapes: a block's
+    parameters /tp (an MoE block: its attention /tp, its router whole); the embedding on the first stage, the
+    norm and head on the last, /tp (vocab parallel). The experts: _expert_psi."""
     cfg = _config(args)
     H, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
-    mlp = 3 * H * F * max(cfg.n_experts, 1) // (args.ep if cfg.n_experts else 1)
+    mlp = H * cfg.n_experts * args.tp if cfg.n_experts else 3 * H * F   # (the router: whole on every tp rank)
     block = (2 * H * H + 2 * H * cfg.n_kv_heads * hd + mlp) / args.tp + 2 * H
     emb = cfg.vocab_size * H / args.tp
     layers = _stage_layers(args)[stage]
     psi = layers * block + (emb if stage == 0 else 0) + (emb + H if stage == args.pp - 1 else 0)
-    return psi, max(block, emb)
+    unit = max(block, emb, _expert_psi(args, stage)[1])
+    return psi, unit
+
+
+def _expert_psi(args, stage: int) -> tuple[float, int]:
+    """(this stage's expert parameters on one rank, one layer's): E/ep experts of 3·H·F each, whole on every tp
+    rank (tensor parallel leaves them to expert parallel), sharded by ZeRO over the dp·cp/ep ranks holding a copy
+    (train.py's edp_cp group)."""
+    cfg = _config(args)
+    if not cfg.n_experts:
+        return 0.0, 0
+    per_layer = 3 * cfg.dim * cfg.ffn_dim * cfg.n_experts // args.ep
+    return _stage_layers(args)[stage] * per_layer, per_layer
 
 
 def _unit_tensors(args, stage: int) -> list[int]:
@@ -688,14 +701,15 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         # data parallel: the step's reductions (and ZeRO's gathers), from the lessons' formula; one collective
         # per ZeRO unit (and per DDP bucket), each paying its α and its wait — not one per step
         psi, unit = _local_psi(args, s)
+        psi_e = _expert_psi(args, s)[0]
         units = _unit_tensors(args, s)
         shard = args.dp_shard * cp if z else 1
         several = pp > 1 or m > 1
         cfg = _config(args)
-        psi_e = layers * 3 * cfg.dim * cfg.ffn_dim * cfg.n_experts // args.ep if cfg.n_experts else 0
         n_e = dp * cp // args.ep if cfg.n_experts else 1   # ranks holding a copy of my experts
         ops = dp_bytes if dp_bytes is not None else \
-            _dp_formula(args, psi - (psi_e if n_e == 1 else 0), shard)   # experts alone on their ranks: no reduction
+            _dp_formula(args, psi + (psi_e if n_e > 1 else 0), shard)   # experts alone on their ranks: no reduction
+        psi += psi_e
         group = dict(reduce_scatter=shard, all_gather=shard, all_reduce=shard if z else dp * cp)
         grad_bytes = psi * train.store_dtype(args).itemsize
         buckets = 1 + math.ceil(max(grad_bytes - 2**20, 0) / (args.bucket_mb * 2**20))
@@ -745,7 +759,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         # over (ZeRO: a unit's flat shard cuts its tensors; the most a rank holds: about half of them plus one)
         pieces = sum(min(t, math.ceil(t / shard) + 1) if shard > 1 else t for t in units)
         per_elem = dev.optimizer_elem if dev.optimizer_elem is not None else assume.optimizer_bytes / dev.hbm
-        optimizer = (psi / shard) * per_elem + pieces * dev.optimizer_tensor
+        optimizer = ((psi - psi_e) / shard + psi_e / (n_e if z else 1)) * per_elem + pieces * dev.optimizer_tensor
         out = dict(compute=compute, exposed=exposed, optimizer=optimizer, stage=s, flops=m * (flops["f"] + flops["b"]),
                    unit=t_f + t_b, total=total, rest=dp_exposed + finish + clip + optimizer, forward=t_f, backward=t_b)
         timed[(layers, s == 0, last)] = out
@@ -797,32 +811,49 @@ def model_flops(args) -> float:
 
 # ---- memory from the formulas (to prune before any meta step) ---------------------------------------------
 
+MEMORY_MARGIN = 0.05   # memory_formula is at most this much above the meta plan (tests/test_plan_time.py checks
+                       # layouts with sp, cp, pp and ep); the search drops a layout above memory x (1 + it)
+
+
 def memory_formula(args) -> float:
-    """The most bytes a stage's rank holds, from the lessons' formulas (lab/plan.py measures them on meta): model
-    state (zero_state_formula), activations (plan.activation_formula per layer and token, the layer inputs, the
-    head's fp32 logits, × the micro-batches a pipeline rank holds), the step's transient buffers (one unit's
-    packed gradient; ZeRO-3 a unit gathered twice, the next prefetched; a pipeline keeps its units gathered)."""
-    from lab.plan import activation_formula
+    """The most bytes a stage's rank holds, from the lessons' formulas: memory_parts' total."""
+    return memory_parts(args)["total"]
+
+
+def memory_parts(args) -> dict:
+    """The stage whose rank holds the most, from the lessons' formulas (lab/plan.py measures them on meta): model
+    state (zero_state_formula), activations (plan.layer_formula per layer and token, plan.rest_formula for the
+    last stage's norm, head and loss, × the micro-batches a pipeline rank holds), the step's transient buffers
+    (one unit's packed gradient; ZeRO-3 a unit gathered twice, the next prefetched; a pipeline keeps its units
+    gathered): {state, activations, buffers, total}."""
+    from lab.plan import layer_formula, rest_formula
     cfg, z = _config(args), args.zero_stage
     b_p, bf16 = _elem(args), args.dtype == "bfloat16"
     b_m = 4 if bf16 else b_p
     shard = args.dp_shard * args.cp if z else 1
     tokens = args.global_batch_size // (args.dp_replicate * args.dp_shard * args.microbatches) * args.seq_len // args.cp
     sp = args.sequence_parallel and args.tp > 1
-    worst = 0.0
+    cp = None if args.cp == 1 else "ring" if args.cp_ulysses < args.cp else "ulysses"
+    worst = dict(total=-1.0)
     for s, layers in enumerate(_stage_layers(args)):
         psi, unit = _local_psi(args, s)
-        state = zero_state_formula(z, psi, shard, b_p, 4 if bf16 else 0, b_p if z <= 1 else b_m, 2 * b_m)["total"]
+        psi_e = _expert_psi(args, s)[0]
+        n_e = args.dp_replicate * args.dp_shard * args.cp // args.ep if z else 1   # experts: sharded over edp_cp
+        state = sum(zero_state_formula(z, n, p, b_p, 4 if bf16 else 0, b_p if z <= 1 else b_m, 2 * b_m)["total"]
+                    for n, p in ((psi, shard), (psi_e, n_e)) if n)
+        psi += psi_e
         held = 1 if args.pp == 1 else held_formula(args.schedule, args.pp, args.microbatches, s,
                                                   args.virtual_stages) / args.virtual_stages
-        per_token = layers * (activation_formula(cfg, args.activation_checkpointing, b_p, args.tp, sp) + b_p * cfg.dim)
+        per_token = layers * layer_formula(cfg, args.activation_checkpointing, b_p, args.tp, sp, cp)
         if s == args.pp - 1:
-            per_token += 2 * 4 * cfg.vocab_size / args.tp
+            per_token += rest_formula(cfg, b_p, args.tp, sp)
         buffers = b_m * unit if z < 2 else (b_p + b_m) * unit if z == 2 else \
             (b_p * psi + b_m * unit if args.pp > 1 else 3 * b_p * unit + b_m * unit)
         if z == 0 and bf16 and args.dp_replicate * args.dp_shard * args.cp > 1:
             buffers += 4 * psi
-        worst = max(worst, state + per_token * tokens * held + buffers)
+        act = per_token * tokens * held
+        if state + act + buffers > worst["total"]:
+            worst = dict(state=state, activations=act, buffers=buffers, total=state + act + buffers)
     return worst
 
 
@@ -916,7 +947,7 @@ def search(base, N: int, dev: Device, gpus_per_node: int, memory: float, assume:
             drop("train.py refuses it: " + str(e).split("\n  - ")[1].split(":")[0][:70], a)
             continue
         mem = memory_formula(a)
-        if mem > memory:
+        if mem > memory * (1 + MEMORY_MARGIN):   # (the formula: at most MEMORY_MARGIN above the meta plan)
             drop(f"does not fit {memory / 1e9:.0f} GB (formulas)", a)
             continue
         ranked.append((step_time(a, dev, assume, gpus_per_node), a, mem))

@@ -67,9 +67,10 @@ def test_search_ranks_only_accepted_layouts_that_fit():
     secs = [r["seconds"] for r in ranked[found["verified"]:]]
     assert secs == sorted(secs)
     assert any("does not fit" in k for k in found["dropped"])
-    for r, a, mem in found["ranked"]:
-        train.check_args(a, 4)
-        assert mem <= 5e5 and math.prod(getattr(a, d) for d in train.DIMS) == 4
+    for i, (r, a, mem) in enumerate(found["ranked"]):
+        train.check_args(a, 4)   # the meta plan's bytes on the verified ones, else the formula's (MEMORY_MARGIN)
+        assert mem <= 5e5 * (1 if i < found["verified"] else 1 + T.MEMORY_MARGIN)
+        assert math.prod(getattr(a, d) for d in train.DIMS) == 4
         assert r["tokens_per_s"] == pytest.approx(8 * 32 / r["seconds"])
     assert found["verified"] == min(T.Assumptions().verify_top, len(found["ranked"]))
     # every layout is ranked or dropped with why; ZeRO-0 over dp-replicate x dp-shard is ranked once, as dp-shard
@@ -305,3 +306,45 @@ def test_causal_attention_counts_half_the_flops():
     n = sum(p.numel() for p in __import__("lab.model", fromlist=["x"]).build_model(cfg).parameters())
     n -= cfg.vocab_size * cfg.dim
     assert flops_per_token(cfg, S) == 6 * n + 6 * cfg.n_layers * cfg.dim * S   # 12·L·H·S, halved
+
+
+MEMORY_LAYOUTS = [   # medium (4 layers), bf16: sequence parallel, cp, pp, ep, each ZeRO stage
+    ["--dp-shard", "4", "--tp", "4", "--sequence-parallel", "--activation-checkpointing", "full"],
+    ["--dp-shard", "4", "--tp", "4", "--sequence-parallel", "--activation-checkpointing", "selective"],
+    ["--dp-shard", "4", "--tp", "4", "--sequence-parallel"],
+    ["--dp-shard", "4", "--tp", "4", "--activation-checkpointing", "full"],
+    ["--dp-shard", "4", "--cp", "4"],
+    ["--dp-shard", "4", "--cp", "4", "--activation-checkpointing", "selective"],
+    ["--dp-shard", "4", "--cp", "4", "--cp-method", "ulysses", "--activation-checkpointing", "full"],
+    ["--pp", "4", "--dp-shard", "4", "--microbatches", "8"],
+    ["--pp", "2", "--dp-shard", "2", "--tp", "4", "--sequence-parallel", "--microbatches", "4",
+     "--activation-checkpointing", "full"],
+    ["--pp", "2", "--dp-shard", "8", "--microbatches", "4", "--schedule", "interleaved", "--virtual-stages", "2"],
+    ["--pp", "2", "--dp-shard", "8", "--microbatches", "4", "--schedule", "zb", "--activation-checkpointing",
+     "selective"],
+    ["--dp-shard", "8", "--zero-stage", "2", "--microbatches", "2"],
+    ["--dp-shard", "8", "--zero-stage", "1"],
+    ["--dp-shard", "8", "--zero-stage", "0"],
+    ["--dp-replicate", "2", "--dp-shard", "4", "--tp", "2", "--sequence-parallel"],
+    ["--dp-shard", "8", "--experts", "8", "--ep", "4"],
+    ["--dp-shard", "4", "--tp", "2", "--sequence-parallel", "--experts", "4", "--ep", "2",
+     "--activation-checkpointing", "full"],
+]
+
+
+@pytest.mark.parametrize("flags", MEMORY_LAYOUTS, ids=[" ".join(f) for f in MEMORY_LAYOUTS])
+def test_the_search_formula_keeps_what_the_meta_plan_fits(flags):
+    # the search drops a layout when memory_formula says it does not fit: the formula must not say more than
+    # the meta plan (lab/plan.py, the real model on meta) by more than MEMORY_MARGIN, or the search drops layouts
+    # that fit (torchtitan's 70B layout, dp-shard 32 x tp 8 with sequence parallel and full checkpointing: 194.9 GB
+    # by the formula, 39.1 GB planned: each layer's kept input was not divided by tp). Nor far below it.
+    # (experts: the meta plan does not run routed activations, so the model state and buffers are compared)
+    from lab import plan
+    args = train.parse_args(["--model", "medium", "--layers", "4", "--seq-len", "1024", "--global-batch-size", "32",
+                             "--dtype", "bfloat16"] + flags)
+    train.check_args(args, math.prod(getattr(args, d) for d in train.DIMS))
+    planned = max(plan.plan(args), key=lambda p: p["total"])
+    formula = T.memory_parts(args)
+    got, want = (formula["total"], planned["total"]) if not args.experts else \
+        (formula["state"] + formula["buffers"], sum(planned["state"].values()) + planned["buffers"])
+    assert want * (1 - 2 * T.MEMORY_MARGIN) <= got <= want * (1 + T.MEMORY_MARGIN), (got / want, got, want)
