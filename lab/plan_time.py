@@ -43,6 +43,7 @@ import math
 import os
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -70,7 +71,13 @@ class Device:
     collective_factor  per op, a collective's wire time over the ring formula's (gloo's reduce-scatter and
                  all-gather on loopback are not ring-optimal: measured 1.5-3x; NCCL's are: 1)
     optimizer_elem, optimizer_tensor  the optimizer step (AdamW) and the clip's norm, per element of the local
-                 shard and per parameter tensor (piece) it loops over; None: Assumptions.optimizer_bytes at hbm"""
+                 shard and per parameter tensor (piece) it loops over; None: Assumptions.optimizer_bytes at hbm
+    matmul_efficiency  by dtype, the share of `flops` a large matmul reaches (measured: the maximum achievable
+                 matmul FLOP/s over the peak); a dtype left out: 1
+    attention_efficiency  the share of the compute dtype's peak a fused attention kernel reaches (forward and
+                 backward)
+    async_launch  the host launches kernels ahead of the device (a GPU): a phase takes the longer of the device's
+                 work and the host's launches; else (a CPU) their sum"""
     name: str
     flops: dict
     hbm: float
@@ -85,20 +92,46 @@ class Device:
     collective_factor: dict = field(default_factory=dict)
     optimizer_elem: float | None = None
     optimizer_tensor: float = 0.0
+    matmul_efficiency: dict = field(default_factory=dict)
+    attention_efficiency: float = 1.0
+    async_launch: bool = False
 
 
+# Measured matmul efficiency: the maximum achievable matmul FLOP/s (MAMF) over the datasheet peak, bf16 and fp8
+# inputs, from S. Bekman, Machine Learning Engineering (github.com/stas00/ml-engineering), compute/accelerator,
+# "Maximum Achievable Matmul FLOPS comparison table" (mamf-finder.py, mean of 100 iterations at the best shape):
+# A100 SXM 271.2 of 312 (86.9%), H100 SXM 794.5 of 989 (80.3%; "H200 is the same"), fp8 H100 SXM 1402.6 of 1979
+# (70.9%), H200 SXM 1453.4 (73.4%). Fused attention: FlashAttention-2 (PyTorch's SDPA flash kernel) at head dim
+# 128 reaches 330-370 TFLOP/s forward on an H100 SXM5 and FlashAttention-3 600-650 (Shah et al. 2024,
+# arXiv:2407.08608, Fig. 5), its backward less: 0.33 of the peak; on an A100, 50-73% of the peak forward and up
+# to 63% backward (Dao 2023, arXiv:2307.08691, section 4.1): 0.55.
+_GPU = dict(async_launch=True, op_overhead=5e-6)
 DEVICES = {
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense bf16 (1,979 with sparsity), 67 TFLOPS fp32, 3.35 TB/s HBM3,
-    # 80 GB; NVLink 4 at 900 GB/s both directions (450 each way); one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s)
-    "h100": Device("h100", {"bfloat16": 989e12, "float32": 67e12, "float64": 34e12}, 3.35e12, 5e-6, 450e9, 10e-6,
-                   50e9, 80e9, 8, "NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (NICs)"),
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense bf16 (1,979 with sparsity), 1,979 dense fp8, 67 TFLOPS fp32,
+    # 3.35 TB/s HBM3, 80 GB; NVLink 4 at 900 GB/s both directions (450 each way); one 400 Gb/s ConnectX-7 NIC per
+    # GPU (50 GB/s)
+    "h100": Device("h100", {"bfloat16": 989e12, "float8": 1979e12, "float32": 67e12, "float64": 34e12}, 3.35e12,
+                   5e-6, 450e9, 10e-6, 50e9, 80e9, 8,
+                   "NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (NICs)",
+                   matmul_efficiency={"bfloat16": 0.803, "float8": 0.709}, attention_efficiency=0.30, **_GPU),
+    # The H100 of Meta's Grand Teton servers, on which torchtitan's benchmarks ran: 96 GB HBM2e at 2.4 TB/s, the
+    # default 500 W power limit, 400 Gb/s RDMA per GPU between hosts (torchtitan benchmarks/
+    # llama3_h100_202412_torchtitan.md, "Hardware"); "the actual peak TFLOPs number is between SXM and NVL" (its
+    # footnote 2): the H100 NVL's datasheet peaks, 835 TFLOPS dense bf16 and 1,671 fp8 (NVIDIA H100 NVL datasheet)
+    "h100-gt": Device("h100-gt", {"bfloat16": 835e12, "float8": 1671e12, "float32": 60e12, "float64": 30e12},
+                      2.4e12, 5e-6, 450e9, 10e-6, 50e9, 96e9, 8,
+                      "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100); H100 NVL datasheet",
+                      matmul_efficiency={"bfloat16": 0.803, "float8": 0.709}, attention_efficiency=0.30, **_GPU),
     # NVIDIA H200 SXM: the H100's compute with 4.8 TB/s HBM3e and 141 GB
-    "h200": Device("h200", {"bfloat16": 989e12, "float32": 67e12, "float64": 34e12}, 4.8e12, 5e-6, 450e9, 10e-6,
-                   50e9, 141e9, 8, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
-    # NVIDIA A100 SXM4 80GB: 312 TFLOPS dense bf16, 19.5 fp32, 2.04 TB/s; NVLink 3 at 600 GB/s both directions;
-    # one 200 Gb/s HDR NIC per GPU in a DGX A100 (25 GB/s)
-    "a100": Device("a100", {"bfloat16": 312e12, "float32": 19.5e12, "float64": 9.7e12}, 2.04e12, 5e-6, 300e9, 10e-6,
-                   25e9, 80e9, 8, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide"),
+    "h200": Device("h200", {"bfloat16": 989e12, "float8": 1979e12, "float32": 67e12, "float64": 34e12}, 4.8e12,
+                   5e-6, 450e9, 10e-6, 50e9, 141e9, 8, "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
+                   matmul_efficiency={"bfloat16": 0.803, "float8": 0.734}, attention_efficiency=0.30, **_GPU),
+    # NVIDIA A100 SXM4 80GB: 312 TFLOPS dense bf16, 19.5 fp32, 2.04 TB/s; NVLink 3 at 600 GB/s both directions, of
+    # which NCCL's all-reduce reaches 230-250 GB/s bus bandwidth on 8 GPUs (nccl-tests reference numbers, e.g.
+    # docs.alayanew.com "NCCL-tests in practice": 240); one 200 Gb/s HDR NIC per GPU in a DGX A100 (25 GB/s)
+    "a100": Device("a100", {"bfloat16": 312e12, "float32": 19.5e12, "float64": 9.7e12}, 2.04e12, 5e-6, 240e9, 10e-6,
+                   25e9, 80e9, 8, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide",
+                   matmul_efficiency={"bfloat16": 0.869}, attention_efficiency=0.55, **_GPU),
     # this machine: gloo on loopback and one core per rank, measured by calibration_steps (predicted_vs_measured
     # measures it again; these are the numbers of the notebook's run here, 2 cores shared with other jobs)
     "cpu-gloo": Device("cpu-gloo", {"float32": 8.2e10, "float64": 4.1e10, "bfloat16": 8.2e9}, 2.5e10, 7.5e-4, 1.0e9,
@@ -110,57 +143,116 @@ DEVICES = {
 @dataclass(frozen=True)
 class Assumptions:
     """Every assumption of the time model, in one place.
-    efficiency  the share of peak FLOP/s a step's compute reaches (matmuls, attention; elementwise ops ride
-                along). 0.5 is a typical large-model MFU ceiling on H100s with bf16.
+    efficiency  None: matmuls and attention at the device's measured efficiencies (Device.matmul_efficiency,
+                attention_efficiency); a number: that share of the peak for both
     overlap     per strategy, the share of its window of compute that hides the collective: 1 fully behind
                 it (what is longer than the window is exposed), 0 exposed. zero3: gathers prefetched behind
                 the step's compute, its reduce-scatter behind a single backward — both on one group, so
                 their sum behind the step's compute; ddp: buckets behind the last
-                backward; zero2: the reduce-scatter behind a single backward; tp, cp (the ring), pp (the
+                backward; zero2: the reduce-scatter behind a single backward; tp: behind the phase's matmuls
+                (async TP, tp-comm-overlap; the first of its tp pieces cannot hide); cp: the ring's sends behind
+                its attention (ring_attention.RingPass starts the next block's before computing); pp (the
                 sends), replicas (HSDP's all-reduce after the reduce-scatter), step (ZeRO-1/2's gathers and
                 reductions at the step) exposed unless measured otherwise.
     weight_grad_share  zero bubble splits a backward into B (input gradient) and W (weight gradient): W's share
     optimizer_bytes    bytes AdamW moves per element of its shard (read p, g, m, v; write p, m, v in fp32: 28)
-    inter_beta, intra_beta, efficiency_override: None, or a value that replaces the device's
+    inter_beta, intra_beta: None, or a value that replaces the device's
     verify_top  the search runs the full meta plan (lab/plan.py) on its best layouts to confirm they fit
                 (each builds every pipeline stage on meta: seconds apiece, so 1 by default)
     tp_cp_span  the search keeps tp·cp within this many ranks (None: a node's): their collectives run every
-                layer, on the critical path — across nodes they lose to any layout that keeps them inside"""
-    efficiency: float = 0.5
-    overlap: dict = field(default_factory=lambda: dict(zero3=1.0, ddp=1.0, zero2=1.0, tp=0.0, cp=0.0, pp=0.0,
-                                                       replicas=0.0, step=0.0))
+                layer, on the critical path — across nodes they lose to any layout that keeps them inside
+    The mechanisms a GPU run adds to what the course's code does (MECHANISMS says what each changes, its
+    source, its default; FRAMEWORKS sets them as torchtitan and Megatron run):
+    framework   the bundle applied first (FRAMEWORKS): course, torchtitan, megatron2021, megatron
+    attention   code: as the course's code runs (SDPA's fused kernel; ring attention's blocks by hand, fp32
+                score blocks in memory); fused: a fused kernel (flash) per ring step too; unfused: scores in
+                memory for every attention (QKᵀ, softmax, dropout, ·V as separate kernels: Megatron-LM 2021)
+    compile     None: as --compile says; 1: fused elementwise work (each run of memory-bound operations between
+                matmuls one kernel); 0: eager
+    float8      None: as --float8 says; 1: the blocks' linears at the device's float8 rate, plus their casts
+    selective_every  under selective checkpointing, every k-th matmul of a block is recomputed, not kept (0: none,
+                the course's policy; 2: torchtitan's per-op policy)
+    pp_scatter  1: a pipeline boundary crosses nodes as 1/tp of it per tp rank, all-gathered inside the node
+                (Megatron's scatter/gather, Narayanan et al. 2021 §4.1)
+    recompute_whole  1: full checkpointing reruns a block's whole forward, its last linear too (a reentrant
+                checkpoint: Megatron-LM's CheckpointFunction); 0: PyTorch's non-reentrant checkpoint (the course's,
+                torchtitan's) stops once the backward's saved tensors are made, before the last linear"""
+    efficiency: float | None = None
+    overlap: dict = field(default_factory=lambda: dict(zero3=1.0, ddp=1.0, zero2=1.0, tp=0.0, tp_b=0.0, cp=1.0,
+                                                       pp=0.0, replicas=0.0, step=0.0))
     weight_grad_share: float = 0.5
     optimizer_bytes: int = 28
     inter_beta: float | None = None
     intra_beta: float | None = None
     verify_top: int = 1
     tp_cp_span: int | None = None
+    framework: str = "course"
+    attention: str = "code"
+    compile: float | None = None
+    float8: float | None = None
+    selective_every: int = 0
+    pp_scatter: float = 0.0
+    recompute_whole: float = 0.0
+
+
+# What torchtitan and Megatron do beyond the course's code, as --assume framework=NAME sets it (a run's own
+# features — --compile, --float8, async TP as overlap.tp=1, its micro-batches — stay the run's flags)
+FRAMEWORKS = {
+    "course": {},
+    # torchtitan (Liang et al. 2024, arXiv:2410.06511): SDPA's flash kernel, under context parallel per ring step
+    # (torch.distributed.tensor.experimental.context_parallel); FSDP2's prefetched all-gathers (zero3 overlap, the
+    # default); selective checkpointing's per-op policy saves every op of its list "except every second mm"
+    # (torchtitan/parallelisms/parallelize_llama.py, _apply_ac_to_transformer_block)
+    "torchtitan": dict(attention="fused", selective_every=2),
+    # Megatron-LM as Narayanan et al. 2021 ran it: attention as separate kernels (QKᵀ, its fused
+    # scale-mask-softmax, attention dropout 0.1, ·V), its fused elementwise kernels (bias-GeLU, bias-dropout-add,
+    # LayerNorm: compile's fusion), tensor parallel's all-reduces exposed, torch DDP's buckets behind the backward
+    # (--DDP-impl torch; a row with its local DDP, pp > 1, gives overlap.ddp=0), the scatter/gather of §4.1, and
+    # its reentrant checkpoint (megatron/mpu/random.py, CheckpointFunction: the whole layer's forward again)
+    "megatron2021": dict(attention="unfused", compile=1.0, pp_scatter=1.0, recompute_whole=1.0),
+    # Megatron-Core today (its documentation: Transformer Engine's fused attention and kernels,
+    # --tp-comm-overlap, --overlap-grad-reduce and --overlap-param-gather with the distributed optimizer)
+    "megatron": dict(attention="fused", compile=1.0, pp_scatter=1.0, overlap=dict(tp=1.0, tp_b=1.0, step=1.0)),
+}
+_TEXT = ("framework", "attention")
+_CHOICES = dict(framework=tuple(FRAMEWORKS), attention=("code", "fused", "unfused"))
 
 
 def assumptions(pairs: list[str] = ()) -> Assumptions:
     """Assumptions with fields replaced by train.py's --assume KEY=VALUE (repeatable): a field's name
-    (efficiency=0.3, inter_beta=12.5e9, verify_top=3; none for a field that may be None) or one overlap
-    share (overlap.tp=0.5). Raises one ValueError naming the known keys."""
+    (efficiency=0.3, inter_beta=12.5e9, verify_top=3; none for a field that may be None), one overlap
+    share (overlap.tp=0.5), or a framework's bundle (framework=torchtitan: FRAMEWORKS, applied before the other
+    pairs, which override it). Raises one ValueError naming the known keys."""
     import dataclasses
     base = Assumptions()
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Assumptions)}
     known = [k for k in fields if k != "overlap"] + [f"overlap.{k}" for k in base.overlap]
-    changes, overlap = {}, dict(base.overlap)
+    split = []
     for pair in pairs:
         key, _, value = pair.partition("=")
         key = key.strip()
         if key not in known or not value:
             raise ValueError(f"--assume {pair!r}: give KEY=VALUE with KEY one of {', '.join(known)}")
+        if key in _CHOICES and value not in _CHOICES[key]:
+            raise ValueError(f"--assume {pair!r}: {key} is one of {', '.join(_CHOICES[key])}")
+        split.append((key, value))
+    bundle = dict(FRAMEWORKS[next((v for k, v in split if k == "framework"), "course")])
+    overlap = {**base.overlap, **bundle.pop("overlap", {})}
+    changes = bundle
+    for key, value in split:
         try:
             if key.startswith("overlap."):
                 overlap[key.split(".", 1)[1]] = float(value)
-            elif value.lower() == "none" and key in ("inter_beta", "intra_beta", "tp_cp_span"):
+            elif key in _TEXT:
+                changes[key] = value
+            elif value.lower() == "none" and key in ("inter_beta", "intra_beta", "tp_cp_span", "efficiency",
+                                                     "compile", "float8"):
                 changes[key] = None
             else:
-                changes[key] = int(float(value)) if key in ("optimizer_bytes", "verify_top", "tp_cp_span") \
-                    else float(value)
+                changes[key] = int(float(value)) if key in ("optimizer_bytes", "verify_top", "tp_cp_span",
+                                                            "selective_every") else float(value)
         except ValueError:
-            raise ValueError(f"--assume {pair!r}: {value!r} is not a number") from None
+            raise ValueError(f"--assume {key}={value!r}: {value!r} is not a number") from None
     return replace(base, overlap=overlap, **changes)
 
 
@@ -215,30 +307,122 @@ def _causal_half(op, formula):
     return counted
 
 
-PHASES = ("f", "b", "ops_f", "ops_b", "mem_f", "mem_b")
+# what a probe counts in each phase (forward f, backward b): every key below, per phase ("ops_f", "mem_b", ...)
+COUNTS = ("flops", "mm", "mm32", "attn", "ops", "mem", "kernels", "fused", "core", "core_ops", "core_mem")
+PHASES = tuple(f"{k}_{p}" for k in COUNTS for p in "fb")
 
 
 class _OpCount(TorchDispatchMode):
     """What a region dispatches: its FLOPs (PyTorch's formulas, _flop_formulas — FlopCounterMode's sums without
     its per-module tracking, which took most of a probe's time); its operations, each costing
     Device.op_overhead beyond its FLOPs (a launch, Python); and the bytes the ones without FLOPs (elementwise,
-    norms, copies: memory-bound) read and write, at the device's memory bandwidth. Views move nothing."""
+    norms, copies: memory-bound) read and write, at the device's memory bandwidth. Views move nothing.
+    Beside them, for the mechanisms a GPU run adds (Assumptions):
+      mm, mm32    matmul FLOPs (the linears, in the compute dtype; mm32: in fp32, e.g. ring attention's blocks)
+      attn        FLOPs of fused attention kernels (SDPA)
+      kernels, fused   compile: each run of memory-bound operations between two others (a matmul, attention,
+                  a collective) becomes one kernel (torch.compile's inductor fuses them), which reads the
+                  tensors that enter the run once and writes those that leave it (consumed after the run, or
+                  kept) — intermediates stay on chip; `kernels` counts those and the others, `fused` their bytes
+      core, core_ops, core_mem   inside `attention_core` (set by the probe around ring attention's autograd
+                  function, forward and backward): FLOPs, operations and bytes a fused kernel would replace"""
+
+    attention_core = False      # set while the probe runs inside an attention core (_core)
 
     def __enter__(self):
-        self.n, self.bytes, self.flops = 0, 0, 0
+        self.n = self.bytes = self.flops = self.mm = self.mm32 = self.attn = 0
+        self.core = self.core_ops = self.core_mem = 0
+        self.kernels, self.run, self.kernel_run, self.read, self.gone = 0, 0, -1, 0, 0
+        self.seen = set()
+        # id(tensor) -> [a weak reference to it, the run that made it, its bytes, consumed outside that run,
+        # consumed]: weak, as a held reference would change what the code does (autograd steals a gradient no
+        # one else holds, and copies one that is held), and checked, as a dead tensor's id is reused
+        self.made = {}
+        self.base = {}      # id(view) -> (a weak reference to it, the id of its base)
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.fused = self.read + self.gone + sum(m[2] for m in self.made.values() if m[3] or not m[4])
+        self.made, self.base, self.seen = {}, {}, set()
+        return super().__exit__(*exc)
+
+    def _core(self) -> bool:
+        if _OpCount.attention_core:
+            return True
+        node = torch._C._current_autograd_node()
+        return node is not None and type(node).__name__.startswith(_CORE_NODES)
+
+    def _key(self, t) -> int:
+        view = self.base.get(id(t))
+        return view[1] if view is not None and view[0]() is t else id(t)
+
+    def _made(self, t):
+        made = self.made.get(self._key(t))
+        if made is None:
+            return None
+        if made[0]() is None:        # died (its id since reused): written if it left its run or was never read
+            self.gone += made[2] if made[3] or not made[4] else 0
+            del self.made[self._key(t)]
+            return None
+        return made
+
+    def _boundary(self, tensors_in):
+        """A matmul, attention, a collective or a core operation: its own kernel; what it reads leaves its run."""
+        for t in tensors_in:
+            made = self._made(t)
+            if made is not None:
+                made[3] = made[4] = True
+        self.run += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.n += 1
         out = func(*args, **kwargs)
         formula = _flop_formulas().get(func.overloadpacket)
-        if formula is not None:
-            self.flops += formula(*args, **kwargs, out_val=out)
-        if func.overloadpacket not in flop_registry and not func.is_view and func.namespace == "aten":
-            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        memory_bound = func.overloadpacket not in flop_registry and not func.is_view and func.namespace == "aten"
+        tensors_in = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors_out = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors_in + tensors_out) if memory_bound else 0
+        if func.is_view and tensors_in:
+            for t in tensors_out:
+                self.base[id(t)] = (weakref.ref(t), self._key(tensors_in[0]))
+        if self._core():
+            self.core_ops, self.core, self.core_mem = self.core_ops + 1, self.core + flops, self.core_mem + nbytes
+            self._boundary(tensors_in)
+            return out
+        self.n, self.flops, self.bytes = self.n + 1, self.flops + flops, self.bytes + nbytes
+        if "scaled_dot_product" in func.__name__:
+            self.attn += flops
+        elif flops and any(t.dtype in (torch.float32, torch.float64) for t in tensors_in):
+            self.mm32 += flops
+        else:
+            self.mm += flops
+        if func.is_view:
+            return out
+        if not memory_bound:
+            self.kernels += 1
+            self._boundary(tensors_in)
+            return out
+        if self.kernel_run != self.run:             # the first memory-bound operation of a run: one fused kernel
+            self.kernels, self.kernel_run = self.kernels + 1, self.run
+        for t in tensors_in:
+            made = self._made(t)
+            if made is not None and made[1] == self.run:
+                made[4] = True                      # made and consumed in this run: stays on chip
+                continue
+            if made is not None:
+                made[3] = made[4] = True
+            key = (self.run, self._key(t))
+            if key not in self.seen:                # entering the run: read once
+                self.seen.add(key)
+                self.read += t.numel() * t.element_size()
+        for t in tensors_out:
+            self._made(t)                           # (an earlier tensor of this id: settled)
+            self.made[id(t)] = [weakref.ref(t), self.run, t.numel() * t.element_size(), False, False]
         return out
+
+
+_CORE_NODES = ("RingAttentionBackward",)   # the autograd node whose backward is an attention core
 
 
 def _dim_of(ranks: tuple, mesh) -> str:
@@ -363,6 +547,17 @@ def _counting_batches():
         dist.batch_isend_irecv = real
 
 
+def _attention_core(forward):
+    """forward, run with _OpCount.attention_core set (the probe's mark of ring attention's blocks)."""
+    def marked(*a, **kw):
+        _OpCount.attention_core = True
+        try:
+            return forward(*a, **kw)
+        finally:
+            _OpCount.attention_core = False
+    return marked
+
+
 @contextlib.contextmanager
 def _shaped(cfg):
     """train.py builds the model of config_of(args): while inside, that is `cfg` (a probe's shape, cut to its
@@ -393,6 +588,9 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
         mesh = Mesh(**{d: getattr(args, d) for d in DIMS}, ep=1)
         with _shaped(replace(model, n_layers=layers, n_experts=experts, top_k=top_k)):
             trainer = train.Trainer(args, mesh, None, shapes_only=True)
+        if cp > 1 and cp_ulysses < cp:   # ring attention: what a fused kernel per block would replace
+            for block in trainer.model.layers:
+                block.attn.sdpa.forward = _attention_core(block.attn.sdpa.forward)
         x = torch.zeros(1, seq_len // cp, dtype=torch.long, device="meta")
         flops, comm = {}, {}
         with trainer.opt.accumulating(), _fused_attention_on_meta(), _counting_batches() as batches:
@@ -403,7 +601,10 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
                         loss = trainer.model(x, x, positions=trainer.positions)
                     else:
                         loss.backward()
-                flops[phase], flops["ops_" + phase], flops["mem_" + phase] = ops.flops, ops.n, ops.bytes
+                for k, v in dict(flops=ops.flops, mm=ops.mm, mm32=ops.mm32, attn=ops.attn, ops=ops.n, mem=ops.bytes,
+                                 kernels=ops.kernels, fused=ops.fused, core=ops.core, core_ops=ops.core_ops,
+                                 core_mem=ops.core_mem).items():
+                    flops[f"{k}_{phase}"] = v
                 for e in cc.events:
                     key = (phase, _dim_of(e.group_ranks, mesh), e.op)
                     calls, n = comm.get(key, (0, 0))
@@ -639,6 +840,113 @@ def _moe(args, b: int, dev: Device, link: bool, aux_link: bool) -> dict | None:
     return out
 
 
+COMPUTE_PARTS = ("matmul", "attention", "memory", "launch")   # compute's breakdown (step_time's "parts")
+# Megatron-LM 2021's attention as separate kernels, bytes per element of the scores [b, heads, S, S] (16-bit):
+# forward QKᵀ writes them (2), the fused scale-mask-softmax reads and writes (4), dropout reads, writes the kept
+# values and a one-byte mask (5), ·V reads (2); backward dO·Vᵀ writes (2), dropout's backward reads it and the mask
+# and writes (5), softmax's reads the probabilities and the gradient and writes (6), dS·K and dSᵀ·Q read it (4),
+# Pᵀ·dO reads the kept probabilities (2)
+UNFUSED_SCORE_BYTES = dict(f=13, b=19)
+
+
+def _linear_flops(cfg, tp: int) -> list[float]:
+    """FLOPs per token of a block's linears on one tp rank, in the order the forward runs them (wq, wk, wv, wo,
+    w1, w3, w2): 2 per multiply-add of the rank's slice (kv heads shared by tp ranks: one head's width each)."""
+    H, F, kv = cfg.dim, cfg.ffn_dim, max(cfg.n_kv_heads * cfg.head_dim // tp, cfg.head_dim)
+    return [2 * H * w for w in (H / tp, kv, kv, H / tp)] + ([] if cfg.n_experts else [2 * H * F / tp] * 3)
+
+
+def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: int, last: bool, moe) -> dict:
+    """One micro-batch's forward (f) and backward (b) on one rank of a stage, beyond its collectives: {phase:
+    {seconds, flops, linears (the block matmuls' seconds: tp's window), attention (cp's window), and
+    COMPUTE_PARTS}}. The probe's counts (one sequence, one block and the rest), priced with the mechanisms:
+      matmuls    the linears at the dtype's peak × Device.matmul_efficiency (float8: the blocks' linears at the
+                 float8 rate, the head in the compute dtype) and fp32 ones at fp32's; the experts' (_moe) alike;
+                 selective_every: the recomputed linears again in the backward
+      attention  SDPA's fused kernel at attention_efficiency (causal: half the products); ring attention's blocks
+                 as the code runs them (fp32 products, score blocks in memory) or, fused, a kernel per ring step;
+                 unfused: every product, at the matmul rate, and the scores' bytes (UNFUSED_SCORE_BYTES)
+      memory     the memory-bound operations' bytes at hbm: eager as counted, compiled as the fused runs read and
+                 write them; float8's casts (amax, scale, cast: each input, weight and output gradient read 2x and
+                 written in 1 byte; compiled read once)
+      launch     the host's cost per launch (Device.op_overhead): every operation eager, every kernel compiled;
+                 on a GPU it runs ahead of the device: a phase takes the longer of the two"""
+    cfg, blk, rst = _config(args), pr["block"], pr["rest"]
+    compiled = args.compile if assume.compile is None else bool(assume.compile)
+    float8 = (args.float8 if assume.float8 is None else bool(assume.float8)) and "float8" in dev.flops
+    eff = (lambda dt: dev.matmul_efficiency.get(dt, 1.0)) if assume.efficiency is None else (lambda dt: assume.efficiency)
+    attn_eff = dev.attention_efficiency if assume.efficiency is None else assume.efficiency
+    peak, wide = dev.flops[args.dtype], "float64" if args.dtype == "float64" else "float32"
+    mm_rate, wide_rate = peak * eff(args.dtype), dev.flops[wide] * eff(wide)
+    lin_rate = dev.flops["float8"] * eff("float8") if float8 else mm_rate
+    b_el, tp, cp, S = _elem(args), args.tp, args.cp, args.seq_len
+    T = b * S // cp                                                    # tokens a micro-batch brings this rank
+    linears = _linear_flops(cfg, tp)
+    # the ring's blocks run again in the backward (checkpointing's recompute): the code's backward counted 3.5x
+    # its forward's products (5 per block pair against 2, and the forward's again), not 2.5x
+    recompute = blk["core_f"] > 0 and blk["core_b"] / blk["core_f"] > 3
+    out = {}
+    for p in "fb":
+        def count(key, scale=b):
+            return scale * (layers * blk[f"{key}_{p}"] + (rst[f"{key}_{p}"] if last else 0))
+        mm_block, mm_rest = b * layers * blk[f"mm_{p}"], (b * rst[f"mm_{p}"] if last else 0)
+        extra = 0.0
+        if p == "b" and args.activation_checkpointing == "selective" and assume.selective_every > 0:
+            k = assume.selective_every
+            extra = b * layers * S // cp * sum(linears[k - 1::k])     # the recomputed matmuls, per token
+        if p == "b" and args.activation_checkpointing == "full" and assume.recompute_whole:
+            extra = b * layers * S // cp * linears[-1]                 # the last linear, run again
+        t_lin = (mm_block + extra) / lin_rate
+        matmul = t_lin + mm_rest / mm_rate + count("mm32") / wide_rate + (layers * moe[p] / mm_rate if moe else 0)
+        flops = count("flops") + extra + count("core") + (layers * moe[p] if moe else 0)
+        # compile: each block's forward (train.py --compile, torchtitan's per-block compile): the head and loss stay eager
+        mem = (b * layers * blk[f"fused_{p}"] + (b * rst[f"mem_{p}"] if last else 0)) if compiled else count("mem")
+        launches = (layers * blk[f"kernels_{p}"] + (rst[f"ops_{p}"] if last else 0)) if compiled else count("ops", 1)
+        launches += layers * moe["ops_" + p] if moe else 0
+        # attention: SDPA's kernel, and ring attention's core
+        attn_flops = count("attn")
+        attention = attn_flops / (peak * attn_eff)
+        core = count("core")
+        if assume.attention == "code" or not core:
+            attention += core / wide_rate
+            mem += count("core_mem")
+            launches += count("core_ops", 1)
+        else:   # a fused kernel per ring step over this rank's share of the causal attention (zigzag: 1/cp)
+            heads_w = cfg.n_heads * cfg.head_dim / tp
+            fwd = b * 2 * S * S * heads_w / cp                          # causal: half of 4·S²·H per sequence
+            fl = fwd if p == "f" else 2.5 * fwd + (fwd if recompute else 0)
+            attention += layers * fl / (peak * attn_eff)
+            flops += layers * fl - core
+            mem += layers * 3 * 4 * b * S * heads_w * (2 if p == "b" else 1)   # the merges of each step's output
+            launches += layers * 2 * cp * (2 if p == "b" else 1)
+        if assume.attention == "unfused" and attn_flops:   # QKᵀ, softmax, dropout, ·V as separate kernels
+            a_f = b * (layers * blk["attn_f"] + (rst["attn_f"] if last else 0))   # flash forward: causal half
+            again = blk["attn_b"] / blk["attn_f"] > 3 if blk["attn_f"] else False   # backward recomputes it
+            full = 2 * a_f if p == "f" else (4 + (2 if again else 0)) * a_f    # every score; no recompute of QKᵀ
+            scores = b * layers * cfg.n_heads / tp * (S / cp) * S
+            attention += full / mm_rate - attn_flops / (peak * attn_eff)
+            flops += full - attn_flops
+            mem += scores * (UNFUSED_SCORE_BYTES[p] + (UNFUSED_SCORE_BYTES["f"] if p == "b" and again else 0))
+            launches += layers * (6 if p == "f" else 9)
+        if float8:   # each linear's input, weight and output gradient: amax, scale and cast to 1 byte
+            per_byte = (b_el + 1) if compiled else (2 * b_el + 1)
+            H, F = cfg.dim, cfg.ffn_dim
+            sizes = [(H, n / 2 / H) for n in linears]                 # (in, out) of each linear on this rank
+            sizes = [(i, o) if j != 3 and j != 6 else (o, i) for j, (i, o) in enumerate(sizes)]
+            if p == "f" or recompute:
+                mem += layers * sum(T * i + i * o for i, o in sizes) * per_byte
+            if p == "b":   # the output gradient cast; the 1-byte transposes the backward's matmuls read
+                mem += layers * sum(T * o * per_byte + 2 * (T * i + T * o + i * o) for i, o in sizes)
+            launches += layers * len(sizes) * (2 if p == "f" else 3)
+        memory = mem / dev.hbm
+        launch = launches * dev.op_overhead
+        busy = matmul + attention + memory
+        seconds = max(busy, launch) if dev.async_launch else busy + launch
+        out[p] = dict(seconds=seconds, flops=flops, linears=t_lin, attention=attention, matmul=matmul,
+                      memory=memory, launch=max(0.0, seconds - busy))
+    return out
+
+
 def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_node: int | None = None,
               dp_bytes: dict | None = None) -> dict:
     """Predicted seconds of one step on the slowest pipeline stage, with its breakdown: compute (this rank's
@@ -653,7 +961,6 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
     # an MoE model: the dense model probed (experts 0), the experts added by _moe (routing needs values)
     pr = probe(_config(args), 0, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
                args.cp_ulysses, args.activation_checkpointing)
-    rate = dev.flops[args.dtype] * assume.efficiency
     if args.global_batch_size % (dp * m):                      # (train.check_args says so before a run)
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel "
                          f"size {dp} times --microbatches {m}: no whole micro-batch to time")
@@ -667,36 +974,48 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         if (layers, s == 0, last) in timed:   # a stage like one timed already: the same time
             unit_of.append(timed[(layers, s == 0, last)]["unit"])
             continue
-        flops = {p: b * (layers * pr["block"][p] + (pr["rest"][p] if last else 0)) for p in "fb"}
+        work = _compute(args, dev, assume, pr, b, layers, last, moe)
+        flops = {p: work[p]["flops"] for p in "fb"}
         comm = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "ep": 0.0, "world": 0.0}
         per_phase = {"f": 0.0, "b": 0.0}
+        raw = {(p, d): 0.0 for p in "fb" for d in comm}
         for (phase, where, dim, op), (calls, n) in pr["comm"].items():
             # calls inside the block: once per layer; the rest (the head's, the loss's): on the last stage
             t = collective_time(op, b * n, calls, sizes.get(dim, world), dev, link.get(dim, world > G))
             t *= layers if where == "block" else (1 if last else 0)
-            dim = dim if dim in comm else "world"
-            exposed = t * (1 - o.get(dim, 0.0))
+            raw[(phase, dim if dim in comm else "world")] += t
+        for (phase, dim), t in raw.items():
+            # what hides a collective: tp's behind the phase's matmuls (async TP, Megatron's tp-comm-overlap: its
+            # first of tp pieces cannot), the ring's sends behind its attention, the rest by its overlap share
+            window = {"tp": work[phase]["linears"], "cp": work[phase]["attention"]}.get(dim)
+            share = o.get("tp_b" if dim == "tp" and phase == "b" else dim, 0.0)
+            if window is None:
+                exposed = t * (1 - share)
+            else:
+                floor = t / sizes[dim] if dim == "tp" and share else 0.0
+                exposed = max(floor, t - share * window)
             comm[dim] += exposed
             per_phase[phase] += exposed
         if moe:
             for p in "fb":
-                flops[p] += layers * moe[p]
                 per_phase[p] += layers * moe["comm_" + p]
             comm["ep"] = layers * (moe["comm_f"] + moe["comm_b"])
-        ops = {p: layers * (pr["block"]["ops_" + p] + (moe["ops_" + p] if moe else 0)) +
-               (pr["rest"]["ops_" + p] if last else 0) for p in "fb"}
-        mem = {p: b * (layers * pr["block"]["mem_" + p] + (pr["rest"]["mem_" + p] if last else 0)) for p in "fb"}
-        other = {p: ops[p] * dev.op_overhead + mem[p] / dev.hbm for p in "fb"}   # beyond the FLOPs
-        t_f = flops["f"] / rate + per_phase["f"] + other["f"]
-        t_b = flops["b"] / rate + per_phase["b"] + other["b"]
+        t_f = work["f"]["seconds"] + per_phase["f"]
+        t_b = work["b"]["seconds"] + per_phase["b"]
         if pp > 1:   # a boundary of [b, S/cp(/tp), H] each way per micro-batch, exposed
             boundary = b * args.seq_len // cp * _config(args).dim * _elem(args) // (tp if sp else 1)
-            hop = collective_time("send", boundary, 1, 2, dev, link["pp"]) * (1 - o["pp"]) * args.virtual_stages
+            if assume.pp_scatter and tp > 1 and not sp:   # 1/tp of it across, all-gathered over the node's tp group
+                hop = collective_time("send", boundary / tp, 1, 2, dev, link["pp"]) + \
+                    collective_time("all_gather", boundary, 1, tp, dev, link["tp"])
+            else:
+                hop = collective_time("send", boundary, 1, 2, dev, link["pp"])
+            hop *= (1 - o["pp"]) * args.virtual_stages
             t_f, t_b = t_f + hop, t_b + hop
             comm["pp"] = 2 * hop
         w = assume.weight_grad_share if args.schedule == "zb" else 0.0
         total = _bubble(args.schedule, pp, m, args.virtual_stages, t_f, t_b, w) if pp > 1 else m * (t_f + t_b)
-        compute = m * ((flops["f"] + flops["b"]) / rate + other["f"] + other["b"])
+        compute = m * (work["f"]["seconds"] + work["b"]["seconds"])
+        parts = {k: m * (work["f"][k] + work["b"][k]) for k in COMPUTE_PARTS}
         exposed = {d: m * c for d, c in comm.items() if c}
         # data parallel: the step's reductions (and ZeRO's gathers), from the lessons' formula; one collective
         # per ZeRO unit (and per DDP bucket), each paying its α and its wait — not one per step
@@ -760,7 +1079,8 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         pieces = sum(min(t, math.ceil(t / shard) + 1) if shard > 1 else t for t in units)
         per_elem = dev.optimizer_elem if dev.optimizer_elem is not None else assume.optimizer_bytes / dev.hbm
         optimizer = ((psi - psi_e) / shard + psi_e / (n_e if z else 1)) * per_elem + pieces * dev.optimizer_tensor
-        out = dict(compute=compute, exposed=exposed, optimizer=optimizer, stage=s, flops=m * (flops["f"] + flops["b"]),
+        out = dict(compute=compute, parts=parts, exposed=exposed, optimizer=optimizer, stage=s,
+                   flops=m * (flops["f"] + flops["b"]),
                    unit=t_f + t_b, total=total, rest=dp_exposed + finish + clip + optimizer, forward=t_f, backward=t_b)
         timed[(layers, s == 0, last)] = out
         unit_of.append(out["unit"])
@@ -1031,8 +1351,8 @@ CALIBRATED_LAYOUTS = {
 }
 # one core per rank: gloo's thread and the compute share it, so nothing hides behind anything; the measured
 # matmul rate is the peak (efficiency 1)
-CPU_ASSUMPTIONS = Assumptions(efficiency=1.0, overlap=dict(zero3=0.0, ddp=0.0, zero2=0.0, tp=0.0, cp=0.0, pp=0.0,
-                                                           replicas=0.0, step=0.0))
+CPU_ASSUMPTIONS = Assumptions(efficiency=1.0, overlap=dict(zero3=0.0, ddp=0.0, zero2=0.0, tp=0.0, tp_b=0.0, cp=0.0,
+                                                           pp=0.0, replicas=0.0, step=0.0))
 
 
 def _optimizer_step(cfg):
@@ -1254,3 +1574,168 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---- the planner against the world: published GPU runs ----------------------------------------------------------
+
+def _gpt(h: int, layers: int, heads: int) -> dict:
+    """Megatron-LM's GPT as the course's model can hold it: the same widths, layers, heads, 51,200-token
+    vocabulary and 2,048 positions; its GELU MLP of 4h as a SwiGLU of the same parameters and FLOPs, 3·h·F =
+    8h² with F = 8h/3 (rounded to a multiple of 64), RMSNorm for LayerNorm, rotary positions for learned ones,
+    no biases, no dropout, the head apart from the embedding (Megatron ties them: memory only)."""
+    return dict(vocab_size=51200, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=heads, intermediate_size=round(8 * h / 3 / 64) * 64, max_position_embeddings=2048)
+
+
+def _llama31(h: int, layers: int, heads: int, ffn: int) -> dict:
+    """Llama 3.1 as published (config.json: 128,256-token vocabulary, 8 kv heads, rope theta 500,000), without its
+    'llama3' rotary scaling (the course computes default rotary: the same shapes and FLOPs) and with positions to
+    the longest sequence planned."""
+    return dict(vocab_size=128256, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=8, intermediate_size=ffn, max_position_embeddings=262144, rope_theta=500000.0)
+
+
+PUBLISHED_MODELS = {
+    "llama3.1-8b": _llama31(4096, 32, 32, 14336), "llama3.1-70b": _llama31(8192, 80, 64, 28672),
+    "llama3.1-405b": _llama31(16384, 126, 128, 53248),
+    "gpt-1.7b": _gpt(2304, 24, 24), "gpt-3.6b": _gpt(3072, 30, 32), "gpt-7.5b": _gpt(4096, 36, 32),
+    "gpt-18b": _gpt(6144, 40, 48), "gpt-39b": _gpt(8192, 48, 64), "gpt-76b": _gpt(10240, 60, 80),
+    "gpt-145b": _gpt(12288, 80, 96), "gpt-310b": _gpt(16384, 96, 128), "gpt-530b": _gpt(20480, 105, 128),
+    "gpt-1t": _gpt(25600, 128, 160),
+}
+
+
+def model_dir(name: str) -> str:
+    """A Hugging Face directory holding PUBLISHED_MODELS[name]'s config.json alone (no weights: --plan reads the
+    shape), written once under cache_dir() (else a temporary directory): --init-from it."""
+    path = os.path.join(cache_dir() or tempfile.gettempdir(), "models", name)
+    want = dict(dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
+                     rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+                **PUBLISHED_MODELS[name])
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file) or json.load(open(file)) != want:
+        _write_json(file, want)
+    return path
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published run: where it is published, the model, the GPUs, the layout as train.py flags, the
+    framework's mechanisms (--assume pairs), and its tokens/s per GPU (as published, or derived as `how` says)."""
+    source: str
+    name: str
+    model: str
+    device: str
+    gpus: int
+    flags: tuple
+    assume: tuple
+    tokens_per_gpu: float
+    how: str = "as published"
+
+
+def _megatron(params, model, tflops, tp, pp, gpus, batch, mbs, v=1):
+    """Narayanan et al. 2021 (arXiv:2104.04473), Table 1, as run by its own script (Megatron-LM,
+    examples/sc21/run_table_1.sh: micro-batch size, interleaving, torch DDP for pp = 1 and Megatron's local DDP
+    for pp > 1): A100 80GB (Selene, 8 a node), fp16, full recomputation, sequence 2,048. Tokens/s per GPU from the
+    table's teraFLOP/s per GPU and the paper's FLOPs per token with recomputation, 96·l·h²(1 + s/6h + V/16lh)."""
+    cfg = PUBLISHED_MODELS[model]
+    h, l, s, V = cfg["hidden_size"], cfg["num_hidden_layers"], 2048, 51200
+    per_token = 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    dp = gpus // (tp * pp)
+    flags = ["--tp", str(tp), "--pp", str(pp), "--dp-shard", str(dp), "--zero-stage", "0", "--seq-len", "2048",
+             "--global-batch-size", str(batch), "--microbatches", str(batch // dp // mbs),
+             "--activation-checkpointing", "full"]
+    if v > 1:
+        flags += ["--schedule", "interleaved", "--virtual-stages", str(v)]
+    return Published("Narayanan et al. 2021, arXiv:2104.04473, Table 1; Megatron-LM examples/sc21/run_table_1.sh",
+                     f"GPT {params}: tp {tp} x pp {pp}{f' (v {v})' if v > 1 else ''} x dp {dp}, {gpus} A100s, "
+                     f"micro-batch {mbs}", model, "a100", gpus, tuple(flags),
+                     ("framework=megatron2021",) + (("overlap.ddp=0",) if pp > 1 else ()),
+                     tflops * 1e12 / per_token, f"{tflops} TFLOP/s per GPU / {per_token / 1e9:.2f} GFLOP per token")
+
+
+TT = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TT_ASYNC = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
+
+
+def _titan(source, name, model, gpus, flags, tokens, compile=False, float8=False, async_tp=False):
+    """torchtitan on Grand Teton H100s (96 GB HBM2e, 500 W; 8 a node, 400 Gb/s per GPU between nodes), bf16
+    compute with fp32 gradient reduction (FSDP2's mixed precision), global batch = local batch x data parallel."""
+    extra = (["--compile"] if compile else []) + (["--float8"] if float8 else [])
+    return Published(source, name, model, "h100-gt", gpus, tuple(list(flags) + extra),
+                     ("framework=torchtitan",) + (("overlap.tp=1",) if async_tp else ()), tokens)
+
+
+def _fsdp(dp, lbs, seq, ac, cp=1, tp=1):
+    return ["--dp-shard", str(dp), "--cp", str(cp), "--tp", str(tp), "--zero-stage", "3", "--seq-len", str(seq),
+            "--global-batch-size", str(dp * lbs), "--activation-checkpointing", ac] + \
+        (["--sequence-parallel"] if tp > 1 else [])
+
+
+PUBLISHED = [
+    _titan(TT + ", Table 1", "Llama 3.1 8B, FSDP 8, local batch 2, selective", "llama3.1-8b", 8,
+           _fsdp(8, 2, 8192, "selective"), 5762),
+    _titan(TT + ", Table 1", "Llama 3.1 8B, FSDP 8, + compile", "llama3.1-8b", 8,
+           _fsdp(8, 2, 8192, "selective"), 6667, compile=True),
+    _titan(TT + ", Table 1", "Llama 3.1 8B, FSDP 8, + compile + float8", "llama3.1-8b", 8,
+           _fsdp(8, 2, 8192, "selective"), 8532, compile=True, float8=True),
+    _titan(TT + ", Table 3", "Llama 3.1 8B, FSDP 128, local batch 2, selective", "llama3.1-8b", 128,
+           _fsdp(128, 2, 8192, "selective"), 5605),
+    _titan(TT + ", Table 3", "Llama 3.1 8B, FSDP 128, + compile", "llama3.1-8b", 128,
+           _fsdp(128, 2, 8192, "selective"), 6514, compile=True),
+    _titan(TT + ", Table 3", "Llama 3.1 8B, FSDP 128, + compile + float8", "llama3.1-8b", 128,
+           _fsdp(128, 2, 8192, "selective"), 8380, compile=True, float8=True),
+    _titan(TT + ", Table 2", "Llama 3.1 8B, FSDP 8, 32k tokens, full, compile + float8", "llama3.1-8b", 8,
+           _fsdp(8, 1, 32768, "full"), 3890, compile=True, float8=True),
+    _titan(TT + ", Table 2", "Llama 3.1 8B, FSDP 4 x CP 2, 64k tokens", "llama3.1-8b", 8,
+           _fsdp(4, 1, 65536, "full", cp=2), 2540, compile=True, float8=True),
+    _titan(TT + ", Table 2", "Llama 3.1 8B, FSDP 2 x CP 4, 128k tokens", "llama3.1-8b", 8,
+           _fsdp(2, 1, 131072, "full", cp=4), 1071, compile=True, float8=True),
+    _titan(TT + ", Table 2", "Llama 3.1 8B, FSDP 1 x CP 8, 256k tokens", "llama3.1-8b", 8,
+           _fsdp(1, 1, 262144, "full", cp=8), 548, compile=True, float8=True),
+    _titan(TT_ASYNC, "Llama 3.1 8B, FSDP 8 x TP 8, local batch 12, selective, compile", "llama3.1-8b", 64,
+           _fsdp(8, 12, 8192, "selective", tp=8), 4378, compile=True),
+    _titan(TT_ASYNC, "Llama 3.1 8B, FSDP 8 x TP 8, + async TP", "llama3.1-8b", 64,
+           _fsdp(8, 12, 8192, "selective", tp=8), 4809.4, compile=True, async_tp=True),
+    _titan(TT_ASYNC, "Llama 3.1 8B, FSDP 8 x TP 8, + float8", "llama3.1-8b", 64,
+           _fsdp(8, 12, 8192, "selective", tp=8), 5078.1, compile=True, float8=True),
+    _titan(TT_ASYNC, "Llama 3.1 8B, FSDP 8 x TP 8, + float8 + async TP", "llama3.1-8b", 64,
+           _fsdp(8, 12, 8192, "selective", tp=8), 5570.1, compile=True, float8=True, async_tp=True),
+    _titan(TT_ASYNC, "Llama 3.1 70B, FSDP 32 x TP 8, local batch 16, full, compile", "llama3.1-70b", 256,
+           _fsdp(32, 16, 8192, "full", tp=8), 597.3, compile=True),
+    _titan(TT_ASYNC, "Llama 3.1 70B, FSDP 32 x TP 8, + async TP", "llama3.1-70b", 256,
+           _fsdp(32, 16, 8192, "full", tp=8), 652.4, compile=True, async_tp=True),
+    _titan(TT_ASYNC, "Llama 3.1 70B, FSDP 32 x TP 8, + float8", "llama3.1-70b", 256,
+           _fsdp(32, 16, 8192, "full", tp=8), 809.8, compile=True, float8=True),
+    _titan(TT_ASYNC, "Llama 3.1 70B, FSDP 32 x TP 8, + float8 + async TP", "llama3.1-70b", 256,
+           _fsdp(32, 16, 8192, "full", tp=8), 942.4, compile=True, float8=True, async_tp=True),
+    _titan(TT + ", Table 4", "Llama 3.1 70B, FSDP 32 x TP 8, compile + float8 (2024)", "llama3.1-70b", 256,
+           _fsdp(32, 16, 8192, "full", tp=8), 829, compile=True, float8=True),
+    _titan(TT + ", Table 4", "Llama 3.1 70B, FSDP 32 x TP 8, compile + float8 + async TP (2024)", "llama3.1-70b",
+           256, _fsdp(32, 16, 8192, "full", tp=8), 876, compile=True, float8=True, async_tp=True),
+    _megatron("1.7B", "gpt-1.7b", 137, 1, 1, 32, 512, 16),
+    _megatron("3.6B", "gpt-3.6b", 138, 2, 1, 64, 512, 16),
+    _megatron("7.5B", "gpt-7.5b", 142, 4, 1, 128, 512, 16),
+    _megatron("18.4B", "gpt-18b", 135, 8, 1, 256, 1024, 8),
+    _megatron("39.1B", "gpt-39b", 138, 8, 2, 512, 1536, 4),
+    _megatron("76.1B", "gpt-76b", 140, 8, 4, 1024, 1792, 2, v=3),
+    _megatron("145.6B", "gpt-145b", 148, 8, 8, 1536, 2304, 2, v=2),
+    _megatron("310.1B", "gpt-310b", 155, 8, 16, 1920, 2160, 1, v=2),
+    _megatron("529.6B", "gpt-530b", 163, 8, 35, 2520, 2520, 1, v=3),
+    _megatron("1008B", "gpt-1t", 163, 8, 64, 3072, 3072, 1),
+]
+
+
+def published_args(row: Published):
+    """The row's train.py arguments, checked as train.py checks a plan's (--plan: config.json alone)."""
+    args = train.parse_args(["--init-from", model_dir(row.model), "--dtype", "bfloat16", "--plan", "--device",
+                             row.device, *row.flags])
+    train.check_args(args, row.gpus)
+    return args
+
+
+def predict_published(row: Published) -> dict:
+    """step_time for the row, its tokens/s per GPU and the ratio predicted/published."""
+    assume = assumptions(list(row.assume))
+    r = step_time(published_args(row), device_named(row.device, assume), assume, 8)
+    return dict(r, per_gpu=r["tokens_per_s"] / row.gpus, ratio=r["tokens_per_s"] / row.gpus / row.tokens_per_gpu)

@@ -34,14 +34,14 @@ def test_probe_counts_checkpointing_recompute_and_tp_collectives():
     # checkpointing stops recomputing once the last saved tensor is made: here the attention's score FLOPs,
     # 4·S²·H, are not run twice — what the counter saw the real code do)
     cfg = train.config_of(args_of())
-    again, attention = full["block"]["b"] - none["block"]["b"], 4 * 32 * 32 * cfg.dim
-    assert none["block"]["f"] - attention <= again <= none["block"]["f"]
-    assert full["block"]["f"] == none["block"]["f"] > 0 and full["rest"] == none["rest"]
+    again, attention = full["block"]["flops_b"] - none["block"]["flops_b"], 4 * 32 * 32 * cfg.dim
+    assert none["block"]["flops_f"] - attention <= again <= none["block"]["flops_f"]
+    assert full["block"]["flops_f"] == none["block"]["flops_f"] > 0 and full["rest"] == none["rest"]
     # a block's matmuls: 2 FLOPs per multiply-add of its weights, per token (attention on top)
     weights = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.n_kv_heads * cfg.head_dim + 3 * cfg.dim * cfg.ffn_dim
-    assert none["block"]["f"] >= 2 * weights * 32
+    assert none["block"]["flops_f"] >= 2 * weights * 32
     tp = T.probe("tiny", 0, 2, "float32", 32, 2, 1, True, "ring", 1, "none")
-    assert tp["block"]["f"] * 2 == pytest.approx(none["block"]["f"], rel=0.05)   # split over 2 tp ranks
+    assert tp["block"]["flops_f"] * 2 == pytest.approx(none["block"]["flops_f"], rel=0.05)   # split over 2 tp ranks
     # sequence parallel: per block 2 all-gathers and 2 reduce-scatters of [S, H] in the forward
     calls, n = tp["comm"][("f", "block", "tp", "all_gather")]
     assert calls == 2 and n == 2 * 32 * cfg.dim * 4
@@ -301,7 +301,7 @@ def test_causal_attention_counts_half_the_flops():
     S, cfg = 32, train.config_of(args_of())
     pr = T.probe("tiny", 0, 2, "float32", S, 1, 1, False, "ring", 1, "none")
     weights = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.n_kv_heads * cfg.head_dim + 3 * cfg.dim * cfg.ffn_dim
-    attention = pr["block"]["f"] - 2 * weights * S
+    attention = pr["block"]["flops_f"] - 2 * weights * S
     assert attention == 4 * S * S * cfg.dim // 2, attention
     n = sum(p.numel() for p in __import__("lab.model", fromlist=["x"]).build_model(cfg).parameters())
     n -= cfg.vocab_size * cfg.dim
