@@ -298,9 +298,13 @@ def _per_step(args, trainer, mesh) -> dict:
 def plan(args, ranks=None) -> list[dict]:
     """plan_rank for rank 0 and the first rank of every other pipeline stage (they hold different layers). Stages
     of one kind (_stage_kind: the same layers' shapes, neither first nor last) are built on meta once: the others
-    take its numbers at their own schedule's held micro-batches (_restaged) — a 64-stage pipeline plans three."""
+    take its numbers at their own schedule's held micro-batches (_restaged) — a 64-stage pipeline plans three.
+    Without a pipeline, a deep model's layers are alike too: it is planned at 2 and 3 layers and every number
+    carried on to its depth (_by_layers) — a 126-layer model's meta step takes seconds, not a minute."""
     if ranks is not None:
         return [plan_rank(args, r) for r in ranks]
+    if args.pp == 1:
+        return [_by_layers(args, 0)]
     per_stage = math.prod(getattr(args, d) for d in DIMS[1:])
     planned, out = {}, []
     for s in range(args.pp):
@@ -311,6 +315,44 @@ def plan(args, ranks=None) -> list[dict]:
         else:
             out.append(_restaged(args, planned[kind], s, s * per_stage))
     return out
+
+
+@contextmanager
+def _shaped(cfg):
+    """train.py builds the model of config_of(args): while inside, that is `cfg` (cut to some layers, whatever
+    --model or --init-from named)."""
+    real = train.config_of
+    train.config_of = lambda args: cfg
+    try:
+        yield
+    finally:
+        train.config_of = real
+
+
+def _by_layers(args, rank: int) -> dict:
+    """plan_rank of a model of L alike layers, from plan_rank at 2 and 3 layers: every number is a + (L - 2)·d,
+    d its difference (each layer adds its state, its activations, its bytes per step; the largest unit and the
+    buffers are a layer's, the same at any depth) — equal to planning all L (tests/test_memory.py checks)."""
+    cfg = train.config_of(args)
+    if cfg.n_layers <= 3:
+        return plan_rank(args, rank)
+    two, three = (_planned_at(args, rank, replace(cfg, n_layers=n)) for n in (2, 3))
+
+    def carry(a, b):
+        if isinstance(a, dict):
+            return {k: carry(a[k], b[k]) for k in a}
+        if isinstance(a, bool) or not isinstance(a, (int, float)):
+            return a
+        out = a + (b - a) * (cfg.n_layers - 2)
+        return round(out) if isinstance(a, int) and isinstance(b, int) else out
+    out = carry(two, three)
+    out["coords"], out["rank"] = two["coords"], two["rank"]
+    return out
+
+
+def _planned_at(args, rank, cfg) -> dict:
+    with _shaped(cfg):
+        return plan_rank(args, rank)
 
 
 def _stage_kind(args, s: int) -> tuple:

@@ -558,22 +558,10 @@ def _attention_core(forward):
     return marked
 
 
-@contextlib.contextmanager
-def _shaped(cfg):
-    """train.py builds the model of config_of(args): while inside, that is `cfg` (a probe's shape, cut to its
-    layers, whatever --model or --init-from named)."""
-    real = train.config_of
-    train.config_of = lambda args: cfg
-    try:
-        yield
-    finally:
-        train.config_of = real
-
-
 def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses, checkpointing,
                layers) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from lab.plan import _fused_attention_on_meta
+    from lab.plan import _fused_attention_on_meta, _shaped
     from mesh import Mesh
     model = _probe_shape(model)
     args = train.parse_args(["--layers", str(layers), "--tp", str(tp), "--cp", str(cp),
@@ -666,6 +654,10 @@ def _split(n_layers: int, pp: int, v: int) -> list[int]:
     return [sum(len(chunks[c * pp + s]) for c in range(v)) for s in range(pp)]
 
 
+# Schedules whose total, for equal stages and free transfers, is (m + (p - 1)/v)·(t_f + t_b) — the bubble of
+# Huang et al. 2019 (GPipe), Narayanan et al. 2021 (1F1B, and interleaved with v chunks, m a multiple of p); equal
+# to pipeline.simulate's (tests/test_plan_time.py), and so not played: a 64-stage zero-bubble schedule still is
+CLOSED = ("1f1b", "gpipe", "interleaved")
 BUBBLE_GRID = 1.005     # where no line is found, t_b/t_f is rounded to this ratio's powers (total within 0.25%)
 LINE = (0.25, 4.25)     # the range of t_b/t_f searched for lines
 
@@ -678,6 +670,8 @@ def _bubble(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, w: fl
     bend inside: the total is exactly t_f·chord(r) there. The interval holding r is halved until that holds
     (1F1B, GPipe, interleaved: at once; ZB-H1: a few halvings), so a schedule is played a few times per search,
     not once per layout; past 10 halvings, or outside LINE, r is rounded (BUBBLE_GRID)."""
+    if schedule in CLOSED and (schedule != "interleaved" or m % p == 0):
+        return (m + (p - 1) / v) * (t_f + t_b)
     if t_f <= 0 or t_b <= 0:
         return pipeline.simulate(_schedule(schedule, p, m, v), t_f, t_b * (1 - w), t_b * w)["total"]
     r, (lo, hi) = t_b / t_f, LINE
@@ -722,12 +716,12 @@ def _unit_total(schedule: str, p: int, m: int, v: int, w: float, r: float) -> fl
 def _play_total(schedule: str, p: int, m: int, v: int, w: float, r: float) -> float:
     """The total at t_f = 1, t_b = r. Past 2p micro-batches every rank is in its steady state and each further
     micro-batch adds the same time (1F1B, GPipe, interleaved: t_f + t_b; ZB-H1 here a little more): the
-    total is a line in m through 2p and 4p (tests/test_plan_time.py checks it against a full simulation)."""
+    total is a line in m through 2p and 3p (tests/test_plan_time.py checks it against a full simulation)."""
     play = lambda k: pipeline.simulate(_schedule(schedule, p, k, v), 1.0, r * (1 - w), r * w)["total"]
-    if m <= 4 * p:
+    if m <= 3 * p:
         return play(m)
-    a, b = play(2 * p), play(4 * p)
-    return a + (b - a) * (m - 2 * p) / (2 * p)
+    a, b = play(2 * p), play(3 * p)
+    return a + (b - a) * (m - 2 * p) / p
 
 
 @lru_cache(maxsize=None)
@@ -1295,7 +1289,8 @@ def breakdown(r: dict) -> str:
 def print_search(base, N, G, dev, found: dict, top: int = 10) -> None:
     from lab.model import num_params
     cfg = train.config_of(base)
-    print(f"search: {base.model} ({num_params(cfg) / 1e9:.2f}B) on {N} x {dev.name} ({G} per node), {base.dtype}, "
+    print(f"search: {train.model_name(base)} ({num_params(cfg) / 1e9:.2f}B) on {N} x {dev.name} ({G} per node), "
+          f"{base.dtype}, "
           f"global batch {base.global_batch_size} x {base.seq_len}: {found['layouts']} layouts in "
           f"{found['seconds']:.1f} s, {len(found['ranked'])} fit; assumptions: {assumed(found['assume'])}")
     for reason, n in sorted(found["dropped"].items(), key=lambda kv: -kv[1]):

@@ -199,7 +199,8 @@ def test_a_deep_pipeline_plans_each_kind_of_stage_once(monkeypatch):
     """Stages that hold the same layers' shapes (neither the first, with the embedding, nor the last, with the
     head) plan alike but for the micro-batches their schedule holds: lab.plan.plan builds one of each kind on
     meta and gives the rest its numbers at their own held count — the same as planning each (Megatron's 1T
-    layout, pp 64, took 301 s one stage after another). Checked on every schedule against planning each stage."""
+    layout, pp 64, took 301 s one stage after another). Checked on 1F1B, zero bubble and interleaved against
+    planning each stage."""
     from lab import plan
     common = ["--model", "tiny", "--layers", "16", "--seq-len", "32", "--global-batch-size", "32",
               "--dp-shard", "2"]
@@ -208,9 +209,9 @@ def test_a_deep_pipeline_plans_each_kind_of_stage_once(monkeypatch):
     def counted(args, rank):
         calls.append(rank)
         return real(args, rank)
-    for flags in (["--pp", "8", "--microbatches", "16"], ["--pp", "4", "--microbatches", "8", "--schedule", "zb"],
-                  ["--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual-stages", "2"],
-                  ["--pp", "4", "--microbatches", "4", "--schedule", "gpipe", "--activation-checkpointing", "full"]):
+    for flags in (["--pp", "8", "--microbatches", "16"], ["--pp", "4", "--microbatches", "8", "--schedule", "zb",
+                                                          "--activation-checkpointing", "full"],
+                  ["--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual-stages", "2"]):
         args = parse_args(common + flags)
         calls.clear()
         monkeypatch.setattr(plan, "plan_rank", counted)
@@ -221,3 +222,25 @@ def test_a_deep_pipeline_plans_each_kind_of_stage_once(monkeypatch):
         assert [g["rank"] for g in got] == [e["rank"] for e in each]
         for g, e in zip(got, each):
             assert g == e, (flags, g["rank"])
+
+
+def test_a_deep_model_plans_two_depths_and_carries_them(monkeypatch):
+    """Without a pipeline a model's layers are alike: lab.plan.plan builds it at 2 and 3 layers on meta and
+    carries every number to its depth — equal to planning all of it (a 126-layer model's meta step took ~45 s)."""
+    from lab import plan
+    real, calls = plan.plan_rank, []
+
+    def counted(args, rank):
+        calls.append(rank)
+        return real(args, rank)
+    for flags in (["--model", "medium", "--dp-shard", "4", "--tp", "2", "--sequence-parallel", "--dtype", "bfloat16"],
+                  ["--model", "tiny", "--layers", "16", "--dp-shard", "2", "--zero-stage", "0"],
+                  ["--model", "medium", "--cp", "2", "--dp-shard", "2", "--activation-checkpointing", "selective",
+                   "--zero-stage", "2"],
+                  ["--model", "tiny", "--layers", "8", "--experts", "4", "--dp-shard", "2", "--ep", "2"]):
+        args = parse_args(flags + ["--seq-len", "64", "--global-batch-size", "8"])
+        calls.clear()
+        monkeypatch.setattr(plan, "plan_rank", counted)
+        got = plan.plan(args)
+        monkeypatch.setattr(plan, "plan_rank", real)
+        assert len(calls) == 2 and got == [real(args, 0)], flags

@@ -85,8 +85,8 @@ def test_bubble_shortcuts_equal_the_full_simulation(schedule, v, w):
     # the search plays a schedule at a few ratios t_b/t_f and at most 4p micro-batches; every other case follows
     # from convexity (a line) and the steady state (a line in m): each must equal pipeline.simulate itself
     import pipeline
-    for p in (2, 4):
-        for m in (p, 4 * p, 16 * p):
+    for p in (2, 3, 4):
+        for m in (p, 4 * p, 16 * p) + ((p + 1, 3 * p - 1) if schedule in ("1f1b", "gpipe") else ()):
             for t_f, t_b in ((1.0, 2.0), (0.7, 1.9), (2.0, 1.1), (1.0, 5.0)):
                 exact = pipeline.simulate(pipeline.SCHEDULES[schedule](p, m, v), t_f, t_b * (1 - w), t_b * w)
                 got = T._bubble(schedule, p, m, v, t_f, t_b, w)
