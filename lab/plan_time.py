@@ -718,10 +718,17 @@ def _play_total(schedule: str, p: int, m: int, v: int, w: float, r: float) -> fl
     micro-batch adds the same time (1F1B, GPipe, interleaved: t_f + t_b; ZB-H1 here a little more): the
     total is a line in m through 2p and 3p (tests/test_plan_time.py checks it against a full simulation)."""
     play = lambda k: pipeline.simulate(_schedule(schedule, p, k, v), 1.0, r * (1 - w), r * w)["total"]
+    if p > ZB_PLAYED and m % p == 0:   # a line in p too, at c = m/p micro-batches a stage: played at 4 and 8 stages
+        return _unit_total(schedule, 4, 4 * m // p, v, w, r) + (p - 4) / 4 * (
+            _unit_total(schedule, 8, 8 * m // p, v, w, r) - _unit_total(schedule, 4, 4 * m // p, v, w, r))
     if m <= 3 * p:
         return play(m)
     a, b = play(2 * p), play(3 * p)
     return a + (b - a) * (m - 2 * p) / p
+
+
+ZB_PLAYED = 8   # zero bubble's total at m = c·p micro-batches is a line in p from p = 4 on (tested against
+                # pipeline.simulate): a deeper pipeline is not played, its total is drawn from 4 and 8 stages
 
 
 @lru_cache(maxsize=None)
@@ -1148,8 +1155,11 @@ def memory_parts(args) -> dict:
     tokens = args.global_batch_size // (args.dp_replicate * args.dp_shard * args.microbatches) * args.seq_len // args.cp
     sp = args.sequence_parallel and args.tp > 1
     cp = None if args.cp == 1 else "ring" if args.cp_ulysses < args.cp else "ulysses"
-    worst = dict(total=-1.0)
+    worst, kinds = dict(total=-1.0), set()
     for s, layers in enumerate(_stage_layers(args)):
+        if (layers, s == 0, s == args.pp - 1) in kinds:   # a stage like an earlier one, holding no more micro-
+            continue                                       # batches (every schedule's held count falls with s)
+        kinds.add((layers, s == 0, s == args.pp - 1))
         psi, unit = _local_psi(args, s)
         psi_e = _expert_psi(args, s)[0]
         n_e = args.dp_replicate * args.dp_shard * args.cp // args.ep if z else 1   # experts: sharded over edp_cp

@@ -79,6 +79,16 @@ def test_search_ranks_only_accepted_layouts_that_fit():
     assert not any(a.zero_stage == 0 and a.dp_replicate > 1 for _, a, _ in found["ranked"])
 
 
+def test_a_deep_zero_bubble_pipeline_is_drawn_from_shallow_ones():
+    # zero bubble's total at c micro-batches a stage is a line in the stages (from 4 on): the search draws a 12- or
+    # 16-stage schedule from 4 and 8 stages' (a 128-stage one took minutes to build and play)
+    import pipeline
+    for p, c in ((12, 1), (16, 2), (12, 5)):
+        for t_f, t_b in ((1.0, 2.0), (0.7, 1.9), (1.0, 0.6)):
+            exact = pipeline.simulate(pipeline.SCHEDULES["zb"](p, c * p, 1), t_f, t_b * 0.6, t_b * 0.4)["total"]
+            assert T._bubble("zb", p, c * p, 1, t_f, t_b, 0.4) == pytest.approx(exact, rel=0.003), (p, c, t_f, t_b)
+
+
 @pytest.mark.parametrize("schedule,v,w", [("1f1b", 1, 0.0), ("gpipe", 1, 0.0), ("interleaved", 2, 0.0),
                                           ("zb", 1, 0.5), ("zb", 1, 0.3)])
 def test_bubble_shortcuts_equal_the_full_simulation(schedule, v, w):
