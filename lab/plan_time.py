@@ -38,12 +38,12 @@ import argparse
 import contextlib
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
 import tempfile
 import time
-import weakref
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -387,17 +387,17 @@ class _OpCount(TorchDispatchMode):
     def __enter__(self):
         self.n = self.bytes = self.flops = self.mm = self.mm32 = self.attn = 0
         self.core = self.core_ops = self.core_mem = 0
-        self.kernels, self.run, self.kernel_run, self.read, self.gone = 0, 0, -1, 0, 0
+        self.kernels, self.run, self.kernel_run, self.read = 0, 0, -1, 0
         self.seen = set()
-        # id(tensor) -> [a weak reference to it, the run that made it, its bytes, consumed outside that run,
-        # consumed]: weak, as a held reference would change what the code does (autograd steals a gradient no
-        # one else holds, and copies one that is held), and checked, as a dead tensor's id is reused
+        # a tensor's serial number (set on it when first seen: never reused, unlike id(), and no reference held —
+        # a held reference would change what the code does: autograd steals a gradient no one else holds, and
+        # copies one that is held) -> [the run that made it, its bytes, consumed outside that run, consumed]
         self.made = {}
-        self.base = {}      # id(view) -> (a weak reference to it, the id of its base)
+        self.base = {}      # serial of a view -> serial of its base
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self.fused = self.read + self.gone + sum(m[2] for m in self.made.values() if m[3] or not m[4])
+        self.fused = self.read + sum(m[1] for m in self.made.values() if m[2] or not m[3])
         self.made, self.base, self.seen = {}, {}, set()
         return super().__exit__(*exc)
 
@@ -408,25 +408,21 @@ class _OpCount(TorchDispatchMode):
         return node is not None and type(node).__name__.startswith(_CORE_NODES)
 
     def _key(self, t) -> int:
-        view = self.base.get(id(t))
-        return view[1] if view is not None and view[0]() is t else id(t)
+        serial = getattr(t, "_op_count_serial", None)
+        if serial is None:
+            serial = next(_SERIALS)
+            t._op_count_serial = serial
+        return self.base.get(serial, serial)
 
     def _made(self, t):
-        made = self.made.get(self._key(t))
-        if made is None:
-            return None
-        if made[0]() is None:        # died (its id since reused): written if it left its run or was never read
-            self.gone += made[2] if made[3] or not made[4] else 0
-            del self.made[self._key(t)]
-            return None
-        return made
+        return self.made.get(self._key(t))
 
     def _boundary(self, tensors_in):
         """A matmul, attention, a collective or a core operation: its own kernel; what it reads leaves its run."""
         for t in tensors_in:
             made = self._made(t)
             if made is not None:
-                made[3] = made[4] = True
+                made[2] = made[3] = True
         self.run += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -440,7 +436,7 @@ class _OpCount(TorchDispatchMode):
         nbytes = sum(t.numel() * t.element_size() for t in tensors_in + tensors_out) if memory_bound else 0
         if func.is_view and tensors_in:
             for t in tensors_out:
-                self.base[id(t)] = (weakref.ref(t), self._key(tensors_in[0]))
+                self.base[self._key(t)] = self._key(tensors_in[0])
         if self._core():
             self.core_ops, self.core, self.core_mem = self.core_ops + 1, self.core + flops, self.core_mem + nbytes
             self._boundary(tensors_in)
@@ -462,22 +458,22 @@ class _OpCount(TorchDispatchMode):
             self.kernels, self.kernel_run = self.kernels + 1, self.run
         for t in tensors_in:
             made = self._made(t)
-            if made is not None and made[1] == self.run:
-                made[4] = True                      # made and consumed in this run: stays on chip
+            if made is not None and made[0] == self.run:
+                made[3] = True                      # made and consumed in this run: stays on chip
                 continue
             if made is not None:
-                made[3] = made[4] = True
+                made[2] = made[3] = True
             key = (self.run, self._key(t))
             if key not in self.seen:                # entering the run: read once
                 self.seen.add(key)
                 self.read += t.numel() * t.element_size()
         for t in tensors_out:
-            self._made(t)                           # (an earlier tensor of this id: settled)
-            self.made[id(t)] = [weakref.ref(t), self.run, t.numel() * t.element_size(), False, False]
+            self.made[self._key(t)] = [self.run, t.numel() * t.element_size(), False, False]
         return out
 
 
-_CORE_NODES = ("RingAttentionBackward",)   # the autograd node whose backward is an attention core
+_CORE_NODES = ("RingAttentionBackward",)
+_SERIALS = itertools.count(1)   # _OpCount's serial numbers of tensors   # the autograd node whose backward is an attention core
 
 
 def _dim_of(ranks: tuple, mesh) -> str:
@@ -1625,16 +1621,18 @@ def main(argv=None) -> int:
                                             "predicted; exit 1 outside the tight band.")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (each times every step per-round times)")
     p.add_argument("--per-round", type=int, default=2)
+    p.add_argument("--published", action="store_true",
+                   help="instead: every published GPU run (PUBLISHED) predicted beside its published tokens/s")
     a = p.parse_args(argv)
+    if a.published:
+        print("\n".join(published_report()[0]))
+        return 0
     out = predicted_vs_measured(rounds=a.rounds, per_round=a.per_round)
     print("\n".join(report(out)))
     ok = tight(out)
     print("tight band: met" if ok else "tight band: NOT met")
     return 0 if ok else 1
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 # ---- the planner against the world: published GPU runs ----------------------------------------------------------
@@ -1806,3 +1804,25 @@ def predict_published(row: Published) -> dict:
     assume = assumptions(list(row.assume))
     r = step_time(published_args(row), device_named(row.device, assume), assume, 8)
     return dict(r, per_gpu=r["tokens_per_s"] / row.gpus, ratio=r["tokens_per_s"] / row.gpus / row.tokens_per_gpu)
+
+
+def published_report(rows=None) -> tuple[list[str], list[dict]]:
+    """Every published run predicted: (lines of a table — source, run, published and predicted tokens/s per GPU,
+    the ratio, the predicted step's breakdown — then the median and range against TARGET_BAND, [prediction])."""
+    import statistics
+    rows = PUBLISHED if rows is None else rows
+    got = [predict_published(row) for row in rows]
+    lines = [f"{'run':74s} {'device':>8s} {'published':>10s} {'predicted':>10s} {'ratio':>6s}  predicted step (s)"]
+    for row, r in zip(rows, got):
+        lines.append(f"{row.name:74s} {row.device:>8s} {row.tokens_per_gpu:10.0f} {r['per_gpu']:10.0f} "
+                     f"{r['ratio']:6.2f}  {r['seconds']:.2f}: {breakdown(r)}; compute = "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in r["parts"].items() if v > 5e-4))
+    ratios = [r["ratio"] for r in got]
+    lo, hi = TARGET_BAND
+    lines.append(f"median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}; within "
+                 f"{lo}-{hi}x: {sum(lo <= x <= hi for x in ratios)} of {len(ratios)}")
+    return lines, got
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
