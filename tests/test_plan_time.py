@@ -252,18 +252,44 @@ def _inside_a_node(first: dict) -> bool:
 
 def _check_default(out):
     assert "assumptions: the defaults" in out, out[:400]
-    assert not _inside_a_node(_first(out)), out          # ZeRO over more ranks than a node holds
-
-
-def _check_slow_network(out):
-    assert "assumptions: inter_beta=5000000000.0" in out, out[:400]
     first = _first(out)
     assert _inside_a_node(first) and first.get("dp-replicate", 1) > 1, out   # HSDP: shard groups in a node
 
 
+def _check_fast_network(out):
+    assert "assumptions: inter_beta=400000000000.0" in out, out[:400]
+    assert not _inside_a_node(_first(out)), out          # ZeRO over more ranks than a node holds
+
+
+PLAN8 = ("python train.py --plan --device h100 --model llama3-8b --dtype bfloat16 --seq-len 8192 --global-batch-size 16 "
+         "--dp-shard 8 --activation-checkpointing selective")
+
+
+def _compute(out: str) -> dict:
+    line = next(l for l in out.splitlines() if l.strip().startswith("compute: matmul"))
+    return {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)", line)}
+
+
+def _check_course(out):
+    assert "assumptions: the defaults" in out and _compute(out)["memory"] > 0, out[-600:]
+
+
+def _check_torchtitan(out):
+    # compile fuses the memory-bound work; torchtitan's policy recomputes every second matmul: more matmul time,
+    # a shorter step than the course's eager code (the same layout, predicted in-process)
+    assert "framework=torchtitan" in out and "selective_every=2" in out, out[-600:]
+    course = T.step_time(train.parse_args(PLAN8.split()[2:]), T.device_named("h100"))
+    got = _compute(out)
+    assert got["memory"] < course["parts"]["memory"] and got["matmul"] > course["parts"]["matmul"], (got, course)
+    step = float(re.search(r"\): ([\d.]+) s per step", out).group(1))
+    assert step < course["seconds"], (step, course["seconds"])
+
+
 EXERCISES = [
     Exercise(SEARCH64, _check_default, timeout=600),
-    Exercise(SEARCH64 + " --assume inter_beta=5e9", _check_slow_network, timeout=600),
+    Exercise(SEARCH64 + " --assume inter_beta=400e9", _check_fast_network, timeout=600),
+    Exercise(PLAN8, _check_course, timeout=600),
+    Exercise(PLAN8 + " --compile --assume framework=torchtitan", _check_torchtitan, timeout=600),
 ]
 
 
