@@ -3,11 +3,15 @@
 One step's time on one rank, from what the real code path does (the same fake process group and meta device
 as lab/plan.py), at a device's rates:
 
-    compute      the FLOPs the real step performs on this rank — PyTorch's FlopCounterMode over one micro-batch's
+    compute      the FLOPs the real step performs on this rank — PyTorch's FLOP formulas over one micro-batch's
                  forward and backward of the real model on meta tensors, checkpointing's recompute included (it
-                 runs inside the backward) — at the device's peak × Assumptions.efficiency; plus, for the
+                 runs inside the backward), causal attention at half — matmuls at the device's peak × its
+                 measured matmul efficiency, fused attention at its attention efficiency; plus, for the
                  operations without FLOPs (elementwise, norms, copies), the bytes they read and write at the
-                 memory bandwidth, and every operation's overhead (Device.op_overhead)
+                 memory bandwidth (compiled: each run of them one kernel), and every launch's host cost
+                 (Device.op_overhead; a GPU launches ahead: the longer of the two). What a GPU run adds to the
+                 course's code — fused attention, compile, float8, overlaps, a framework's policies — are
+                 MECHANISMS, set by --assume or a framework's bundle (FRAMEWORKS)
     collectives  the bytes the same run hands to each collective, grouped by the mesh dimension of its group
                  (instruments.CommCounter), at α·steps + wire bytes/β (instruments.wire_bytes: a ring) for the
                  link the group crosses: inside a node or between nodes, from where its ranks sit on the mesh
@@ -21,8 +25,8 @@ as lab/plan.py), at a device's rates:
     bubble       pipeline.simulate of the schedule itself, with the forward and backward times above
     overlap      Assumptions.overlap: the share of a window of compute that hides a collective, per strategy
                  (ZeRO-3's prefetched gathers behind the whole step's compute, a single backward's reductions
-                 behind that backward, DDP's buckets behind the last backward; tp, cp's ring and the pipeline's
-                 sends exposed)
+                 behind that backward, DDP's buckets behind the last backward, cp's ring behind the attention;
+                 tp behind the phase's matmuls where overlapped; the pipeline's sends exposed)
     optimizer    AdamW and the clip's arithmetic: per element of the local shard (Device.optimizer_elem, else
                  Assumptions.optimizer_bytes at the memory bandwidth) and per tensor piece it loops over
                  (Device.optimizer_tensor: eager single-tensor AdamW on a CPU costs ~0.3 ms a tensor here)
