@@ -107,8 +107,9 @@ class Device:
 # A100 SXM 271.2 of 312 (86.9%), H100 SXM 794.5 of 989 (80.3%; "H200 is the same"), fp8 H100 SXM 1402.6 of 1979
 # (70.9%), H200 SXM 1453.4 (73.4%). Fused attention: FlashAttention-2 (PyTorch's SDPA flash kernel) at head dim
 # 128 reaches 330-370 TFLOP/s forward on an H100 SXM5 and FlashAttention-3 600-650 (Shah et al. 2024,
-# arXiv:2407.08608, Fig. 5), its backward less: 0.33 of the peak; on an A100, 50-73% of the peak forward and up
-# to 63% backward (Dao 2023, arXiv:2307.08691, section 4.1): 0.55.
+# arXiv:2407.08608, Fig. 5); its backward, 2.5x the forward's FLOPs, runs slower than its forward: 0.30 of the
+# peak over both (a judgement from those figures, not a measurement of its own); on an A100, 50-73% of the peak
+# forward and less backward (Dao 2023, arXiv:2307.08691): 0.55.
 _GPU = dict(async_launch=True, op_overhead=5e-6)
 DEVICES = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense bf16 (1,979 with sparsity), 1,979 dense fp8, 67 TFLOPS fp32,
