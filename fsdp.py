@@ -61,7 +61,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mesh import all_gather_single, collective_device, reduce_scatter_single, resolve_group
+from mesh import agree, all_gather_single, collective_device, reduce_scatter_single, resolve_group
+
+
+# Every collective below is announced first (mesh.agree): ranks that are about to make different ones — a unit
+# only some ranks run, units in another order — stop with one error naming each rank's, instead of aborting,
+# hanging or swapping data. What to do then:
+AGREE_FIX = ("Every rank must run the same sharded modules in the same order: a module that only some ranks run "
+             "cannot be gathered unit by unit. Run it on every rank, or keep it gathered: leave it out of units= "
+             "(it joins the root unit, gathered from forward into backward), or pass reshard_after_forward=False.")
+
+
+def _agree(group, what):
+    agree(group, what, AGREE_FIX)
 
 
 # ---- 1. the flat parameter: a unit's parameters as views of one buffer, one slice per rank ---------
@@ -87,9 +99,10 @@ class FlatUnit:
 
     offload = False  # the master beside the shard, on this device (OffloadedUnit: in host memory)
 
-    def __init__(self, entries, stage, group, divide_by, after_reduce=None, param_dtype=None, init_fn=None):
+    def __init__(self, entries, stage, group, divide_by, after_reduce=None, param_dtype=None, init_fn=None,
+                 label="a unit"):
         # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
-        self.stage, self.group = stage, group
+        self.stage, self.group, self.label = stage, group, label  # label: "unit 2 (layers.1)", in errors
         self.divide_by, self.after_reduce = divide_by, after_reduce  # how the optimizer finishes a reduction
         self.group_size, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if stage > 0 else (1, 0)
         self.aliases, self.shapes = [e[0] for e in entries], [tuple(e[2].shape) for e in entries]
@@ -144,13 +157,15 @@ class FlatUnit:
         """After the master slice changed (a step, a load): refresh every compute copy of it."""
         self.refresh_shard()
         if self.stage in (1, 2):
+            _agree(self.group, f"gathers {self.label}'s new parameters")
             all_gather_single(self.buf, self.shard, group=self.group)
         if self.stage == 3:
             self.free()  # a gathered copy would be stale: the next use gathers the new values
 
-    def unshard(self):
+    def unshard(self, why="for forward"):
         """Stage 3: start the all-gather of buf, [n] per rank -> [N], unless it is gathered already."""
         if self.gather_work is None and self.buf.untyped_storage().size() == 0:
+            _agree(self.group, f"gathers {self.label} {why}")
             self.buf.untyped_storage().resize_(self.flat_numel * self.buf.element_size())
             self.gather_work = all_gather_single(self.buf, self.shard, group=self.group, async_op=True)
             for p, view in zip(self.params, self.views(self.buf.data)):
@@ -180,7 +195,10 @@ class FlatUnit:
                     p.grad = None  # stages 2-3 keep only the reduced slice
         if self.stage == 0:  # (a group of one has nothing to add; nor have gradients averaged already)
             single = dist.get_world_size(self.group) == 1 or self.averaged
+            if not single:
+                _agree(self.group, f"all-reduces {self.label}'s gradients")
             return g, None if single else dist.all_reduce(g, group=self.group, async_op=True), g
+        _agree(self.group, f"reduce-scatters {self.label}'s gradients")
         out = g.new_empty(self.shard_numel)
         return out, reduce_scatter_single(out, g, group=self.group, async_op=True), g
 
@@ -374,6 +392,7 @@ class ZeroOptimizer:
         for (group, after_reduce), us in by_group.items():
             used = torch.cat([u.used for u in us])
             if dist.get_world_size(group) > 1 and not us[0].averaged:
+                _agree(group, f"all-reduces which of {len(used)} parameters got a gradient")
                 dist.all_reduce(used, group=group)
             if after_reduce is not None:
                 after_reduce(used)
@@ -414,6 +433,7 @@ class ZeroOptimizer:
                 s += (q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))).to(s.device)
         for g, s in sums.items():
             if g is not None:
+                _agree(g, "all-reduces the gradients' squared norm (clipping)")
                 dist.all_reduce(s, group=g)
         self.grad_norm = sum(sums.values()).sqrt()
         for u in [u for u in self.units if u.master.grad is not None]:
@@ -451,7 +471,7 @@ def shard_optimizer(params, optimizer_cls=torch.optim.AdamW, *, group=None, **op
         if not mine:
             continue
         entries = [((f"group{k}.param{i}",), [], p) for i, p in enumerate(mine)]
-        u = FlatUnit(entries, 1, group, dist.get_world_size(group))
+        u = FlatUnit(entries, 1, group, dist.get_world_size(group), label=f"parameter group {k}")
         units.append(u)
         inner.append(dict({k: v for k, v in g.items() if k != "params"}, params=[q for *_, q in u.pieces]))
     return ZeroOptimizer(None, units, optimizer_cls, 1, groups=inner, **optimizer_kwargs)
@@ -560,14 +580,20 @@ class _GatherHooks(_ReduceHooks):
         super().__init__(opt, units, root)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.order = []  # units by first forward, for the prefetch
+        self.forwards = [0] * len(units)  # forwards of each unit since the last backward (in errors: mesh.agree)
 
     def gather(self, i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
         j = self.order.index(i) + step  # (pre_forward listed i before its first gather)
         units, order = self.units, self.order
         ahead = units[order[j]][1] if self.prefetch and 0 <= j < len(order) and units[order[j]][0][0] is not self.root \
             else []
-        for u in units[i][1] + ahead:
-            u.unshard()
+        way = "forward" if step > 0 else "backward"
+        again = step > 0 and self.forwards[i] > 1  # (a unit run twice: the same on every rank, or an error below)
+        why = f"for {way}" + (f", its {_nth(self.forwards[i])} forward since the last backward" if again else "")
+        for u in units[i][1]:
+            u.unshard(why)
+        for u in ahead:
+            u.unshard(f"ahead of its {way} (prefetch)")
         for u in units[i][1]:
             u.wait()
 
@@ -578,6 +604,7 @@ class _GatherHooks(_ReduceHooks):
     def pre_forward(self, i, first, args, kwargs):
         if i not in self.order:
             self.order.append(i)
+        self.forwards[i] += first
         self.gather(i, +1)  # (a unit's later modules find it gathered already)
         return super().pre_forward(i, first, args, kwargs)
 
@@ -595,6 +622,14 @@ class _GatherHooks(_ReduceHooks):
         super().post_backward(i)
         if self.reshard_after_forward or not self.opt.deferring:
             self.free(i)
+
+    def end_of_backward(self):
+        super().end_of_backward()
+        self.forwards = [0] * len(self.units)
+
+
+def _nth(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
 def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
@@ -718,9 +753,12 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                 m._parameters[attr] = nn.Parameter(full.to(collective_device(group), param_dtype or full.dtype), False)
 
     unit_cls = OffloadedUnit if offload else FlatUnit
-    flat_units = [(um, [unit_cls(entries, stage, g, d, a, param_dtype, init_fn)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    label = lambda k, um: f"unit {k} ({', '.join(module_names[id(m)] for m in um)})" if um[0] is not model \
+        else f"the root unit ({type(model).__name__}'s own parameters)"  # noqa: E731
+    flat_units = [(um, [unit_cls(entries, stage, g, d, a, param_dtype, init_fn, label(k, um))
                         for (g, d, a), entries in buffers_of[id(um)].items()])
-                  for um in units if buffers_of[id(um)]]
+                  for k, um in enumerate(units) if buffers_of[id(um)]]
     for u in flat_units[-1][1] if flat_units and flat_units[-1][0][0] is model else []:
         u.root = True
     for u in (u for _, us in flat_units for u in us):
@@ -817,6 +855,7 @@ def full_state_dict(opt) -> dict:
         if opt.stage > 0:
             mine = full.to(u.used.device)  # (an offloaded master: gathered on the device our groups use)
             full = mine.new_empty(u.flat_numel)
+            _agree(u.group, f"gathers {u.label} for full_state_dict")
             all_gather_single(full, mine, group=u.group)
         out.update((n, v.clone()) for names, v in zip(u.aliases, u.views(full)) for n in names)
     return out
