@@ -297,8 +297,8 @@ def _restart_store(timeout) -> dict:
     """A job torchrun restarts (`--max-restarts`) needs one more thing. Every group is built through a
     key-value store: each rank publishes its address under a key and reads its peers'. torchrun's
     single-node launcher keeps ONE store across attempts, so after a restart the old attempt's keys are
-    still there, and a new rank can read a dead rank's address ("Gloo connectFullMesh failed ...
-    Connection refused") or hang. So under torchrun every attempt gets its own key namespace
+    still there, and a new rank can read a dead rank's address and fail to connect, or hang. So under
+    torchrun every attempt gets its own key namespace
     (TORCHELASTIC_RESTART_COUNT), which every group built later inherits. Returns init_process_group's
     extra arguments ({} outside torchrun's agent)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")

@@ -173,7 +173,7 @@ class StepMeter:
     def results(self) -> dict:
         """The per-step readings, and what the last step left: bytes by collective, model state, layout."""
         opt, mesh = self.trainer.opt, self.trainer.mesh
-        return dict(self.out, comm_summary=self.comm.summary(), meta_init=self.trainer.meta, coords=dict(mesh.coords),
+        return dict(self.out, comm_summary=self.comm.summary(), coords=dict(mesh.coords),
                     offload_formula=offload_formula(opt),
                     comm_events=[(e.op, e.group_ranks, e.api_bytes) for e in self.comm.events],
                     zero_units=[(u.flat_numel, u.names[0], 1 if u.averaged else dist.get_world_size(u.group),

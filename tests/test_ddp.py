@@ -469,3 +469,30 @@ EXERCISES = [
     Exercise("python -m pytest -q tests/test_awkward_ddp.py -k P2-unused", _check_no_agreement, edits=(NO_AGREEMENT,),
              fails=True),
 ]
+
+
+# ---- the core (ddp.py section 1): average_gradients, data parallel in its plainest form --------------------
+
+def _average_gradients_run(steps=STEPS):
+    """The float64 tiny model trained on this rank's rows with average_gradients after each backward: the
+    parameters after the steps on this rank, and the last step's collectives."""
+    from ddp import average_gradients
+    from lab.data import get_batch, load_corpus
+    tokens, r, P = load_corpus(), dist.get_rank(), dist.get_world_size()
+    model = build_model("tiny", seed=0, dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for s in range(steps):
+        model(*get_batch(tokens, s, B, S, 0, r, P)).backward()
+        with CommCounter() as comm:
+            average_gradients(model.parameters())
+        opt.step()
+        opt.zero_grad()
+    return dict(state=snapshot(model), calls=comm.calls("all_reduce"), bytes=comm.bytes("all_reduce"))
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_average_gradients_equals_one_process_in_one_all_reduce(P):
+    want = single_process(reference_model(dtype=torch.float64), global_batches(STEPS, B, S), lr=LR)["model"]
+    for rank, res in enumerate(run_ranks(_average_gradients_run, P, timeout=120)):
+        assert max_diff(res["state"], snapshot(want)) < 1e-10, (P, rank, max_diff(res["state"], snapshot(want)))
+        assert (res["calls"], res["bytes"]) == (1, NUMEL * 8), (P, rank, res)  # every gradient in ONE call
