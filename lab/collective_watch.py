@@ -392,21 +392,20 @@ def set_probe(fn) -> None:
     _S["probe"] = fn
 
 
-def end_check(error: str | None) -> str | None:
-    """After a check: say I am done (and how), wait for every rank to be done. Returns a peer's failure if one
-    failed and I did not (the check failed on some ranks only)."""
+def end_check(error: str | None, wait: float | None = None) -> dict:
+    """After a check: say I am done (and how), and wait (at most `wait` s, default patience + 5) for every rank to be
+    done. Returns {rank: its error or None}, the same on every rank (one not done in time: "never finished the
+    check")."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
+        return {0: error}
     store, me, P = _store(), dist.get_rank(), dist.get_world_size()
     last = events[-1]["line"] if events else "none"
     store.set(_key("s", me), json.dumps(dict(state="done", error=error, where=last, n=_S["n"], waits=[])))
-    deadline = time.monotonic() + _S["patience"] + 5
+    deadline = time.monotonic() + (_S["patience"] + 5 if wait is None else wait)
     while True:
         states = {r: _state(r) for r in range(P)}
         if all(s is not None and s["state"] == "done" for s in states.values()):
-            break
+            return {r: s["error"] for r, s in states.items()}
         if time.monotonic() > deadline:
-            return f"rank(s) {[r for r, s in states.items() if not s or s['state'] != 'done']} never finished the check"
+            return {r: s["error"] if s and s["state"] == "done" else "never finished the check" for r, s in states.items()}
         time.sleep(0.01)
-    failed = [(r, s["error"]) for r, s in states.items() if s["error"]]
-    return None if error or not failed else f"rank {failed[0][0]} raised {failed[0][1]}"

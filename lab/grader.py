@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 
 from lab import collective_watch as watch
-from lab.workbook import BY_NAME, EXERCISES, ROOT, WORKSPACE, Exercise, Refusal, is_blank, learner_text, marker, \
-    exercise, record_pass, yours
+from lab.workbook import BY_NAME, EXERCISES, ROOT, WORKSPACE, Exercise, Refusal, core_source, exercise, is_blank, \
+    learner_text, marker, record_pass, yours
 
 F64 = torch.float64
 LR = 0.5          # SGD's learning rate: an update is -LR·g, the gradient's pattern unchanged
 B, S = 8, 8       # global batch, sequence length of the data-parallel checks
 TOL = 1e-9        # float64: equal to one process means equal to rounding
 PATIENCE = float(os.environ.get("COURSE_GRADE_PATIENCE", "10"))   # seconds a rank waits for a missing peer
-CHECK_SECONDS = float(os.environ.get("COURSE_GRADE_CHECK_SECONDS", "120"))  # one check's limit (an endless loop)
+CHECK_SECONDS = float(os.environ.get("COURSE_GRADE_CHECK_SECONDS", "60"))  # one check's limit (an endless loop)
 
 
 @dataclass(frozen=True)
@@ -196,17 +196,19 @@ def _guarded(run, P: int) -> dict:
     except watch.CollectiveMismatch as e:
         error, kind = str(e), "mismatch"
     except CheckTimeout as e:
-        error, kind = str(e), "timeout"
+        error, kind = f"{e}{_where(e.__traceback__)}", "timeout"
     except Exception as e:  # noqa: BLE001 - the learner's error, named with where it happened
         first = (str(e).strip().splitlines() or [""])[0][:300]
         error, kind = f"{type(e).__name__}: {first}{_where(e.__traceback__)}", "error"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    peer = watch.end_check(error)
-    if peer and not error:
-        error, kind = f"another rank failed: {peer}", "peer"
-    return dict(out=out, error=error, kind=kind, seconds=time.perf_counter() - t0)
+    errors = watch.end_check(error, wait=CHECK_SECONDS + 5)   # a rank in an endless loop is stopped by its alarm
+    failed = [(r, e) for r, e in sorted(errors.items()) if e]
+    if failed and not error:
+        error, kind = f"another rank failed: rank {failed[0][0]}: {failed[0][1]}", "peer"
+    stuck = any(e.startswith(("the check ran longer", "never finished")) for _, e in failed)
+    return dict(out=out, error=error, kind=kind, seconds=time.perf_counter() - t0, stuck=stuck)
 
 
 def rank_main(jobs, patience: float = PATIENCE) -> list[dict]:
@@ -227,7 +229,14 @@ def rank_main(jobs, patience: float = PATIENCE) -> list[dict]:
             runs = {c.run.__name__: c.run for c in CHECKS[name] if c.run is not None and P in c.worlds}
             try:
                 with patched(BY_NAME[name], path):
-                    results.append({k: _guarded(run, P) for k, run in runs.items()})
+                    res = {}
+                    for k, run in runs.items():
+                        if any(r.get("stuck") for r in res.values()):   # (the same on every rank: end_check's)
+                            res[k] = dict(out=None, kind="timeout", error=f"not run: an earlier check of this "
+                                          f"exercise ran longer than {CHECK_SECONDS:.0f} s on a rank (an endless loop?)")
+                            continue
+                        res[k] = _guarded(run, P)
+                    results.append(res)
             except Exception as e:  # noqa: BLE001 - the learner's file does not load
                 err = f"{os.path.relpath(path, ROOT)} does not load: {type(e).__name__}: {e}"
                 results.append({k: dict(out=None, error=err, kind="load") for k in runs})
@@ -254,8 +263,13 @@ def _judge(check: Check, P, results) -> Outcome:
         r, res = min(failed, key=lambda f: order.index(f[1]["kind"]))
         who = "every rank" if len(failed) == len(results) and len(results) > 1 else f"rank {r}"
         if res["kind"] in ("mismatch",):
-            who = "collectives do not match"
-        return Outcome(P, check.title, False, [f"{who}: {res['error']}"], res["kind"])
+            who = "a hang, stopped" if res["error"].startswith("deadlock") else "collectives do not match"
+        lines = [f"{who}: {res['error']}"]
+        others = {}   # what the other ranks met, when it is something else (an endless loop beside a wait)
+        for r2, res2 in failed:
+            if res2["kind"] not in (res["kind"], "peer") and res2["kind"] not in others:
+                others[res2["kind"]] = f"rank {r2}: {res2['error']}"
+        return Outcome(P, check.title, False, lines + list(others.values()), res["kind"])
     try:
         lines = check.judge(P, [res["out"] for res in results])
     except Exception as e:  # noqa: BLE001 - something the judge did not expect: still a failure, said plainly
@@ -275,8 +289,16 @@ def evaluate(jobs: dict, timeout: float = 600) -> dict:
             per_rank = [res[j] for res in results]
             for k in per_rank[0] if per_rank else []:
                 TIMES[(name, k, P)] = max(rr[k].get("seconds", 0) for rr in per_rank)
-            out[(name, path, P)] = [_judge(c, P, [rr[c.run.__name__] for rr in per_rank])
-                                    for c in CHECKS[name] if c.run is not None and P in c.worlds]
+            outcomes, told = [], set()
+            for c in CHECKS[name]:
+                if c.run is None or P not in c.worlds:
+                    continue
+                o = _judge(c, P, [rr[c.run.__name__] for rr in per_rank])
+                if o.kind is not None and c.run.__name__ in told:   # one failed run, several checks: say it once
+                    o.lines = ["the same run as above failed (see there)"]
+                told.add(c.run.__name__)
+                outcomes.append(o)
+            out[(name, path, P)] = outcomes
     pure = {(n, p) for todo in jobs.values() for n, p in todo if any(c.run is None for c in CHECKS[n])}
     for name, path in sorted(pure, key=str):
         out[(name, path, None)] = pure_outcomes(name, path)
@@ -322,6 +344,10 @@ def grade(name: str, root: str = ROOT, out=print) -> bool:
     text = learner_text(ex, root)
     path = yours(ex, root)
     rel = os.path.relpath(path, root)
+    for q in ex.cores:
+        if core_source(text, q) is None:
+            raise Refusal(f"{rel} has no {q} any more: write it back (python -m lab.exercises solution {name} prints "
+                          f"the reference's), or start over: python -m lab.exercises start {name} --over")
     try:
         load(path, ex.lesson)
     except Exception as e:  # noqa: BLE001
