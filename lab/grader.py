@@ -9,7 +9,7 @@ message within seconds, never a hang), then for each version the learner's core 
 reference's — every name bound to the reference function in the course's modules, or the class attribute of a
 method (so subclasses use it too: fsdp's FlatUnit, expert_parallel's layer) — its checks run, and it is taken out
 again. Each check runs one small float64 job (`run`, on every rank) and judges it in the grading process against
-the single process (lab.baseline's loop, here with SGD, so that a wrong gradient's pattern — P× too large, a sign,
+the single process (lab.baseline.single_process, here with SGD, so that a wrong gradient's pattern — P× too large, a sign,
 one rank's slice — shows unchanged in the parameters) and against the formula the core exists for (`judge`).
 A failure says on which rank, which tensor, how far off and in what pattern, or which formula broke and by how much.
 """
@@ -491,22 +491,22 @@ def _grads(model):
 
 @functools.cache
 def one_process(seed=0, steps=2, cfg="tiny", B=B, S=S, m=1):
-    """THE single-process run (lab.baseline's loop, with SGD): states [before, after step 1, ...], each step's
-    gradients. m > 1: the loss of each batch is the mean of its m micro-batches' means (a pipeline's)."""
+    """THE single-process run (lab.baseline.single_process, with SGD): states [before, after step 1, ...], each
+    step's gradients, losses. m > 1: a batch's loss is the mean of its m micro-batches' means (a pipeline's)."""
+    from lab.baseline import single_process, snapshot
     from lab.model import build_model
+    batches = [_batch(s, B, S, seed) for s in range(steps)]
+
+    def loss_fn(model, batch):
+        return sum(model(a, b) for a, b in zip(batch[0].chunk(m), batch[1].chunk(m))) / m
     model = build_model(cfg, seed=0, dtype=F64)
-    opt = _sgd(model.parameters())
-    states, grads, losses = [_snap(model)], [], []
-    for s in range(steps):
-        x, y = _batch(s, B, S, seed)
-        loss = sum(model(a, b) for a, b in zip(x.chunk(m), y.chunk(m))) / m
-        loss.backward()
-        grads.append(_grads(model))
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-        states.append(_snap(model))
-    return states, grads, losses
+    states, out = [snapshot(model)], None
+    for k in range(1, steps + 1):   # (the loop returns the last state: one call per prefix of the batches)
+        out = single_process(model, batches[:k], lr=LR, optimizer=SGD, loss_fn=loss_fn, keep_grads=True)
+        states.append(snapshot(out["model"]))
+    grads = [{n: g if g is not None else torch.zeros_like(states[0][n]) for n, g in step.items()}
+             for step in out["grads"]]
+    return states, grads, out["losses"]
 
 
 class SGD:
@@ -1128,8 +1128,8 @@ def judge_hsdp_bytes(P, res):
 CHECKS["across_replicas"] = [
     Check("HSDP equal to one process in float64 after each of 2 SGD steps, on every rank: 2 replicas × 1 shard "
           "(2 ranks), 2 × 2 (4 ranks)", run_hsdp, judge_hsdp_equal, worlds=(2, 4)),
-    Check("across replicas only the reduced shard and the used-flags: one all-reduce per unit of 8Ψ/S + 4k bytes "
-          "over the replicate group per step", run_hsdp, judge_hsdp_bytes, worlds=(2, 4)),
+    Check("across replicas only the reduced shards and the used-flags: 8Ψ/S + 4k bytes all-reduced over the "
+          "replicate group per step, nothing else crosses", run_hsdp, judge_hsdp_bytes, worlds=(2, 4)),
 ]
 
 
@@ -1140,12 +1140,11 @@ TP_B, TP_S = 2, 8
 
 @functools.cache
 def _tp_reference():
+    from lab.baseline import single_process
     from lab.model import build_model
-    x, y = _batch(0, TP_B, TP_S, seed=3)
-    model = build_model("tiny", seed=0, dtype=F64)
-    loss = model(x, y)
-    loss.backward()
-    return loss.item(), _grads(model)
+    one = single_process(build_model("tiny", seed=0, dtype=F64), [_batch(0, TP_B, TP_S, seed=3)], lr=LR,
+                         optimizer=SGD, keep_grads=True)
+    return one["losses"][0], one["grads"][0]
 
 
 def _tp(P, sp):
