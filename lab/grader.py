@@ -1185,8 +1185,10 @@ def judge_tp_equal(P, res):
     L = 2 * 2 + 2
     scales = [(float(P) ** k, f"{P ** k}× the expected (= t^{k}, t = tp size {P}: summed over tp {k} time(s) where "
                f"it was whole — a backward that should be the identity all-reduces)") for k in range(1, L + 1)]
-    return compare_named(P, res, "grads", want, what=" (gradient of this rank's slice)", reverse=True,
-                         scales=scales + [(1 / P, f"1/{P} of the expected: a partial gradient never summed over tp")])
+    lines = compare_named(P, res, "grads", want, what=" (gradient of this rank's slice)", reverse=True,
+                          scales=scales + [(1 / P, f"1/{P} of the expected: a partial gradient never summed over tp")])
+    return lines + (["(the loss is right: the backward differs — f's backward sums x's gradient over tp, every rank "
+                     "having used all of x; g's backward is the identity)"] if lines else [])
 
 
 def judge_tp_formula(P, res):
@@ -1373,7 +1375,9 @@ def _blocks(n, seed=0, scale=1.0, B_=2, H=3, c=5, D=4):
 
 
 def _merge_wrong(o, l, bo, bl):
-    return [("the running output unchanged: the block was not folded in", o),
+    return [("the correction's sign flipped: out' = out − sigmoid(lse_b − lse)·(out − out_b)",
+             o + torch.sigmoid(bl - l)[..., None] * (o - bo)),
+            ("the running output unchanged: the block was not folded in", o),
             ("the block's output alone: the running output was dropped", bo),
             ("the plain average of the two outputs: weight each by its share e^lse/(e^lse + e^lse_b)", (o + bo) / 2),
             ("each output weighted by the OTHER block's share: sigmoid's argument reversed",
@@ -1473,11 +1477,31 @@ def _ring_reference(P, layout, causal):
     return [{n: shard_sequence(t, P, r, layout, dim=2) for n, t in full.items()} for r in range(P)]
 
 
+@functools.cache
+def _ring_alone(P, r, causal):
+    """A contiguous shard's attention over its own keys only: what a ring that never passes its blocks gives."""
+    from lab.ring_attention_demo import seeded_inputs
+    from ring_attention import shard_sequence
+    sh = RING_SHAPE
+    q, k, v, _ = (shard_sequence(t, P, r, "contiguous", dim=2) for t in
+                  seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
 def _judge_ring(P, res, names):
     for layout, causal in RING_CASES:
         want = _ring_reference(P, layout, causal)
+
+        def cands(r, n):
+            if n != "out" or layout != "contiguous" or P == 1:
+                return []
+            return [("this rank's queries against its own keys only: the other ranks' blocks were never folded in (the "
+                     "ring stops short)", _ring_alone(P, r, causal))] + (
+                [("its own block seen without the causal mask: a query reads the keys after it (a diagonal pair needs "
+                  "the mask: block_forward(..., diagonal))", _ring_alone(P, r, False))] if causal and r == 0 else [])
         lines = compare_named(P, [{"t": {n: x[(layout, causal)][n] for n in names}} for x in res], "t",
-                              lambda r, n: want[r][n], what=f" ({layout}, {'causal' if causal else 'not causal'})")
+                              lambda r, n: want[r][n], what=f" ({layout}, {'causal' if causal else 'not causal'})",
+                              candidates_of=cands)
         if lines:
             return lines
     return []
@@ -1554,9 +1578,15 @@ def _ep_case(P, capacity):
                  router_grad=(layer.router.weight.grad, ref.router.weight.grad))
     for name, p, q in zip(("w1", "w3", "w2"), layer.expert_parameters(), (ref.w1, ref.w3, ref.w2)):
         pairs[name + "_grad"] = (p.grad, q.grad[lo:lo + n])
-    experts = ref.route(x_all.view(-1, cfg.dim))[2]
+    _, weights, experts, _ = ref.route(x_all.view(-1, cfg.dim))
+    unweighted = None
+    if capacity is None:   # what a combine that forgets the router's weights gives: the k experts' outputs summed
+        with torch.no_grad():
+            xs = x_all.view(-1, cfg.dim)
+            unweighted = sum(torch.stack([ref.expert(int(e), xs[t]) for t, e in enumerate(experts[:, j])])
+                             for j in range(cfg.top_k))[sl].view_as(out)
     return dict(got={k: a.detach().clone() for k, (a, _) in pairs.items()},
-                want={k: b.detach().clone() for k, (_, b) in pairs.items()},
+                want={k: b.detach().clone() for k, (_, b) in pairs.items()}, unweighted=unweighted,
                 a2a=[(e["bytes"], c.wire(e)) for e in c.events if e["op"] == "all_to_all"],
                 rows=_expected_rows(experts, ref.capacity(N), sizes, n, P), dropped=layer.dropped,
                 ref_dropped=ref.dropped, n_local=n)
@@ -1582,7 +1612,11 @@ def run_ep(P):
 def judge_ep_equal(P, res):
     for case in ("dropless", "capacity 1.0"):
         lines = compare_named(P, [x[case] for x in res], "got", lambda r, n: res[r][case]["want"][n],
-                              what=f" ({case})", scales=[(P, f"{P}× the expected ({P} = ep)")] if P > 1 else [])
+                              what=f" ({case})", scales=[(P, f"{P}× the expected ({P} = ep)")] if P > 1 else [],
+                              candidates_of=lambda r, n: [("the k experts' outputs summed without the router's weights: "
+                                                           "weight each result by weights[t, slot] before summing it "
+                                                           "into its token", res[r][case]["unweighted"])]
+                              if n == "out" and res[r][case]["unweighted"] is not None else [])
         if lines:
             return lines + ["(expected: the single-device MoE of lab/model.py on all the ranks' tokens)"]
     return []

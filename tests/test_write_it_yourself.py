@@ -149,7 +149,7 @@ BUGS = {
     "merge": [
         Bug("a sign", "return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
             "return out + torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
-            r"two blocks merged: out off by", None),
+            r"two blocks merged: out off by .* the correction's sign flipped", None),
         Bug("sigmoid's argument reversed", "torch.sigmoid(block_lse - lse)[..., None]",
             "torch.sigmoid(lse - block_lse)[..., None]", r"each output weighted by the OTHER block's share", None),
         Bug("the textbook formula without the maximum (overflows)",
@@ -163,11 +163,18 @@ BUGS = {
     "ring": [
         Bug("the blocks never passed on", "nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
             "nxt = None      # the next", r"rank 1, out \(contiguous, causal\): off by"),
+        Bug("the last step dropped (off by one)", "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n"
+            "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
+            "for t, src, pairs in ring_schedule(cp, rank, layout, causal)[:-1]:\n"
+            "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
+            r"rank 1, out \(contiguous, causal\): off by .* its own keys only: the other ranks' blocks were never folded "
+            r"in"),
         Bug("one pass too many", "nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
             "nxt = RingPass([kb, vb], group)      # the next", r"sends in forward .* expected \(2, .* measured \(4, .* one "
             r"pass too many"),
         Bug("the diagonal block not masked", "*block_forward(qs[i], ks[j], vs[j], scale, diagonal)",
-            "*block_forward(qs[i], ks[j], vs[j], scale, False)", r"rank 0, out \(contiguous, causal\): off by"),
+            "*block_forward(qs[i], ks[j], vs[j], scale, False)", r"rank 0, out \(contiguous, causal\): off by .* its own "
+            r"block seen without the causal mask"),
         Bug("the wrong lse saved for the backward", "ctx.save_for_backward(q, k, v, out, lse)",
             "ctx.save_for_backward(q, k, v, out, lse * 0)", r"rank 0, dq \(contiguous, causal\): off by"),
     ],
@@ -183,7 +190,7 @@ BUGS = {
     ],
     "dispatch_combine": [
         Bug("the results not weighted by the router", "index_add(0, tok, back * weights.flatten()[sel, None])",
-            "index_add(0, tok, back)", r"rank 0, out \(dropless\): off by"),
+            "index_add(0, tok, back)", r"rank 0, out \(dropless\): off by .* without the router's weights"),
         Bug("the combine's splits not swapped", "back = self.all_to_all(y, send, recv, self.ep_group)",
             "back = self.all_to_all(y, recv, send, self.ep_group)",
             r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
