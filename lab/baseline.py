@@ -88,7 +88,8 @@ def max_diff(a, b) -> float:
 # it into a step of up to lr, in one run and not the other. So fp32 (or bf16) parameters after AdamW can differ
 # by whole steps however correct the strategy is, and where that happens depends on the machine.
 # In float64 the rounding (~1e-16 of a gradient) is eight orders below eps = 1e-8, so no update is amplified and
-# parameters agree to ~1e-13 or better: TOL64 is far above that, and far below what a wrong gradient, shard or step does.
+# parameters agree to ~1e-13 or better: TOL64 is far above that, and far below what a wrong gradient, shard or
+# step does.
 
 TOL64 = 1e-9
 

@@ -165,7 +165,8 @@ def demo(argv=None, reference=references.all_to_all) -> int:
     ok &= d_all < TOL64 and max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) < TOL64 and memory_ok
     print0(f"parameters per rank {n_mine:,} = all {n_all:,} - (1 - 1/ep) x experts {n_exp:,}: "
            f"{'ok' if memory_ok else 'MISMATCH'}\ntraining {args.steps} steps, global batch {args.batch}x{args.seq}, "
-           f"dropless, AdamW, float64 (equal: within {TOL64:.0e}):\n  one process losses {[round(v, 6) for v in ref['losses']]}")
+           f"dropless, AdamW, float64 (equal: within {TOL64:.0e}):\n"
+           f"  one process losses {[round(v, 6) for v in ref['losses']]}")
     for name, r in runs.items():
         print0(f"  ep={ep} ({name}) losses {[round(v, 6) for v in r['losses']]}  max |diff| "
                f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.1e}  step {r['ms']:.1f} ms")
