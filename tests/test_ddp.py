@@ -359,8 +359,8 @@ def test_mixed_precision_reduces_in_the_chosen_dtype(run):
     """bf16 autocast: the averaged gradient is the mean of the ranks' own bf16-computed gradients (g_r, each from
     a plain model in its own process: the same kernels, the same bits) up to the rounding of the reduction: a cast
     to the reduce dtype, P - 1 additions and a division, each within u = 2^-8 (bf16) or 2^-24 (fp32) of what it
-    rounds, so |ours - mean| <= (P + 1)·u·(1 + u)^P·Σ_r|g_r| / P elementwise — whatever the CPU's kernels. (Against
-    one process on the global batch bf16 differs more, by rounding activations over B/P rows instead of B; the
+    rounds, so |ours - mean| <= (P + 1)·u·(1 + u)^P·Σ_r|g_r| / P elementwise — whatever the CPU's kernels.
+    (Against one process on the global batch bf16 differs more, by rounding activations over B/P rows instead of B; the
     float64 tests prove the mean of the ranks' gradients is that one.)"""
     P, dtype, results = run
     mean = {k: sum(r["bf16_local"][k] for r in results) / P for k in results[0]["bf16_local"]}
