@@ -9,9 +9,10 @@ loss is exactly their average,
 
     g = (1/P) · Σ_r g_r
 
-so one all-reduce (a sum — gloo has no ReduceOp.AVG, so each rank divides by P first) leaves g on
-every rank, every rank takes the same optimizer step, and the copies stay identical without a
-parameter ever being sent again.
+so one all-reduce — a sum, then ÷P (gloo has no ReduceOp.AVG; average_gradients divides the sum, the
+wrappers divide each rank's part before sending it: the same average) — leaves g on every rank, every
+rank takes the same optimizer step, and the copies stay identical without a parameter ever being sent
+again.
 
 Naive and bucketed
 ------------------
@@ -91,12 +92,11 @@ class _Replicated(nn.Module):
     """What both versions share: the first broadcast, forward, no_sync, and agreeing on what was used.
 
     divide_by   what the summed gradients are divided by (default: the group's size)
-    groups_of   groups_of(name, param) -> None | (group, divide_by): a parameter replicated over other
-                ranks than the rest — an expert's weights, held by the ranks that hold that expert
-                (train.py) — is broadcast, averaged and agreed on over its own group"""
+    where       {parameter: (group, divide_by)} for parameters averaged over a group of their own (section 4,
+                for the composition); by default every parameter is averaged over `group`"""
 
     def __init__(self, module: nn.Module, group=None, compute_dtype: torch.dtype | None = None,
-                 divide_by: int | None = None, groups_of=None):
+                 divide_by: int | None = None, where: dict | None = None):
         _check_module(module, compute_dtype)  # every check before the first collective: all ranks fail alike
         group = resolve_group(group, "dp")
         super().__init__()
@@ -105,7 +105,7 @@ class _Replicated(nn.Module):
         self.names = {p: n for n, p in module.named_parameters()}
         self.compute_dtype, self.device = compute_dtype, self.params[0].device
         self._sync = self._sync_backward = True  # _sync: False inside no_sync()
-        self.where = placement(module, group, divide_by, groups_of)  # p -> (group, divide_by)
+        self.where = where or {p: (group, divide_by or self.world) for p in module.parameters()}  # -> (group, ÷)
         with torch.no_grad():  # the ranks may have been initialised differently
             for t in [*module.parameters(), *module.buffers()]:
                 g = self.where.get(t, (group,))[0]
@@ -176,7 +176,7 @@ class BucketedDDP(_Replicated):
 
     bucket_cap_mb: bucket size in MiB (0: one bucket per parameter); first_bucket_mb: the first
     bucket's (PyTorch's defaults: 25 and 1). reduce_dtype: the dtype gradients are summed in
-    (default: the parameters'; e.g. bfloat16 to halve the bytes).
+    (default: the parameters'; e.g. bfloat16 to halve the bytes). groups_of: for the composition (section 4).
     loop:  loss = model(x, y); loss.backward(); opt.step()     — exactly as with PyTorch's DDP.
     """
 
@@ -184,7 +184,8 @@ class BucketedDDP(_Replicated):
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  divide_by: int | None = None, groups_of=None):
         check_buckets(bucket_cap_mb, first_bucket_mb, reduce_dtype)
-        super().__init__(module, group, compute_dtype, divide_by, groups_of)
+        where = placement(module, resolve_group(group, "dp"), divide_by, groups_of) if groups_of else None
+        super().__init__(module, group, compute_dtype, divide_by, where)
         self.reduce_dtype = reduce_dtype
         self.buckets = self._make_buckets(bucket_cap_mb * MiB, min(first_bucket_mb, bucket_cap_mb) * MiB)
         for b, bucket in enumerate(self.buckets):
@@ -309,7 +310,8 @@ class Bucket:
 def placement(module: nn.Module, group, divide_by: int | None = None, groups_of=None) -> dict:
     """{parameter: (the group it is averaged over, what its sum is divided by)}: `group` and its size for all,
     unless groups_of(name, param) names another — an expert's weights, held only by the ranks holding that
-    expert (train.py passes it; the lesson alone never does)."""
+    expert (train.py passes groups_of to BucketedDDP; the lesson alone never does). Such a parameter is
+    broadcast, averaged and agreed on over its own group."""
     default = (group, divide_by or dist.get_world_size(group))
     return {p: (groups_of(n, p) if groups_of else None) or default for n, p in module.named_parameters()}
 

@@ -80,28 +80,25 @@ class AllToAll(torch.autograd.Function):
         return _all_to_all(grad, *ctx.splits, ctx.group), None, None, None
 
 
-# ---- the layer --------------------------------------------------------------------------------
+# ---- the layer: dispatch, my experts, combine -----------------------------------------------------
 
 class ExpertParallelMoE(MoE):
     """model.MoE with its E experts spread over `ep_group`, E/ep per rank (a subclass: Transformer.aux_loss()
-    still adds its aux loss); sets aux_loss, tokens_per_expert [E/ep] and dropped, as MoE does. aux_group
-    (default: the ep group), grad_divisor D (default |aux_group|/tp), tp_group (its ranks hold the same tokens
-    unless sequence_parallel) and aux_weight w (None: the model adds aux_loss to its loss; a number: the
-    output's backward carries w·∂aux and aux_loss is only a value) as in the module doc's Composition."""
+    still adds its aux loss); sets aux_loss, tokens_per_expert [E/ep] and dropped, as MoE does. The core is
+    dispatch_combine: route, exchange counts, dispatch by all-to-all, my experts, combine by all-to-all. Alone
+    on one group its aux loss counts the ep group's tokens; what the composition adds — the aux group, the
+    gradient divisor, tensor parallel's token split, the aux loss riding on a pipeline stage's backward —
+    parallelize_experts sets with compose()."""
 
-    def __init__(self, moe: MoE, ep_group, aux_group=None, grad_divisor=None, tp_group=None,
-                 sequence_parallel: bool = False, aux_weight: float | None = None):
+    all_to_all = staticmethod(AllToAll.apply)  # (the demo's --compare swaps in PyTorch's on one layer)
+
+    def __init__(self, moe: MoE, ep_group):
         nn.Module.__init__(self)  # not MoE.__init__: that would allocate all E experts
         ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)  # local lookups
         validate_ep(moe.n_experts, moe.top_k, ep, moe.capacity_factor)    # before any collective
         self.n_experts, self.top_k = moe.n_experts, moe.top_k
         self.capacity_factor, self.aux_loss_coef = moe.capacity_factor, moe.aux_loss_coef
         self.ep_group, self.ep, self.n_local = ep_group, ep, moe.n_experts // ep
-        self.aux_group = aux_group if aux_group is not None else ep_group
-        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        self.tp_group, self.split_tokens = (tp_group if tp > 1 else None), tp > 1 and not sequence_parallel
-        self.grad_divisor = grad_divisor or dist.get_world_size(self.aux_group) // tp
-        self.aux_weight = aux_weight
         self.first = rank * self.n_local                     # my experts: first .. first + E/ep - 1
         self.router = moe.router                             # replicated on every rank
         sl = slice(self.first, self.first + self.n_local)
@@ -109,10 +106,7 @@ class ExpertParallelMoE(MoE):
         for p in self.expert_parameters():  # [E/ep, F, H], [E/ep, F, H], [E/ep, H, F]: my rows of the full
             p.ep_slice = (0, sl.start, sl.stop)  # [E, ...] stacks (to materialise a meta model's slice by name)
         self.aux_loss, self.tokens_per_expert, self.dropped = None, None, 0
-        self.all_to_all = AllToAll.apply                     # the demo's --compare swaps in PyTorch's
-
-    def expert_parameters(self):
-        return [self.w1, self.w3, self.w2]
+        self.compose()
 
     def forward(self, x):                                    # [B, S, H] (sequence parallel: [B, S/tp, H])
         shape, T = x.shape, x.shape[:-1].numel()
@@ -156,6 +150,21 @@ class ExpertParallelMoE(MoE):
             out, aux = AuxInBackward.apply(out, aux, self.aux_weight), aux.detach()
         self.aux_loss, self.tokens_per_expert, self.dropped = aux, keep_recv.sum(0), T * k - len(sel)
         return out
+
+    def expert_parameters(self):
+        return [self.w1, self.w3, self.w2]
+
+    def compose(self, aux_group=None, grad_divisor=None, tp_group=None, sequence_parallel: bool = False,
+                aux_weight: float | None = None) -> None:
+        """What the composition sets (the module doc's Composition): aux_group (default: the ep group), grad_divisor
+        D (default |aux_group|/tp), tp_group (its ranks hold the same tokens unless sequence_parallel: each
+        dispatches 1/tp of them) and aux_weight w (None: the model adds aux_loss to its loss; a number: the
+        output's backward carries w·∂aux and aux_loss is only a value)."""
+        self.aux_group = aux_group if aux_group is not None else self.ep_group
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_group, self.split_tokens = (tp_group if tp > 1 else None), tp > 1 and not sequence_parallel
+        self.grad_divisor = grad_divisor or dist.get_world_size(self.aux_group) // tp
+        self.aux_weight = aux_weight
 
     def group_aux_loss(self, probs, counts):
         """Switch's α·E·Σ f_i·P_i over every token of aux_group: one all-reduce of [c, S, N] (float64:
@@ -260,8 +269,8 @@ def parallelize_experts(model, mesh, *, sequence_parallel: bool = False, aux_wei
             group = dist.new_group(ranks)
             aux = group if mesh.global_rank in ranks else aux
     for b in blocks:
-        b.mlp = ExpertParallelMoE(b.mlp, mesh.group("ep"), aux, mesh.size("dp_cp"),
-                                  mesh.group("tp") if tp > 1 else None, sequence_parallel, aux_weight)
+        b.mlp = ExpertParallelMoE(b.mlp, mesh.group("ep"))
+        b.mlp.compose(aux, mesh.size("dp_cp"), mesh.group("tp") if tp > 1 else None, sequence_parallel, aux_weight)
     return model
 
 

@@ -13,40 +13,31 @@ copy when the compute copy is bf16). ZeRO shards it step by step; bytes per rank
 Communication per step in elements (ZeRO §7): stage 0 all-reduces the gradients, 2Ψ (a reduce-scatter
 plus an all-gather); stages 1-2 reduce-scatter the gradients and all-gather the new parameters, 2Ψ;
 stage 3 all-gathers each unit before its forward and again before its backward and reduce-scatters its
-gradient, 3Ψ. The tests count API bytes, what is handed to a collective (a reduce-scatter of 4Ψ for fp32
-gradients, an all-gather of b_p·Ψ); a ring sends (P-1)/P of that per rank (all-reduce: 2(P-1)/P).
-Exactly, stage 3 gathers b_p·(2Ψ − Ψ_root): the root unit — what no unit encloses — stays gathered into
-its backward, which follows its forward at once (as FSDP2's root). For the course's model Ψ_root = 0: the
-embedding is a unit and the final norm + head another (default_units), each freed after its forward like
-every block, so stage 3 gathers b_p·2Ψ and holds at most a unit or two at once, not the embedding and head
-from forward to backward. With reshard_after_forward=False every unit stays gathered: b_p·Ψ. Each step
-also all-reduces one int32 per parameter tensor, which parameters got a gradient on any rank (as DDP's
-find_unused_parameters), so one no rank used gets none.
+gradient, 3Ψ. In API bytes (what is handed to a collective; README "Formulas, conventions and sources"):
+stage 3 all-gathers b_p·(2Ψ − Ψ_root) and reduce-scatters b_m·Ψ (gradients reduced in the fp32 master's
+b_m = 4 bytes); the root unit — what no unit encloses — stays gathered from its forward into its backward
+(Ψ_root = 0 for the course's model); with reshard_after_forward=False every unit does: b_p·Ψ. Each step
+also all-reduces one int32 per parameter tensor: which got a gradient on any rank.
 
-How (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277 §3-4), in the order of this file:
-  1. The flat parameter (FlatUnit): a unit's parameters are views of one flat buffer [N], N padded to
-     a multiple of P, so a shard is one slice [n] and a unit moves in one collective.
-  2. Stage 1, the sharded optimizer (ZeroOptimizer): each rank steps only its slice, one 1-D piece per
-     parameter (as FSDP2), so AdamW skips a parameter without gradient as in one process.
-  3. Stage 2, gradients reduce-scattered during backward, unit by unit (a hook marks the end of a
-     unit's backward); at the end of backward every unit not reduced yet, in one order on every rank:
-     a branch some ranks skip can neither hang nor skip a reduction. `with opt.accumulating():` defers
-     the reduction over several backwards (FSDP §3.4).
-  4. Stage 3, parameters gathered before a unit's forward and backward and freed after each.
-  5. shard_model(model, stage): cuts the model into units and returns the optimizer. The loop stays
-     loss.backward(); opt.step(); opt.zero_grad(). Any nn.Module: units found by a documented rule or named
-     (units=), any forward output (tensor, tuple, dict, dataclass); between uses a ZeRO-3 parameter is a
-     placeholder whose values cannot be read (one error naming full_state_dict, never freed memory read).
-     Gradient clipping is opt.clip_grad_norm_ / max_grad_norm=, not torch's utility (see shard_model).
-     offload=True keeps the master and optimizer state in host memory (ZeRO-Offload): per step b_m·n down
-     and b_p·n up per unit.
-  6. State dicts: full ({name: whole tensor}, loads into the plain model) and sharded (this rank's
-     slices and optimizer state, for resuming on the same layout) (FSDP §3.3).
-  7. Pieces: a state dict any layout can load, each piece with its place in the whole tensor (train.py's
-     checkpoints, lab/checkpoint.py).
-What other lessons need sits beside the core, named for them: OffloadedUnit (ZeRO-Offload, after section 1),
-Seams (section 5: hybrid sharding's after_reduce, tensor parallel's before_reduce, expert groups, lesson 1's
-averaged buckets, the planner's shapes_only), and meta-device construction (init_fn, _my_slice).
+The file, in order (after PyTorch FSDP, Zhao et al. 2023, arXiv:2304.11277 §3-4):
+  1. The core, ZeRO as the paper states it: FlatParameter (a unit's parameters as views of one flat buffer
+     [N], a slice [n] per rank, and ZeRO's moves: reduce-scatter, all-gather, free), zero_step (reduce-scatter
+     the gradients, step my slice, all-gather the parameters) and gather_when_used (stage 3: gather before
+     each use, free after).
+  2. FlatUnit, the core's FlatParameter for any model: made from this rank's slice alone (a meta model),
+     a bf16 compute copy beside the fp32 master, aliases of a tied weight, asynchronous moves.
+  3. ZeroOptimizer: zero_step for every stage — stage 1 reduces at step(), 2-3 during backward.
+  4. The hooks: stage 2 reduce-scatters a unit's gradient once its backward is done, stage 3 gathers a unit
+     before its forward and its backward and frees it after each (prefetching the next).
+  5. shard_model(model, stage): cuts the model into units and returns the optimizer; the loop stays
+     loss.backward(); opt.step(); opt.zero_grad(). Any nn.Module, any forward output.
+  6. State dicts: full ({name: whole tensor}) and sharded (this rank's slices, the same layout).
+  7. A stage-3 parameter between uses: a placeholder whose values cannot be read (one error naming
+     full_state_dict, never freed memory read).
+What other lessons need sits after, named for them: OffloadedUnit (ZeRO-Offload, lesson 8) and, in section 5,
+Seams (hybrid sharding's after_reduce, tensor parallel's before_reduce, expert groups, lesson 1's averaged
+buckets, the planner's shapes_only). Checkpoints any layout can load are lab/checkpoint.py's, from section 6's
+slices.
 """
 from __future__ import annotations
 
@@ -61,17 +52,118 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mesh import all_gather_single, collective_device, reduce_scatter_single, resolve_group
+from mesh import agree, all_gather_single, collective_device, reduce_scatter_single, resolve_group
 
 
-# ---- 1. the flat parameter: a unit's parameters as views of one buffer, one slice per rank ---------
+# ---- 1. the core: ZeRO as the paper states it ---------------------------------------------------------
 
-class FlatUnit:
-    """One unit's parameters on one group as a flat buffer [N] (FSDP's FlatParameter); this rank keeps
-    the slice [r·n, (r+1)·n), n = N/P (stage 0: P = 1, the whole buffer) — in the code N = flat_numel,
-    n = shard_numel, P = group_size, r = rank. What it moves, in API bytes
-    (b_p compute bytes per element; b_m bytes of the master dtype gradients are reduced in: fp32, also
-    under a bf16 compute copy, float64 for a float64 model):
+class FlatParameter:
+    """Parameters as views of one flat buffer buf [N], N padded to a multiple of the group's P ranks; rank r owns
+    the slice [r·n, (r+1)·n), n = N/P, kept apart as `shard` (what the optimizer steps). ZeRO's three moves, each
+    one collective over the whole unit (FSDP's FlatParameter):
+        reduce_scatter  the gradients packed into [N], summed over the group: my [n] of the sum   (stages 1-3)
+        all_gather      every rank's slice [n] into buf [N]: whole parameters again   (1-2 after the step; 3 unshard)
+        free            buf's bytes released, my slice alone remains                   (3: after each use)"""
+
+    def __init__(self, params, group=None):
+        self.group = resolve_group(group)
+        self.group_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)   # P, r
+        self.params = list(params)
+        self.shapes, self.numels = [tuple(p.shape) for p in self.params], [p.numel() for p in self.params]
+        self.flat_numel = -(-sum(self.numels) // self.group_size) * self.group_size              # N
+        self.shard_numel = self.flat_numel // self.group_size                                     # n
+        self.buf = self.params[0].new_zeros(self.flat_numel)                                      # [N]
+        for p, view in zip(self.params, self.views(self.buf)):
+            view.copy_(p.detach())
+            p.data = view                                 # the parameter now lives inside buf
+        mine = self.buf[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+        self.shard = nn.Parameter(mine.clone())           # [n]: my slice, the only one this rank steps
+
+    def views(self, flat):
+        """A flat [N] tensor as one view per parameter, in its shape."""
+        return [t.view(s) for t, s in zip(flat[:sum(self.numels)].split(self.numels), self.shapes)]
+
+    def pack(self, dtype):
+        """The gradients as one [N], zeros where a parameter has none (every rank hands over the same sizes)."""
+        g = torch.zeros(self.flat_numel, dtype=dtype, device=self.buf.device)
+        for p, view in zip(self.params, self.views(g)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+        return g
+
+    def reduce_scatter(self, g, async_op=False):
+        """[N] on every rank -> my [n] of their sum. Returns (it, the collective's work if async_op)."""
+        out = g.new_empty(self.shard_numel)
+        return out, reduce_scatter_single(out, g, group=self.group, async_op=async_op)
+
+    def all_gather(self, async_op=False):
+        """Every rank's shard [n] into buf [N]."""
+        return all_gather_single(self.buf, self.shard.detach(), group=self.group, async_op=async_op)
+
+    def free(self):
+        self.buf.untyped_storage().resize_(0)          # every parameter view now has no bytes
+
+    def unshard(self, async_op=False):
+        self.buf.untyped_storage().resize_(self.flat_numel * self.buf.element_size())
+        return self.all_gather(async_op)
+
+
+@torch.no_grad()
+def zero_step(flats, optimizer) -> None:
+    """One ZeRO step after loss.backward(); `optimizer` owns the flats' shards (ZeRO §5.1-5.2, §7):
+      1. each unit's gradient reduce-scattered: rank r receives the sum of slice r alone, ÷P the average;
+      2. the optimizer steps my slice alone: optimizer state for 1/P of the parameters;
+      3. the new slices all-gathered, so every rank holds whole parameters again — unless buf was freed
+         (stage 3), when the next use gathers them."""
+    for f in flats:
+        f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))
+        f.shard.grad.div_(f.group_size)               # gloo has no ReduceOp.AVG: sum, then divide
+        for p in f.params:
+            p.grad = None                              # stages 2-3 keep only the reduced slice
+    optimizer.step()
+    for f in flats:
+        if f.buf.untyped_storage().size():
+            f.all_gather()
+
+
+def gather_when_used(module: nn.Module, flat: FlatParameter) -> None:
+    """Stage 3 on a module whose parameters `flat` holds: gathered right before its forward and again right
+    before its backward, freed right after each, so the module holds whole parameters only while it runs.
+    (PyTorch runs a module's full backward hook once its inputs' gradients exist; for a module whose inputs need
+    none — the token embedding, whose backward reads only the token ids — as soon as its output's gradient
+    arrives, and says so in a warning. Section 4's hooks mark a unit's end of backward themselves, prefetch,
+    and reduce during backward.)"""
+    def gather(*_):
+        flat.unshard()
+
+    def free(*_):
+        flat.free()
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(free)
+    module.register_full_backward_pre_hook(gather)
+    module.register_full_backward_hook(free)
+
+
+# ---- 2. the flat unit: the core's FlatParameter for any model -------------------------------------------
+#
+# Every collective below is announced first (mesh.agree): ranks that are about to make different ones — a unit
+# only some ranks run, units in another order — stop with one error naming each rank's, instead of aborting,
+# hanging or swapping data. What to do then:
+AGREE_FIX = ("Every rank must run the same sharded modules in the same order: a module that only some ranks run "
+             "cannot be gathered unit by unit. Run it on every rank, or keep it gathered: leave it out of units= "
+             "(it joins the root unit, gathered from forward into backward), or pass reshard_after_forward=False.")
+
+
+def _agree(group, what):
+    agree(group, what, AGREE_FIX)
+
+
+class FlatUnit(FlatParameter):
+    """One unit's parameters on one group as a FlatParameter, for real training (stage 0: P = 1, the whole buffer):
+    made from this rank's slice alone (a meta-device model is never materialised whole), with a compute copy
+    beside the master, a tied weight under all its names, and its moves asynchronous. In API bytes (b_p compute
+    bytes per element; b_m bytes of the master dtype gradients are reduced in: fp32, also under a bf16 compute
+    copy, float64 for a float64 model):
 
         unshard  all-gather      [n] per rank -> [N]        b_p·N      (stage 3: before forward and backward)
         publish  all-gather      my new slice -> [N]        b_p·N      (stages 1-2: after the step)
@@ -87,9 +179,11 @@ class FlatUnit:
 
     offload = False  # the master beside the shard, on this device (OffloadedUnit: in host memory)
 
-    def __init__(self, entries, stage, group, divide_by, after_reduce=None, param_dtype=None, init_fn=None):
+    def __init__(self, entries, stage, group, divide_by, after_reduce=None, param_dtype=None, init_fn=None,
+                 label="a unit"):
+        # Not FlatParameter.__init__, which flattens whole parameters: a unit is made from my slice alone.
         # entries [(names, holders [(module, attr)], param)]: names[0] as named_parameters() has it, then aliases
-        self.stage, self.group = stage, group
+        self.stage, self.group, self.label = stage, group, label  # label: "unit 2 (layers.1)", in errors
         self.divide_by, self.after_reduce = divide_by, after_reduce  # how the optimizer finishes a reduction
         self.group_size, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if stage > 0 else (1, 0)
         self.aliases, self.shapes = [e[0] for e in entries], [tuple(e[2].shape) for e in entries]
@@ -121,10 +215,6 @@ class FlatUnit:
         return [(i, max(o, lo) - lo, min(o + k, hi) - lo) for i, (o, k) in enumerate(zip(self.offsets, self.numels))
                 if max(o, lo) < min(o + k, hi)]
 
-    def views(self, flat):
-        """A flat [N] tensor as one view per parameter, in its shape."""
-        return [t.view(s) for t, s in zip(flat[:sum(self.numels)].split(self.numels), self.shapes)]
-
     def home(self, master):
         """Where the master slice lives: here, beside the shard (OffloadedUnit: in host memory)."""
         return master
@@ -141,18 +231,19 @@ class FlatUnit:
 
     @torch.no_grad()
     def publish(self):
-        """After the master slice changed (a step, a load): refresh every compute copy of it."""
+        """After the master slice changed (a step, a load): refresh every compute copy of it — zero_step's 3."""
         self.refresh_shard()
         if self.stage in (1, 2):
-            all_gather_single(self.buf, self.shard, group=self.group)
+            _agree(self.group, f"gathers {self.label}'s new parameters")
+            self.all_gather()
         if self.stage == 3:
             self.free()  # a gathered copy would be stale: the next use gathers the new values
 
-    def unshard(self):
+    def unshard(self, why="for forward"):
         """Stage 3: start the all-gather of buf, [n] per rank -> [N], unless it is gathered already."""
         if self.gather_work is None and self.buf.untyped_storage().size() == 0:
-            self.buf.untyped_storage().resize_(self.flat_numel * self.buf.element_size())
-            self.gather_work = all_gather_single(self.buf, self.shard, group=self.group, async_op=True)
+            _agree(self.group, f"gathers {self.label} {why}")
+            self.gather_work = super().unshard(async_op=True)
             for p, view in zip(self.params, self.views(self.buf.data)):
                 _Resharded.restore(p, view)
 
@@ -163,26 +254,27 @@ class FlatUnit:
 
     def free(self):
         self.wait()
-        self.buf.untyped_storage().resize_(0)  # every parameter view now has no bytes ...
-        for p, names in zip(self.params, self.aliases):  # ... so no parameter may be read: see _Resharded
+        super().free()  # every parameter view now has no bytes, so no parameter may be read: see _Resharded
+        for p, names in zip(self.params, self.aliases):
             _Resharded.mark(p, names[0], self.shard)
 
     def reduce(self):
-        """Pack the gradients into one [N] (zeros where a parameter has none: every rank hands over the
-        same sizes) and sum it over the group: stage 0 all-reduces it, the others reduce-scatter it to
-        my slice [n]. Returns (result, work, input)."""
-        g = torch.zeros(self.flat_numel, dtype=self.master.dtype, device=self.master.device)
-        for i, (p, view) in enumerate(zip(self.params, self.views(g))):
+        """zero_step's 1 for one unit: the gradients packed into one [N] in the master's dtype and summed over the
+        group — stage 0 all-reduces it, the others reduce-scatter it to my slice [n] — asynchronously; the
+        optimizer divides. Returns (result, work, input)."""
+        g = self.pack(self.master.dtype)
+        for i, p in enumerate(self.params):
             if p.grad is not None:
-                view.copy_(p.grad)
                 self.used[i] = 1
                 if self.stage >= 2:
                     p.grad = None  # stages 2-3 keep only the reduced slice
         if self.stage == 0:  # (a group of one has nothing to add; nor have gradients averaged already)
             single = dist.get_world_size(self.group) == 1 or self.averaged
+            if not single:
+                _agree(self.group, f"all-reduces {self.label}'s gradients")
             return g, None if single else dist.all_reduce(g, group=self.group, async_op=True), g
-        out = g.new_empty(self.shard_numel)
-        return out, reduce_scatter_single(out, g, group=self.group, async_op=True), g
+        _agree(self.group, f"reduce-scatters {self.label}'s gradients")
+        return (*self.reduce_scatter(g, async_op=True), g)
 
 
 def _my_slice(u, entries, init_fn):
@@ -200,52 +292,6 @@ def _my_slice(u, entries, init_fn):
     return master
 
 
-class _Resharded(nn.Parameter):
-    """What a stage-3 parameter is while its unit is freed: the same Parameter object (autograd, the
-    optimizer's hooks and every module holding it keep it), its class switched to this one and its data to
-    one element of the unit's shard broadcast to its shape (nothing can read past its bytes, which a view of
-    the freed buffer would; no new memory). Its shape, dtype, device, requires_grad and grad stay readable
-    (numel() counts, loops over parameters work), and autograd takes it by identity (zero bubble's W);
-    anything that reads its values — model.state_dict(), torch.save, print, arithmetic — raises one error
-    naming fsdp.full_state_dict, which gathers the true values on every rank. The unit's next gather gives
-    it back its class and its view of the gathered buffer (the trick FSDP1 played with .data)."""
-
-    _metadata = {"shape", "dtype", "device", "requires_grad", "grad", "size", "dim", "numel", "ndim", "is_leaf",
-                 "layout", "__hash__", "is_meta", "is_cuda", "untyped_storage", "is_floating_point", "is_complex",
-                 "element_size", "nelement", "grad_fn", "_version", "is_sparse", "names", "_base", "requires_grad_",
-                 "new_zeros", "new_empty", "apply",  # apply, grad (torch.autograd.grad): autograd, by identity
-                 "register_hook", "register_post_accumulate_grad_hook",  # hooks: PyTorch's MemTracker, DDP-like tools
-                 "data_ptr", "storage_offset", "stride", "is_contiguous"}  # where it lives, not what it holds
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        prop = getattr(getattr(func, "__self__", None), "__name__", "")  # a property's getter or setter
-        if name in cls._metadata or name == "__set__" or (name == "__get__" and prop in cls._metadata):
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        what = prop if name in ("__get__", "__set__") else name
-        raise RuntimeError(
-            f"{getattr(args[0], '_resharded_name', 'this parameter') if args else 'this parameter'} is sharded by "
-            f"ZeRO-3: between uses each rank keeps only its slice, so its values cannot be read here ({what}). "
-            f"fsdp.full_state_dict(opt) (opt.full_state_dict()) gathers every parameter's true values — call it on "
-            f"every rank, then save or print that; opt.load_full_state_dict(sd) loads one")
-
-    @staticmethod
-    def mark(p, name, shard):
-        if type(p) is nn.Parameter:
-            with torch._C.DisableTorchFunctionSubclass():  # (the shard's bytes: no new memory; same dtype, device)
-                p.data = shard.detach()[:1].expand(p.shape)
-            p.__class__, p._resharded_name = _Resharded, name
-
-    @staticmethod
-    def restore(p, view):
-        if type(p) is _Resharded:
-            p.__class__ = nn.Parameter
-            with torch._C.DisableTorchFunctionSubclass():
-                p.data = view
-
-
 def _repoint(entry, view):
     """Every holder of the parameter now holds `view` (of buf). `.data`-made views get their own version
     counter, so refilling buf (stage 3) does not trip autograd's check on saved tensors. No holders (a bare
@@ -259,39 +305,7 @@ def _repoint(entry, view):
     return p
 
 
-# ---- for lesson 8: ZeRO-Offload, the master and the optimizer state in host memory ----------------------
-
-class OffloadedUnit(FlatUnit):
-    """A FlatUnit whose fp32 master slice — and so the optimizer state made beside it — lives in host memory
-    (pinned on a GPU machine), where the optimizer steps (Ren et al. 2021, "ZeRO-Offload", arXiv:2101.06840).
-    Per step each reduced gradient slice comes down, b_m·n bytes (download), and the new compute slice goes
-    up, b_p·n (upload). shard_model(..., offload=True) makes these; train.py --offload."""
-
-    offload = True
-
-    def home(self, master):
-        if master.is_meta:  # (a memory plan: shapes only, apart from the shard all the same)
-            return torch.empty_like(master)
-        return master.to("cpu").pin_memory() if master.device.type == "cuda" else master.to("cpu", copy=True)
-
-    def receive(self, grad):
-        return self.download(grad)
-
-    def download(self, grad):
-        """A reduced gradient [n] (stage 0: [N]) from the device to the host: b_m·n bytes."""
-        return grad.to(self.master.device, non_blocking=False)
-
-    def upload(self):
-        """The new master, cast to the compute dtype on the host, to the device: b_p·n bytes."""
-        self.shard.copy_(self.master.detach().to(self.dtype))
-        return self.shard
-
-    @torch.no_grad()
-    def refresh_shard(self):
-        self.upload()
-
-
-# ---- 2. stage 1: the optimizer that owns the shards (and finishes every stage's step) ----------------
+# ---- 3. the optimizer that owns the shards: zero_step for every stage -------------------------------
 
 class ZeroOptimizer:
     """Steps this rank's pieces with any torch.optim class once their gradients are reduced: at step()
@@ -306,7 +320,7 @@ class ZeroOptimizer:
         # groups: the optimizer's parameter groups, each {"params": [pieces], **its settings}; default one group
         self.inner = optimizer_cls(groups if groups is not None else pieces, **optimizer_kw)
         # Reductions run behind the rest of backward only on NCCL (its own CUDA stream); on gloo their CPU
-        # threads would compete with compute (measured slower when ranks share cores): wait at once.
+        # threads would take the cores compute needs: wait at once.
         self.async_reduce = all(dist.get_backend(u.group) == "nccl" for u in units)
         self.pending, self.deferring, self.in_backward, self.reduced, self.grad_norm = [], False, False, False, None
         self.saw_backward = False  # a backward hook ran since the last step (stages 2-3)
@@ -374,6 +388,7 @@ class ZeroOptimizer:
         for (group, after_reduce), us in by_group.items():
             used = torch.cat([u.used for u in us])
             if dist.get_world_size(group) > 1 and not us[0].averaged:
+                _agree(group, f"all-reduces which of {len(used)} parameters got a gradient")
                 dist.all_reduce(used, group=group)
             if after_reduce is not None:
                 after_reduce(used)
@@ -414,6 +429,7 @@ class ZeroOptimizer:
                 s += (q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))).to(s.device)
         for g, s in sums.items():
             if g is not None:
+                _agree(g, "all-reduces the gradients' squared norm (clipping)")
                 dist.all_reduce(s, group=g)
         self.grad_norm = sum(sums.values()).sqrt()
         for u in [u for u in self.units if u.master.grad is not None]:
@@ -451,13 +467,13 @@ def shard_optimizer(params, optimizer_cls=torch.optim.AdamW, *, group=None, **op
         if not mine:
             continue
         entries = [((f"group{k}.param{i}",), [], p) for i, p in enumerate(mine)]
-        u = FlatUnit(entries, 1, group, dist.get_world_size(group))
+        u = FlatUnit(entries, 1, group, dist.get_world_size(group), label=f"parameter group {k}")
         units.append(u)
         inner.append(dict({k: v for k, v in g.items() if k != "params"}, params=[q for *_, q in u.pieces]))
     return ZeroOptimizer(None, units, optimizer_cls, 1, groups=inner, **optimizer_kwargs)
 
 
-# ---- 3-4. stages 2 and 3: hooks that reduce (2), and gather and free (3), as forward and backward run ---
+# ---- 4. stages 2 and 3: hooks that reduce (2), and gather and free (3), as forward and backward run ---
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once their gradients exist: the unit's backward
@@ -560,14 +576,20 @@ class _GatherHooks(_ReduceHooks):
         super().__init__(opt, units, root)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.order = []  # units by first forward, for the prefetch
+        self.forwards = [0] * len(units)  # forwards of each unit since the last backward (in errors: mesh.agree)
 
     def gather(self, i, step):  # unit i now; the next unit in this pass's direction behind it (overlap)
         j = self.order.index(i) + step  # (pre_forward listed i before its first gather)
         units, order = self.units, self.order
         ahead = units[order[j]][1] if self.prefetch and 0 <= j < len(order) and units[order[j]][0][0] is not self.root \
             else []
-        for u in units[i][1] + ahead:
-            u.unshard()
+        way = "forward" if step > 0 else "backward"
+        again = step > 0 and self.forwards[i] > 1  # (a unit run twice: the same on every rank, or an error below)
+        why = f"for {way}" + (f", its {_nth(self.forwards[i])} forward since the last backward" if again else "")
+        for u in units[i][1]:
+            u.unshard(why)
+        for u in ahead:
+            u.unshard(f"ahead of its {way} (prefetch)")
         for u in units[i][1]:
             u.wait()
 
@@ -578,6 +600,7 @@ class _GatherHooks(_ReduceHooks):
     def pre_forward(self, i, first, args, kwargs):
         if i not in self.order:
             self.order.append(i)
+        self.forwards[i] += first
         self.gather(i, +1)  # (a unit's later modules find it gathered already)
         return super().pre_forward(i, first, args, kwargs)
 
@@ -595,6 +618,14 @@ class _GatherHooks(_ReduceHooks):
         super().post_backward(i)
         if self.reshard_after_forward or not self.opt.deferring:
             self.free(i)
+
+    def end_of_backward(self):
+        super().end_of_backward()
+        self.forwards = [0] * len(self.units)
+
+
+def _nth(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
 def _add_hooks(opt, units, root, reshard_after_forward, prefetch):
@@ -718,9 +749,12 @@ def shard_model(model: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *
                 m._parameters[attr] = nn.Parameter(full.to(collective_device(group), param_dtype or full.dtype), False)
 
     unit_cls = OffloadedUnit if offload else FlatUnit
-    flat_units = [(um, [unit_cls(entries, stage, g, d, a, param_dtype, init_fn)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    label = lambda k, um: f"unit {k} ({', '.join(module_names[id(m)] for m in um)})" if um[0] is not model \
+        else f"the root unit ({type(model).__name__}'s own parameters)"  # noqa: E731
+    flat_units = [(um, [unit_cls(entries, stage, g, d, a, param_dtype, init_fn, label(k, um))
                         for (g, d, a), entries in buffers_of[id(um)].items()])
-                  for um in units if buffers_of[id(um)]]
+                  for k, um in enumerate(units) if buffers_of[id(um)]]
     for u in flat_units[-1][1] if flat_units and flat_units[-1][0][0] is model else []:
         u.root = True
     for u in (u for _, us in flat_units for u in us):
@@ -817,6 +851,7 @@ def full_state_dict(opt) -> dict:
         if opt.stage > 0:
             mine = full.to(u.used.device)  # (an offloaded master: gathered on the device our groups use)
             full = mine.new_empty(u.flat_numel)
+            _agree(u.group, f"gathers {u.label} for full_state_dict")
             all_gather_single(full, mine, group=u.group)
         out.update((n, v.clone()) for names, v in zip(u.aliases, u.views(full)) for n in names)
     return out
@@ -849,112 +884,84 @@ def load_shard_state_dict(opt, sd: dict) -> None:
     opt.inner.load_state_dict(sd["optimizer"])
 
 
-# ---- 7. pieces: a state dict any layout can load ------------------------------------------------------
-#
-# A sharded state dict reloads only into the layout that wrote it. To resume on ANY layout — other world
-# size, other ZeRO stage, tensor or pipeline parallel or not — each rank describes every piece it owns by
-# where it sits in the WHOLE tensor, and a loading rank copies, from every saved piece, the elements that
-# overlap its own (the idea behind torch.distributed.checkpoint's chunk metadata, written here by hand).
-#
-#   place = (name, full shape, narrow, lo, hi): the parameter this rank holds is the whole tensor narrowed
-#           along one dimension — a tensor-parallel slice, or a rank's experts: narrow = (dim, start, end);
-#           None: the whole tensor — and the piece is that tensor's flat elements [lo, hi) (ZeRO's slice).
-#
-# `where(name) -> (full shape, narrow)` says it for each parameter (its tp or expert slice). Copies of a
-# piece on other ranks (data-parallel replicas, tp ranks sharing a kv head) have the same place: one of
-# them writes it. Bytes: the job writes every element of model state once, (b_m + K)·Ψ in all (b_m the
-# master's bytes, K the optimizer's per element); a loading rank reads about its own state, plus the rest
-# of each saved piece that only partly overlaps it.
+# ---- 7. a stage-3 parameter between uses: one clear error for whoever reads it -----------------------
 
-def places(opt, where=None) -> list:
-    """[(unit index, piece index, place)] for every piece this rank owns."""
-    out = []
-    for k, u in enumerate(opt.units):
-        lo = u.rank * u.shard_numel
-        for j, (i, a, b, _) in enumerate(u.pieces):
-            full_shape, narrow = where(u.names[i]) if where is not None else (u.shapes[i], None)
-            start = lo + a - u.offsets[i]  # the piece's first element, as a flat index of the local parameter
-            out.append((k, j, (u.names[i], tuple(full_shape), narrow and tuple(narrow), start, start + b - a)))
-    return out
+class _Resharded(nn.Parameter):
+    """What a stage-3 parameter is while its unit is freed: the same Parameter object (autograd, the
+    optimizer's hooks and every module holding it keep it), its class switched to this one and its data to
+    one element of the unit's shard broadcast to its shape (nothing can read past its bytes, which a view of
+    the freed buffer would; no new memory). Its shape, dtype, device, requires_grad and grad stay readable
+    (numel() counts, loops over parameters work), and autograd takes it by identity (zero bubble's W);
+    anything that reads its values — model.state_dict(), torch.save, print, arithmetic — raises one error
+    naming fsdp.full_state_dict, which gathers the true values on every rank. The unit's next gather gives
+    it back its class and its view of the gathered buffer (the trick FSDP1 played with .data)."""
 
+    _metadata = {"shape", "dtype", "device", "requires_grad", "grad", "size", "dim", "numel", "ndim", "is_leaf",
+                 "layout", "__hash__", "is_meta", "is_cuda", "untyped_storage", "is_floating_point", "is_complex",
+                 "element_size", "nelement", "grad_fn", "_version", "is_sparse", "names", "_base", "requires_grad_",
+                 "new_zeros", "new_empty", "apply",  # apply, grad (torch.autograd.grad): autograd, by identity
+                 "register_hook", "register_post_accumulate_grad_hook",  # hooks: PyTorch's MemTracker, DDP-like tools
+                 "data_ptr", "storage_offset", "stride", "is_contiguous"}  # where it lives, not what it holds
 
-def full_indices(full_shape, narrow, lo: int, hi: int) -> torch.Tensor:
-    """The flat indices, in the whole tensor, of elements [lo, hi) of the tensor narrowed by `narrow`: int64 [hi - lo],
-    increasing (row-major order survives the narrowing)."""
-    flat = torch.arange(lo, hi)
-    if narrow is None:
-        return flat
-    dim, start, end = narrow
-    shape = list(full_shape)
-    shape[dim] = end - start
-    index = list(torch.unravel_index(flat, shape))  # the multi-index in the narrowed tensor ...
-    index[dim] = index[dim] + start                 # ... and in the whole one
-    return sum(i * math.prod(full_shape[d + 1:]) for d, i in enumerate(index))
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")  # a property's getter or setter
+        if name in cls._metadata or name == "__set__" or (name == "__get__" and prop in cls._metadata):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        what = prop if name in ("__get__", "__set__") else name
+        raise RuntimeError(
+            f"{getattr(args[0], '_resharded_name', 'this parameter') if args else 'this parameter'} is sharded by "
+            f"ZeRO-3: between uses each rank keeps only its slice, so its values cannot be read here ({what}). "
+            f"fsdp.full_state_dict(opt) (opt.full_state_dict()) gathers every parameter's true values — call it on "
+            f"every rank, then save or print that; opt.load_full_state_dict(sd) loads one")
 
+    @staticmethod
+    def mark(p, name, shard):
+        if type(p) is nn.Parameter:
+            with torch._C.DisableTorchFunctionSubclass():  # (the shard's bytes: no new memory; same dtype, device)
+                p.data = shard.detach()[:1].expand(p.shape)
+            p.__class__, p._resharded_name = _Resharded, name
 
-def _ends(place) -> tuple[int, int, bool]:
-    """The first and last whole-tensor index of a place, without building them all (they increase), and
-    whether the place is one contiguous run of the whole tensor (no narrow, or a narrow of dimension 0)."""
-    name, full_shape, narrow, lo, hi = place
-    first = int(full_indices(full_shape, narrow, lo, lo + 1)[0])
-    last = int(full_indices(full_shape, narrow, hi - 1, hi)[0])
-    return first, last, last - first == hi - lo - 1
+    @staticmethod
+    def restore(p, view):
+        if type(p) is _Resharded:
+            p.__class__ = nn.Parameter
+            with torch._C.DisableTorchFunctionSubclass():
+                p.data = view
 
 
-def piece_tensors(opt, k: int, j: int) -> dict:
-    """What a checkpoint keeps of piece j of unit k: its master values and its optimizer state."""
-    q = opt.units[k].pieces[j][3]
-    state = {n: v for n, v in opt.inner.state.get(q, {}).items() if isinstance(v, torch.Tensor)}
-    return dict(value=q.detach(), **state)
+# ---- for lesson 8: ZeRO-Offload, the master and the optimizer state in host memory ----------------------
 
+class OffloadedUnit(FlatUnit):
+    """A FlatUnit whose fp32 master slice — and so the optimizer state made beside it — lives in host memory
+    (pinned on a GPU machine), where the optimizer steps (Ren et al. 2021, "ZeRO-Offload", arXiv:2101.06840).
+    Per step each reduced gradient slice comes down, b_m·n bytes (download), and the new compute slice goes
+    up, b_p·n (upload). shard_model(..., offload=True) makes these; train.py --offload."""
 
-@torch.no_grad()
-def load_places(opt, saved: list, read, where=None) -> None:
-    """Fill every piece this rank owns from saved pieces: saved [(place, handle)], read(handle) -> the
-    piece_tensors dict it saved (tensors may stay on disk, memory-mapped: only what is indexed is read).
-    A piece takes, from each saved piece of its parameter that overlaps it, the overlapping elements — of
-    the master and of every optimizer state of the same size (the step count, a scalar, as it is). Raises
-    if the saved pieces do not cover a piece. Afterwards the compute copies are refreshed (publish)."""
-    by_name = {}
-    for place, handle in saved:
-        by_name.setdefault(place[0], []).append((place, _ends(place), handle))
-    for k, j, place in places(opt, where):
-        q, size = opt.units[k].pieces[j][3], place[4] - place[3]
-        first, last, contiguous = _ends(place)
-        mine, found, state = None, 0, {}
-        for theirs_place, (t_first, t_last, t_contiguous), handle in by_name.get(place[0], []):
-            if t_last < first or t_first > last:
-                continue  # no overlap: not read at all
-            if contiguous and t_contiguous:  # two runs of the whole tensor: their overlap is one slice of each
-                a, b = max(first, t_first), min(last, t_last) + 1
-                into, take = slice(a - first, b - first), slice(a - t_first, b - t_first)
-                count = b - a
-            else:  # match element by element: the whole-tensor indices of both, sorted
-                mine = full_indices(*place[1:]) if mine is None else mine
-                theirs = full_indices(*theirs_place[1:])
-                pos = torch.searchsorted(theirs, mine).clamp(max=len(theirs) - 1)
-                into = (theirs[pos] == mine).to(q.device)
-                take, count = pos[into.cpu()], int(into.sum())
-                if not count:
-                    continue
-            tensors = read(handle)
-            q[into] = tensors["value"][take].to(q.device, q.dtype)
-            for n, v in tensors.items():  # the optimizer state of the same elements; a step count as it is
-                if n != "value":
-                    if v.dim() == 0:
-                        state[n] = v.clone()
-                    else:
-                        state.setdefault(n, torch.zeros_like(q))[into] = v[take].to(q.device, q.dtype)
-            found += count
-        if found != size:
-            raise ValueError(f"the checkpoint covers {found} of the {size} elements of {place[0]} this rank "
-                             f"holds: it was written for another model")
-        if state:
-            opt.inner.state[q] = state
-        else:
-            opt.inner.state.pop(q, None)
-    for u in opt.units:
-        u.publish()
+    offload = True
+
+    def home(self, master):
+        if master.is_meta:  # (a memory plan: shapes only, apart from the shard all the same)
+            return torch.empty_like(master)
+        return master.to("cpu").pin_memory() if master.device.type == "cuda" else master.to("cpu", copy=True)
+
+    def receive(self, grad):
+        return self.download(grad)
+
+    def download(self, grad):
+        """A reduced gradient [n] (stage 0: [N]) from the device to the host: b_m·n bytes."""
+        return grad.to(self.master.device, non_blocking=False)
+
+    def upload(self):
+        """The new master, cast to the compute dtype on the host, to the device: b_p·n bytes."""
+        self.shard.copy_(self.master.detach().to(self.dtype))
+        return self.shard
+
+    @torch.no_grad()
+    def refresh_shard(self):
+        self.upload()
 
 
 if __name__ == "__main__":  # the demo (stages 0-3 against the formulas, one process and FSDP2) is in the package

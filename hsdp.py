@@ -31,8 +31,8 @@ import dataclasses
 
 import torch.distributed as dist
 
-from fsdp import Seams, ZeroOptimizer, shard_model
-from mesh import Mesh
+from fsdp import AGREE_FIX, Seams, ZeroOptimizer, shard_model
+from mesh import Mesh, agree
 
 
 def across_replicas(replicate_group):
@@ -41,6 +41,7 @@ def across_replicas(replicate_group):
     shard (they differ only in the data they saw). The used-flags [k] take the same road, so a parameter
     that only another replica's data reached still gets its gradient here."""
     def all_reduce_across(t):
+        agree(replicate_group, f"all-reduces {t.numel()} summed gradient elements across replicas", AGREE_FIX)
         dist.all_reduce(t, group=replicate_group)
     return all_reduce_across
 

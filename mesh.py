@@ -30,6 +30,10 @@ d = r_i * D + d_i (0 <= d < dp_replicate*dp_shard) is split as d = e_out * ep + 
     different experts and exchange tokens with all-to-all);
   - "edp" group: ranks with the same e_i (they hold copies of the same experts,
     and average those experts' gradients). ep must divide dp_replicate*dp_shard.
+
+Ranks pair the collectives on a group by the order they issue them, nothing else: `agree` has every
+rank say its next collective through the job's key-value store first, so ranks that disagree stop with
+one error naming each rank's collective (lesson 2 calls it before each of its collectives).
 """
 from __future__ import annotations
 
@@ -195,6 +199,55 @@ def validate_mesh(shape: dict, world_size: int, ep: int = 1) -> None:
         raise ValueError("; and ".join(problems))
 
 
+# ---- collectives that say what they are: ranks that disagree stop with one error ------------------------
+# Ranks pair collectives by the order they issue them on a group, and by nothing else. A rank that makes one
+# more (a module only it runs, under ZeRO-3), one fewer, or the same ones in another order pairs its call with
+# whatever its peers do next: a different size aborts the process (gloo), an equal size silently hands each
+# rank the other's data (a swapped unit), NCCL waits forever. So before each collective a lesson makes from a
+# model's hooks, `agree` has every rank of the group say in one line what it is about to do ("gathers unit 0
+# (tok_embeddings) for forward") and read its peers' lines — through the job's key-value store, the one the
+# ranks met at (not a collective: it cannot itself be mismatched, and the bytes on the wire stay what the
+# formulas say). Lines that differ: every rank raises the same error, naming each rank's collective. A peer
+# that never comes: after the collective timeout, the error names its last line. Cost per collective: one
+# store write and one read of P lines (and a delete), ~0.1-0.4 ms on gloo here; COURSE_CHECK_COLLECTIVES=0
+# turns it off.
+
+_AGREED: dict[str, int] = {}  # group name -> collectives checked on it so far (the same count on every rank)
+
+
+def checking_collectives() -> bool:
+    return os.environ.get("COURSE_CHECK_COLLECTIVES", "1") != "0"
+
+
+def agree(group, what: str, fix: str = "") -> None:
+    """Before a collective on `group`: every rank says `what` it is about to do; raise RuntimeError on every rank
+    unless all said the same. No-op for a group of one, a fake group (a memory plan) or when turned off."""
+    group = group if group is not None else dist.group.WORLD
+    n = dist.get_world_size(group)
+    if n == 1 or not checking_collectives() or dist.get_backend(group) not in ("gloo", "nccl"):
+        return
+    store, name, me = dist.distributed_c10d._get_default_store(), group.group_name, dist.get_rank(group)
+    seq = _AGREED[name] = _AGREED.get(name, -1) + 1
+    key = lambda s, r: f"course/agree/{name}/{s}/{r}"  # noqa: E731
+    store.set(key(seq, me), what)
+    ranks = dist.get_process_group_ranks(group)
+    try:
+        said = [v.decode() for v in store.multi_get([key(seq, r) for r in range(n)])]
+    except dist.DistStoreError:  # a peer never came (the store's wait is the collective timeout)
+        missing = [r for r in range(n) if not store.check([key(seq, r)])]
+        last = {r: store.get(key(seq - 1, r)).decode() if seq and store.check([key(seq - 1, r)]) else "none yet"
+                for r in missing}
+        raise RuntimeError(f"rank {ranks[me]} {what}, but " + "; ".join(
+            f"rank {ranks[r]} never reached its next collective over ranks {ranks} (its last: {last[r]})"
+            for r in missing) + f" within {timeout_seconds():.0f} s. Every rank must make the same collectives "
+            f"in the same order. {fix}".rstrip()) from None
+    if seq >= 2:  # every peer read my line of two collectives ago before it passed the last one
+        store.delete_key(key(seq - 2, me))
+    if len(set(said)) > 1:
+        raise RuntimeError(f"the ranks of group {ranks} disagree on their next collective: "
+                           + "; ".join(f"rank {ranks[r]} {s}" for r, s in enumerate(said)) + f". {fix}".rstrip())
+
+
 # ---- running for real: joining the job, torch's names, restarts --------------------------------------
 # Not the idea of a mesh, but what every run needs around it: how a process joins the job (torchrun or a plain
 # `python file.py`), how long a collective may wait, the flat collectives' names across torch versions, and a
@@ -244,8 +297,8 @@ def _restart_store(timeout) -> dict:
     """A job torchrun restarts (`--max-restarts`) needs one more thing. Every group is built through a
     key-value store: each rank publishes its address under a key and reads its peers'. torchrun's
     single-node launcher keeps ONE store across attempts, so after a restart the old attempt's keys are
-    still there, and a new rank can read a dead rank's address ("Gloo connectFullMesh failed ...
-    Connection refused") or hang. So under torchrun every attempt gets its own key namespace
+    still there, and a new rank can read a dead rank's address and fail to connect, or hang. So under
+    torchrun every attempt gets its own key namespace
     (TORCHELASTIC_RESTART_COUNT), which every group built later inherits. Returns init_process_group's
     extra arguments ({} outside torchrun's agent)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")

@@ -5,8 +5,9 @@ the first layers, stage p-1 the last layers, the final norm, the head and the lo
 [B, S] is split into m micro-batches [B/m, S]; a stage works on one micro-batch while its neighbours
 work on others. The order of its forwards (F), backwards (B) and, for zero bubble, weight-gradient
 passes (W) is the *schedule*. In the order of this file:
-  1. Stage: the layers one rank holds (v chunks of them when interleaved), running the model's own code.
-  2. 1F1B written out as plain control flow: warm-up forwards, then F and B in turn, then cool-down.
+  1. The core: 1F1B written out as plain control flow — warm-up forwards, then F and B in turn, then
+     cool-down — on any stage module (PipeGroup: where this rank sits).
+  2. Stage: the layers one rank holds (v chunks of them when interleaved), running the model's own code.
   3. Schedules as data: `SCHEDULES[name](p, m, v)` gives each rank a list of Actions (F3, RECV_B2,
      SEND_F5.1 for chunk 1), built by pure functions — GPipe, 1F1B, interleaved 1F1B, ZB-H1.
   4. The checker: `check_schedule` proves every list complete and consistent with its neighbours';
@@ -52,46 +53,7 @@ import torch.nn.functional as F
 from lab.model import MoE, Transformer, init_tensor
 
 
-# ---- 1. what one rank holds -----------------------------------------------------------------------
-
-class Stage(Transformer):
-    """Rank r's part of the shared Transformer: its v chunks, the virtual stages r, r+p, .., r+(v-1)p of
-    p·v (v = 1: stage r of p). Parameters keep the full model's names (layers.5.attn.wq.weight), so
-    each is initialised as in the whole model; other ranks' layers are never allocated. A subclass of
-    model.Transformer for its forward's pieces (blocks, head): a stage runs the model's own code."""
-
-    def __init__(self, cfg, r: int, p: int, seed: int = 0, device=None, dtype=torch.float32, v: int = 1):
-        nn.Module.__init__(self)  # not Transformer.__init__: that would allocate every layer
-        self.cfg, self.v, self.is_first, self.is_last = cfg, v, r == 0, r == p - 1
-        self.chunks = [list(split_layers(cfg.n_layers, p * v)[c * p + r]) for c in range(v)]  # layer ids
-        with torch.device("meta"):                                                          # shapes only
-            full = Transformer(cfg, seed=None)
-        self.tok_embeddings = full.tok_embeddings if self.is_first else None
-        self.layers = nn.ModuleDict({str(i): full.layers[i] for ids in self.chunks for i in ids})
-        if self.is_last:
-            self.norm, self.output, self.loss_fn = full.norm, full.output, full.loss_fn
-        self.to_empty(device=device or "cpu")
-        if torch.device(device or "cpu").type != "meta":  # (meta: shapes only, for a memory plan)
-            with torch.no_grad():
-                for name, prm in self.named_parameters():
-                    prm.copy_(init_tensor(cfg, name, tuple(prm.shape), seed))
-        self.to(dtype)
-        self.positions = None  # absolute token positions [S] (a context-parallel shard); None: 0..S-1
-
-    def forward(self, x, targets=None, positions=None, chunk: int = 0):
-        """tokens [b, S] (chunk 0 of rank 0) or activations [b, S, H] -> [b, S, H]; the last chunk of
-        the last rank returns logits [b, S, V], or the mean loss if targets are given."""
-        h = self.tok_embeddings(x) if self.is_first and chunk == 0 else x
-        pos = positions if positions is not None else self.positions
-        pos = pos if pos is not None else torch.arange(h.shape[1], device=h.device)
-        h = self.blocks(h, [self.layers[str(i)] for i in self.chunks[chunk]], pos)
-        return self.head(h, targets) if self.is_last and chunk == self.v - 1 else h
-
-    def aux_loss(self, chunk: int = 0):
-        """The MoE auxiliary loss of this chunk's last forward (as model.Transformer.aux_loss), or None."""
-        aux = [self.layers[str(i)].mlp.aux_loss for i in self.chunks[chunk] if isinstance(self.layers[str(i)].mlp, MoE)]
-        return sum(aux) if aux else None
-
+# ---- 1. the core: 1F1B as plain control flow ---------------------------------------------------------
 
 @dataclass
 class PipeGroup:
@@ -111,11 +73,11 @@ class PipeGroup:
     next = property(lambda self: self.peer(+1) if self.r < self.p - 1 else None)
 
 
-# ---- 2. the simplest schedule: 1F1B as plain control flow -------------------------------------------
-
 def one_f_one_b_plain(stage, pipe, x, y, m: int):
-    """One 1F1B step of this rank's stage, written out; returns the mean loss on the last stage.
-    Warm-up: w = min(p-r-1, m) forwards; steady: a forward, then a backward; cool-down: w backwards."""
+    """One 1F1B step of this rank's stage, written out; returns the mean loss on the last stage and leaves the
+    batch's gradients in .grad. Warm-up: w = min(p-r-1, m) forwards; steady: a forward, then a backward;
+    cool-down: w backwards. `stage`: a module with is_first, is_last and cfg.dim (a Stage, section 2) that maps
+    tokens [b, S] (first) or activations [b, S, H] to activations [b, S, H], or the mean loss (last, given y)."""
     shape, dtype = (x.shape[0] // m, x.shape[1], stage.cfg.dim), next(stage.parameters()).dtype
     xs, ys = x.chunk(m), y.chunk(m) if stage.is_last else None
     inputs, outputs, losses = [], [], []
@@ -156,6 +118,47 @@ def one_f_one_b_plain(stage, pipe, x, y, m: int):
     for _ in range(w):                                            # cool-down
         p2p(backward(p2p(recv_from=pipe.next)), pipe.prev)
     return torch.stack(losses).mean() if stage.is_last else None
+
+
+# ---- 2. what one rank holds: a Stage of the shared model --------------------------------------------
+
+class Stage(Transformer):
+    """Rank r's part of the shared Transformer: its v chunks, the virtual stages r, r+p, .., r+(v-1)p of
+    p·v (v = 1: stage r of p). Parameters keep the full model's names (layers.5.attn.wq.weight), so
+    each is initialised as in the whole model; other ranks' layers are never allocated. A subclass of
+    model.Transformer for its forward's pieces (blocks, head): a stage runs the model's own code."""
+
+    def __init__(self, cfg, r: int, p: int, seed: int = 0, device=None, dtype=torch.float32, v: int = 1):
+        nn.Module.__init__(self)  # not Transformer.__init__: that would allocate every layer
+        self.cfg, self.v, self.is_first, self.is_last = cfg, v, r == 0, r == p - 1
+        self.chunks = [list(split_layers(cfg.n_layers, p * v)[c * p + r]) for c in range(v)]  # layer ids
+        with torch.device("meta"):                                                          # shapes only
+            full = Transformer(cfg, seed=None)
+        self.tok_embeddings = full.tok_embeddings if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): full.layers[i] for ids in self.chunks for i in ids})
+        if self.is_last:
+            self.norm, self.output, self.loss_fn = full.norm, full.output, full.loss_fn
+        self.to_empty(device=device or "cpu")
+        if torch.device(device or "cpu").type != "meta":  # (meta: shapes only, for a memory plan)
+            with torch.no_grad():
+                for name, prm in self.named_parameters():
+                    prm.copy_(init_tensor(cfg, name, tuple(prm.shape), seed))
+        self.to(dtype)
+        self.positions = None  # absolute token positions [S] (a context-parallel shard); None: 0..S-1
+
+    def forward(self, x, targets=None, positions=None, chunk: int = 0):
+        """tokens [b, S] (chunk 0 of rank 0) or activations [b, S, H] -> [b, S, H]; the last chunk of
+        the last rank returns logits [b, S, V], or the mean loss if targets are given."""
+        h = self.tok_embeddings(x) if self.is_first and chunk == 0 else x
+        pos = positions if positions is not None else self.positions
+        pos = pos if pos is not None else torch.arange(h.shape[1], device=h.device)
+        h = self.blocks(h, [self.layers[str(i)] for i in self.chunks[chunk]], pos)
+        return self.head(h, targets) if self.is_last and chunk == self.v - 1 else h
+
+    def aux_loss(self, chunk: int = 0):
+        """The MoE auxiliary loss of this chunk's last forward (as model.Transformer.aux_loss), or None."""
+        aux = [self.layers[str(i)].mlp.aux_loss for i in self.chunks[chunk] if isinstance(self.layers[str(i)].mlp, MoE)]
+        return sum(aux) if aux else None
 
 
 # ---- 3. schedules as data: the actions, and the builders that order them ---------------------------
@@ -404,9 +407,7 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
     gradients (its last B; its last W under zero bubble) — data parallel's buckets may all-reduce during it.
     Returns dict(loss: the mean loss on the last rank, else None; aux: the MoE aux loss of this rank's
     layers, averaged over micro-batches — add it to the reported loss — or None)."""
-    sp = getattr(stage, "sequence_parallel", False)
-    shape = (x.shape[0] // m, x.shape[1] // (dist.get_world_size(stage.tp_group) if sp else 1), stage.cfg.dim)
-    dtype = next(stage.parameters()).dtype
+    shape, dtype = boundary_shape(stage, x, m), next(stage.parameters()).dtype
     xs, ys = x.chunk(m), (y.chunk(m) if stage.is_last else None)
     split = any(a.op == "W" for a in actions)
     if split:
@@ -416,7 +417,7 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
     def forward(a, key, first, last):
         out = stage(xs[a.mb] if first else inputs[key], ys[a.mb] if last else None, chunk=a.chunk)
         extra = stage.aux_loss(a.chunk)   # MoE layers: their aux loss is part of this micro-batch's loss
-        outputs[key] = [out / m if last else out] + ([extra / m] if extra is not None else [])
+        outputs[key] = [out / m if last else out] + ([extra / m] if extra is not None else [])   # (1/m: see doc)
         losses.extend([out.detach()] if last else [])
         aux.extend([extra.detach()] if extra is not None else [])
 
@@ -452,15 +453,8 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
             inputs[(t.mb, t.chunk)].requires_grad_()   # so its gradient can be sent back
 
     groups = comm_batches(actions)
-    # A B whose W comes next, nothing between (the first stage's: no one waits for its input gradient), gains
-    # nothing from the split: it runs as one ordinary backward and its W has nothing left to do.
-    whole = {(g[0].mb, g[0].chunk) for g, h in zip(groups, groups[1:])
-             if g[0].op == "B" and h[0].op == "W" and (g[0].mb, g[0].chunk) == (h[0].mb, h[0].chunk)}
-    # the group whose action adds to .grad last: a B that runs whole (a split B leaves .grad to its W), or a W
-    # that has something left to do. (Its own name: `last` below is whether a chunk is the model's last.)
-    final_grads = max((i for i, g in enumerate(groups)
-                       if g[0].op == "B" and (not split or (g[0].mb, g[0].chunk) in whole)
-                       or g[0].op == "W" and (g[0].mb, g[0].chunk) not in whole), default=None)
+    whole = unsplit_backwards(groups)
+    final_grads = last_gradient_group(groups, split, whole)
     for i, group in enumerate(groups):
         a, key = group[0], (group[0].mb, group[0].chunk)
         if i == final_grads and before_last_backward is not None:
@@ -477,6 +471,30 @@ def pipeline_step(stage: Stage, actions: list[Action], pipe: PipeGroup, x, y, m:
             else:
                 transfer(group)
     return dict(loss=torch.stack(losses).sum() / m if losses else None, aux=torch.stack(aux).sum() / m if aux else None)
+
+
+def boundary_shape(stage, x, m: int) -> tuple:
+    """What crosses a stage boundary per micro-batch: [B/m, S, H], or [B/m, S/tp, H] once tensor_parallel made
+    the stage sequence parallel."""
+    sp = getattr(stage, "sequence_parallel", False)
+    return x.shape[0] // m, x.shape[1] // (dist.get_world_size(stage.tp_group) if sp else 1), stage.cfg.dim
+
+
+def unsplit_backwards(groups) -> set:
+    """Zero bubble: the (micro-batch, chunk) of each B whose W comes next, nothing between (the first stage's: no
+    one waits for its input gradient). Splitting it gains nothing: it runs as one ordinary backward and its W has
+    nothing left to do."""
+    return {(g[0].mb, g[0].chunk) for g, h in zip(groups, groups[1:])
+            if g[0].op == "B" and h[0].op == "W" and (g[0].mb, g[0].chunk) == (h[0].mb, h[0].chunk)}
+
+
+def last_gradient_group(groups, split: bool, whole: set):
+    """The index of the group whose action adds to the parameters' .grad last — a B that runs whole (a split B
+    leaves .grad to its W), or a W with something left to do — where data parallel's buckets may start their
+    all-reduce during it (before_last_backward); None if there is none."""
+    return max((i for i, g in enumerate(groups)
+                if g[0].op == "B" and (not split or (g[0].mb, g[0].chunk) in whole)
+                or g[0].op == "W" and (g[0].mb, g[0].chunk) not in whole), default=None)
 
 
 # ---- 6. zero bubble: B and W apart, in autograd ------------------------------------------------------
@@ -536,8 +554,8 @@ def split_linears(module: nn.Module) -> nn.Module:
     a layer calls (tensor_parallel's Column/RowParallelLinear) — in place, once, all on one switch kept on the
     module (`module.deferring_weight_grads`, which DeferWeightGrads sets); outside DeferWeightGrads they compute
     as before. (A layer whose matmul was swapped already, a float8 one, is left alone: B computes its weight
-    gradient.) Swapping the layers rather than watching every torch call with a TorchFunctionMode costs nothing
-    per op: the mode's Python hook on every call cost 20% of the forward (measured)."""
+    gradient.) Swapping the layers once costs nothing per op, where a TorchFunctionMode watching every torch
+    call would run Python on every op (README, "How some numbers were chased down")."""
     if not hasattr(module, "deferring_weight_grads"):
         module.deferring_weight_grads = []
     linear = functools.partial(deferring_linear, switch=module.deferring_weight_grads)
@@ -552,11 +570,9 @@ def split_linears(module: nn.Module) -> nn.Module:
 class _WeightGrads(torch.autograd.Function):
     """One autograd node per deferred linear (and one for the gradients B computed), whose inputs are its
     parameters: its backward computes their gradients and autograd accumulates them as in an ordinary backward —
-    into .grad, each post-accumulate-grad hook once. Why nodes: handing autograd ready-made tensors,
-    torch.autograd.backward(params, grads), made it copy every gradient we still held (a quarter of W's time);
-    why one per linear: computing all of a stage's weight gradients before autograd took any kept them all
-    alive at once, fresh memory the allocator fetched from the OS anew every W — page faults, thousands per
-    step (measured). One linear at a time, autograd consumes each before the next."""
+    into .grad, each post-accumulate-grad hook once. Why nodes: autograd copies a ready-made gradient handed to
+    torch.autograd.backward(params, grads), not one a node returns; why one per linear: autograd consumes each
+    gradient before the next is made, so a stage's weight gradients never all live at once."""
 
     @staticmethod
     def forward(ctx, item: list, *params):   # item: [what backward computes from], emptied there

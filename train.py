@@ -18,24 +18,27 @@ exactly ∇L — also when ranks hold different numbers of counted tokens, where
 mean losses would weigh a token on a sparsely filled rank more than one on a full rank. (With experts
 the auxiliary load-balancing loss is per forward: over one micro-batch's tokens on every rank.)
 
-The order the lessons are applied in (each sees the model the one before left):
+The order the lessons are applied in (each sees the model the one before left; Trainer.__init__ makes
+one call per step):
   1. pipeline split   pipeline.Stage: cuts whole layers (v chunks per rank when interleaved), so it
                       must see the unmodified model; everything after works on this rank's layers
-  2. tensor parallel  tensor_parallel.apply_tensor_parallel: slices the weights of the layers kept
-  3. context parallel ring_attention.ContextParallelAttention in each block's attn.sdpa (ring, Ulysses,
+  2. compile          torch.compile of each block, before anything swaps its parts or hooks it (--compile)
+  3. tensor parallel  tensor_parallel.apply_tensor_parallel: slices the weights of the layers kept
+  4. float8           lab.model.use_float8: each linear's matmul in float8, the weights as they are (--float8)
+  5. context parallel ring_attention.ContextParallelAttention in each block's attn.sdpa (ring, Ulysses,
                       or Ulysses inside a ring): only the attention core changes, whatever tp did to heads
-  4. expert parallel  expert_parallel.parallelize_experts: each MoE dispatches its tokens over the ep
+  6. expert parallel  expert_parallel.parallelize_experts: each MoE dispatches its tokens over the ep
                       group; under tp each tp rank takes 1/tp of the (replicated) tokens, so a token
                       goes to the experts once, not tp times
-  5. checkpointing    --activation-checkpointing selective (keep the matmul and attention outputs,
+  7. checkpointing    --activation-checkpointing selective (keep the matmul and attention outputs,
                       recompute the rest) or full (keep each block's input, recompute its forward), inside
                       ZeRO-3's gather hooks; with zero bubble the recompute splits its backward again
-  6. ZeRO / HSDP      fsdp.shard_model (stage 0) or hsdp.shard_hybrid (stages 1-3), last: it flattens,
+  8. ZeRO / HSDP      fsdp.shard_model (stage 0) or hsdp.shard_hybrid (stages 1-3), last: it flattens,
                       shards and reduces exactly the parameters the steps above left on this rank —
                       dense ones over dp_shard×cp (replicas across dp_replicate), expert ones over
-                      edp_cp (every copy of my experts). Stage 0 is lesson 1: ddp.BucketedDDP
+                      edp_cp (every copy of my experts). At stage 0 lesson 1's ddp.BucketedDDP
                       all-reduces the gradients in buckets over dp×cp (experts: edp_cp) while the last
-                      backward of the step runs, and the optimizer only steps
+                      backward of the step runs, and ZeRO-0 reduces nothing: it packs and steps
 
 Gradients. Dense: Σ over dp·cp ranks, ÷ dp·cp. Experts: the backward all-to-all already summed the
 ep group's contributions on the expert's owner, so Σ over edp_cp, ÷ dp·cp too (÷ |edp_cp| = dp·cp/ep
@@ -63,10 +66,10 @@ slice, Ψ'_E of them expert weights; B' = B/dp rows; m micro-batches; S' = S/cp 
 Model state per rank (ZeRO-3, K bytes of optimizer state per element): (b_p + b_g + K)·(Ψ' − Ψ'_E)/
 (dp_shard·cp) + (b_p + b_g + K)·Ψ'_E/(dp·cp/ep), plus the norm weights every tp rank keeps whole.
 
-This file is the composition and its command line: `parse_args` and `check_args` (every invalid
-layout named from the arguments alone, by the lessons' own checks, before any collective), `Trainer`
-(this rank's part of the model, one step, checkpoints) and `train` (the loop). What measures it —
-time, bytes, memory per step, the per-step lines, --check and --compare — attaches from outside
+This file is the composition and its command line: `Trainer` (this rank's part of the model, steps 1-8,
+one step, checkpoints), `train` (the loop), the steps' functions, then `parse_args` and `check_args`
+(every invalid layout named from the arguments alone, by the lessons' own checks, before any collective).
+What measures it — time, bytes, memory per step, the per-step lines, --check and --compare — attaches from outside
 (lab/train_demo.py, which `python train.py` and `torchrun ... train.py` run):
     --check    afterwards rank 0 trains the model in ONE process (lab.baseline.single_process) and compares
     --compare  afterwards the same layout under PyTorch's FSDP2 + DTensor TP, losses and step times
@@ -106,139 +109,35 @@ class Trainer:
     """Everything one rank needs to take a training step of its part of the model."""
 
     def __init__(self, args, mesh: Mesh, device, shapes_only: bool = False):
-        """shapes_only: every tensor on the meta device, no values, no memory — the real sharded model's sizes
-        for a memory plan (lab/plan.py, on a fake process group)."""
-        device = torch.device("meta") if shapes_only else device
-        self.args, self.mesh, self.device = args, mesh, device
-        self.cfg = cfg = config_of(args)
-        store = store_dtype(args)
-        self.dp, self.cp, self.tp, self.m = mesh.size("dp"), mesh.size("cp"), mesh.size("tp"), args.microbatches
+        """Steps 1-8, each one call, in the order of the module doc. Every layout is built on the meta device:
+        shapes only, until ZeRO (8) makes each rank's flat units from init_fn — its stage's layers, its tp slice,
+        its experts and (ZeRO-3) its shard of those: no rank ever holds the whole model. shapes_only: it stays
+        there, no values, no memory — the real sharded model's sizes for a memory plan (lab/plan.py)."""
+        self.args, self.mesh, self.device = args, mesh, torch.device("meta") if shapes_only else device
+        self.cfg, self.m = config_of(args), args.microbatches
+        self.dp, self.cp, self.tp = mesh.size("dp"), mesh.size("cp"), mesh.size("tp")
         sp = args.sequence_parallel and self.tp > 1
-        # Built on the meta device, every layout: shapes only, no values, until ZeRO (step 6) makes each
-        # rank's flat units from init_fn — only what the rank keeps: its stage's layers, its tp slice, its
-        # experts, and (ZeRO-3) its shard of those. No rank ever holds the whole model.
-        self.meta = True
-
-        # 1. pipeline split: this rank's layers (v chunks), named as in the whole model
-        if args.pp > 1:
-            self.pipe = pipeline.PipeGroup.from_ranks(mesh.ranks("pp"))
-            self.actions = pipeline.SCHEDULES[args.schedule](args.pp, self.m, args.virtual_stages)[self.pipe.r]
-            model = pipeline.Stage(cfg, self.pipe.r, args.pp, args.seed, "meta", store, v=args.virtual_stages)
-        else:
-            self.pipe = None
-            model = build_model(cfg, seed=args.seed, dtype=store, device="meta")
-        full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        blocks = list(model.layers.values() if self.pipe is not None else model.layers)
-        # (compile: each block's forward, before anything below swaps its parts or hooks it; it is traced at
-        #  its first call, with the parts it has then, and breaks its graph where a collective runs)
-        if args.compile and not shapes_only:
-            for block in blocks:
-                block.forward = torch.compile(block.forward, backend=args.compile_backend)
-        # 2. tensor parallel: my slice of every weight (the MoE MLPs are left to expert parallel)
-        if self.tp > 1:
+        model, self.pipe, self.actions = split_pipeline(args, mesh, self.cfg)                      # 1
+        blocks, full_shapes = layers_of(model), {n: tuple(p.shape) for n, p in model.named_parameters()}
+        if args.compile and not shapes_only:                                                          # 2
+            compile_blocks(blocks, args.compile_backend)
+        if self.tp > 1:                                                                               # 3
             tensor_parallel.apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sp)
-        # (float8: every linear's matmul but the head's, cast each time; the weights stay as they are)
-        if args.float8:
+        if args.float8:                                                                               # 4
             use_float8(model)
-        # 3. context parallel: only the attention core changes
-        self.positions = None
-        if self.cp > 1:
-            u = args.cp_ulysses
-            # 1 < u < cp: Ulysses inside groups of u cp ranks, a ring across those groups
-            ring, group = (ring_attention.ring_ulysses_groups(mesh.groups_along(("cp",)), u) if 1 < u < self.cp
-                           else (None, mesh.group("cp")))
-            method = "ulysses" if u > 1 else "ring"
-            for block in blocks:
-                block.attn.sdpa = ring_attention.ContextParallelAttention(group, method, CP_LAYOUT, ring_group=ring)
-            self.positions = ring_attention.shard_positions(args.seq_len, self.cp, mesh.rank("cp"), CP_LAYOUT)
-            self.positions = self.positions.to(device)
-        if self.pipe is not None:  # the runner calls the stage without positions (and under sequence
-            # parallel a stage's input holds S/tp tokens: it needs those of all S)
-            model.positions = self.positions if self.cp > 1 else torch.arange(args.seq_len, device=device)
-        # 4. expert parallel: a MoE dispatches each token once (under tp: each tp rank 1/tp of them)
-        expert_names = set()
-        if cfg.n_experts:
-            expert_parallel.parallelize_experts(model, mesh, sequence_parallel=sp)
-            name_of = {id(p): n for n, p in model.named_parameters()}
-            expert_names = {name_of[id(p)] for p in expert_parallel.expert_parameters(model)}
-            if self.tp > 1:  # each tp rank routed its own tokens: router and expert gradients are partial
-                for p in expert_parallel.tp_partial_parameters(model):
-                    tensor_parallel.mark_partial(model, name_of[id(p)])
-        # 5. activation checkpointing (inside the module call: ZeRO-3's gather hooks cover the recompute)
-        if args.activation_checkpointing != "none":
+        self.positions = apply_context_parallel(model, blocks, args, mesh, self.device)              # 5
+        experts = apply_expert_parallel(model, mesh, sp) if self.cfg.n_experts else set()            # 6
+        if args.activation_checkpointing != "none":                                                   # 7
             for block in blocks:
                 _checkpointed(block, args.activation_checkpointing)
-        # (read before ZeRO replaces the parameters: how many ranks hold each gradient element, and where
-        #  each parameter this rank holds sits in the whole model's — a tp slice, my experts, or all of it)
-        self.copies = {n: self._copies(model, n, p, expert_names) for n, p in model.named_parameters()}
+        # (read before ZeRO replaces the parameters: how many ranks hold each gradient element, and where each
+        #  parameter this rank holds sits in the whole model's — a tp slice, my experts, or all of it)
+        self.copies = {n: self._copies(model, n, p, experts) for n, p in model.named_parameters()}
         self.places = {n: (full_shapes[n], getattr(p, "tp_slice", None) or getattr(p, "ep_slice", None))
                        for n, p in model.named_parameters()}
-        # 6. ZeRO / HSDP, last: dense parameters over dp_shard x cp (replicas across dp_replicate),
-        #    expert weights over edp_cp (every copy of my experts), all gradients divided by dp·cp
-        named, dp_cp = dict(model.named_parameters()), self.dp * self.cp
-
-        def init_fn(name, shape):  # my tp slice (or my experts) of the parameter's initial value
-            full, p = init_tensor(cfg, name, full_shapes[name], args.seed), named[name]
-            sl = getattr(p, "tp_slice", None) or getattr(p, "ep_slice", None)
-            return full.narrow(sl[0], sl[1], sl[2] - sl[1]) if sl else full
-
-        def groups_of(name, p):
-            return (mesh.group("edp_cp"), dp_cp) if name in expert_names else None
-
-        partial_grads = self.tp > 1 and bool(getattr(model, "tp_partial_grads", None))
-
-        def before_reduce(params):  # tp's partial gradients summed, unit by unit, right before ZeRO reduces them
-            tensor_parallel.finish_grads(model, params)
-
-        seams = fsdp.Seams(divide_by=dp_cp, groups_of=groups_of if expert_names else None,
-                           before_reduce=before_reduce if partial_grads else None, shapes_only=shapes_only)
-        zero = dict(units=None if self.pipe is None else _pipeline_units(model),
-                    reshard_after_forward=self.pipe is None,  # a pipeline keeps units gathered over its micro-batches
-                    param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
-                    init_fn=None if shapes_only else init_fn, offload=args.offload, lr=args.lr)
-        self.ddp = None
-        if args.zero_stage == 0:  # every gradient all-reduced over dp x cp, by lesson 1's buckets during backward
-            averaged = dp_cp > 1 and not shapes_only
-            self.opt = fsdp.shard_model(model, 0, torch.optim.AdamW, group=mesh.group("dp_cp"),
-                                        seams=dataclasses.replace(seams, averaged=averaged), **zero)
-            if averaged:  # (wrapped after ZeRO flattened the parameters: its hooks are on the views it made)
-                self.ddp = ddp.BucketedDDP(model, mesh.group("dp_cp"), args.bucket_mb, min(1, args.bucket_mb),
-                                           reduce_dtype=torch.float32 if args.dtype == "bfloat16" else None,
-                                           divide_by=dp_cp, groups_of=groups_of if expert_names else None)
-        else:                     # sharded over dp_shard x cp, replicas across dp_replicate (HSDP when > 1)
-            self.opt = hsdp.shard_hybrid(model, stage=args.zero_stage, shard_group=mesh.group("dp_shard_cp"),
-                                         replicate_group=mesh.group("dp_replicate"), seams=seams, **zero)
+        self.opt, self.ddp = shard(model, args, mesh, full_shapes, experts, self.pipe is not None, shapes_only)  # 8
         self.model, self.loss_fn = model, getattr(model, "loss_fn", None)  # a pipeline: its last stage only
         self.grad_norm = None
-
-    def _copies(self, model, name, p, expert_names) -> int:
-        """How many ranks hold the same reduced gradient element of `name` (it counts once in the norm):
-        tp — a slice 1, a kv head shared by t/n_kv ranks t/n_kv, a whole tensor (norm, router) t;
-        data — stage 0 every rank that reduced it, stages 1-3 the replicas of a master slice."""
-        partial = getattr(model, "tp_partial_grads", None) or {}
-        if name in partial:  # summed over tp into n_slots slots: tp/n_slots ranks hold each
-            tp = self.tp // partial[name][1]
-        elif hasattr(p, "tp_slice"):
-            tp = 1
-        else:
-            tp = self.tp
-        if name in expert_names:
-            data = self.mesh.size("edp_cp") if self.args.zero_stage == 0 else 1
-        else:
-            data = self.mesh.size("dp_cp") if self.args.zero_stage == 0 else self.mesh.size("dp_replicate")
-        return tp * data
-
-    # ---- one optimizer step ---------------------------------------------------------------------------
-    def batch(self, step: int, tokens):
-        """This rank's rows (dp) and tokens (cp) of the global batch of `step`, and the global batch's
-        number of counted targets (every rank draws the same global batch: no communication)."""
-        a = self.args
-        x, y = get_batch(tokens, step, a.global_batch_size, a.seq_len, a.seed, pad_share=a.pad_share)
-        counted = int((y != IGNORE).sum())
-        x, y = (t.chunk(self.dp)[self.mesh.rank("dp")].to(self.device) for t in (x, y))  # my rows
-        if self.cp > 1:
-            x, y = (ring_attention.shard_sequence(t, self.cp, self.mesh.rank("cp"), CP_LAYOUT) for t in (x, y))
-        return x, y, counted
 
     def step(self, step: int, tokens) -> torch.Tensor:
         """Forward, backward, reduction, clipping, AdamW. Returns this rank's share of the global loss
@@ -279,13 +178,41 @@ class Trainer:
         self.opt.step()
         return loss / (self.dp * self.cp)
 
+    def batch(self, step: int, tokens):
+        """This rank's rows (dp) and tokens (cp) of the global batch of `step`, and the global batch's
+        number of counted targets (every rank draws the same global batch: no communication)."""
+        a = self.args
+        x, y = get_batch(tokens, step, a.global_batch_size, a.seq_len, a.seed, pad_share=a.pad_share)
+        counted = int((y != IGNORE).sum())
+        x, y = (t.chunk(self.dp)[self.mesh.rank("dp")].to(self.device) for t in (x, y))  # my rows
+        if self.cp > 1:
+            x, y = (ring_attention.shard_sequence(t, self.cp, self.mesh.rank("cp"), CP_LAYOUT) for t in (x, y))
+        return x, y, counted
+
     def global_loss(self, share: torch.Tensor) -> float:
         """Σ of the ranks' shares (tp ranks hold the same numbers: tp rank 0 counts for its group)."""
         v = share.clone() if self.mesh.rank("tp") == 0 else torch.zeros_like(share)
         dist.all_reduce(v)
         return v.item()
 
-    # ---- checkpoints (lab/checkpoint.py: the files; fsdp.py section 7: the pieces any layout can load) ----------
+    def _copies(self, model, name, p, expert_names) -> int:
+        """How many ranks hold the same reduced gradient element of `name` (it counts once in the norm):
+        tp — a slice 1, a kv head shared by t/n_kv ranks t/n_kv, a whole tensor (norm, router) t;
+        data — stage 0 every rank that reduced it, stages 1-3 the replicas of a master slice."""
+        partial = getattr(model, "tp_partial_grads", None) or {}
+        if name in partial:  # summed over tp into n_slots slots: tp/n_slots ranks hold each
+            tp = self.tp // partial[name][1]
+        elif hasattr(p, "tp_slice"):
+            tp = 1
+        else:
+            tp = self.tp
+        if name in expert_names:
+            data = self.mesh.size("edp_cp") if self.args.zero_stage == 0 else 1
+        else:
+            data = self.mesh.size("dp_cp") if self.args.zero_stage == 0 else self.mesh.size("dp_replicate")
+        return tp * data
+
+    # ---- checkpoints (lab/checkpoint.py: the pieces any layout can load, and the files) ----------
     def where(self, name):
         """(the whole parameter's shape, the narrow this rank holds of it: a tp slice, my experts, or None)."""
         return self.places[name]
@@ -347,7 +274,105 @@ def train(args, device=None, observer=None) -> dict:
     return dict(losses=losses, start=start, resumed_from=resume)
 
 
-# ---- what the composition uses: activation checkpointing, a pipeline's ZeRO units ----------------------
+# ---- the steps, one function each (Trainer.__init__ calls them in order) ---------------------------------
+
+def split_pipeline(args, mesh: Mesh, cfg):
+    """1. This rank's layers (v chunks when interleaved), named as in the whole model, on the meta device; with
+    pp = 1 the whole model. Returns (model, PipeGroup or None, this rank's schedule actions or None)."""
+    store = store_dtype(args)
+    if args.pp == 1:
+        return build_model(cfg, seed=args.seed, dtype=store, device="meta"), None, None
+    pipe = pipeline.PipeGroup.from_ranks(mesh.ranks("pp"))
+    actions = pipeline.SCHEDULES[args.schedule](args.pp, args.microbatches, args.virtual_stages)[pipe.r]
+    return pipeline.Stage(cfg, pipe.r, args.pp, args.seed, "meta", store, v=args.virtual_stages), pipe, actions
+
+
+def layers_of(model) -> list:
+    """The blocks this rank holds (a model's ModuleList, a pipeline stage's ModuleDict)."""
+    return list(model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers)
+
+
+def compile_blocks(blocks, backend: str) -> None:
+    """2. torch.compile each block's forward before anything below swaps its parts or hooks it: it is traced at
+    its first call, with the parts it has then, and breaks its graph where a collective runs."""
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend)
+
+
+def apply_context_parallel(model, blocks, args, mesh: Mesh, device):
+    """5. Only the attention core changes: each block's attn.sdpa becomes ring attention, Ulysses, or Ulysses
+    inside groups of --cp-ulysses ranks with a ring across them. Returns this rank's token positions (None
+    without cp). A pipeline stage is called without positions, and under sequence parallel its input holds S/tp
+    tokens: it keeps the positions of all S."""
+    positions = None
+    if mesh.size("cp") > 1:
+        u, cp = args.cp_ulysses, mesh.size("cp")
+        ring, group = (ring_attention.ring_ulysses_groups(mesh.groups_along(("cp",)), u) if 1 < u < cp
+                       else (None, mesh.group("cp")))
+        for block in blocks:
+            block.attn.sdpa = ring_attention.ContextParallelAttention(group, "ulysses" if u > 1 else "ring",
+                                                                      CP_LAYOUT, ring_group=ring)
+        positions = ring_attention.shard_positions(args.seq_len, cp, mesh.rank("cp"), CP_LAYOUT).to(device)
+    if args.pp > 1:
+        model.positions = positions if positions is not None else torch.arange(args.seq_len, device=device)
+    return positions
+
+
+def apply_expert_parallel(model, mesh: Mesh, sequence_parallel: bool) -> set:
+    """6. Each MoE dispatches its tokens over the ep group (under tp each tp rank 1/tp of them, so a token goes to
+    the experts once, not tp times). Returns the expert parameters' names; under tp their gradients and the
+    router's are partial (each tp rank routed its own tokens), marked for tensor_parallel.finish_grads."""
+    expert_parallel.parallelize_experts(model, mesh, sequence_parallel=sequence_parallel)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    if mesh.size("tp") > 1:
+        for p in expert_parallel.tp_partial_parameters(model):
+            tensor_parallel.mark_partial(model, name_of[id(p)])
+    return {name_of[id(p)] for p in expert_parallel.expert_parameters(model)}
+
+
+def shard(model, args, mesh: Mesh, full_shapes: dict, experts: set, pipelined: bool, shapes_only: bool):
+    """8. ZeRO / HSDP, last: it flattens, shards and reduces exactly the parameters the steps before left on this
+    rank — dense ones over dp_shard × cp (replicas across dp_replicate), expert ones over edp_cp (every copy of
+    my experts), all gradients divided by dp·cp. Returns (optimizer, ddp.BucketedDDP or None).
+    Who reduces what at ZeRO-0: ddp.BucketedDDP all-reduces every gradient over dp × cp in buckets during the
+    step's last backward (lesson 1); shard_model(0, Seams(averaged=True)) then reduces nothing: it packs the
+    averaged gradients into its flat units (tp's partial sums added first) and steps."""
+    cfg, dp_cp = config_of(args), mesh.size("dp") * mesh.size("cp")
+    named = dict(model.named_parameters())
+
+    def init_fn(name, shape):  # my tp slice (or my experts) of the parameter's initial value
+        full, p = init_tensor(cfg, name, full_shapes[name], args.seed), named[name]
+        sl = getattr(p, "tp_slice", None) or getattr(p, "ep_slice", None)
+        return full.narrow(sl[0], sl[1], sl[2] - sl[1]) if sl else full
+
+    def groups_of(name, p):
+        return (mesh.group("edp_cp"), dp_cp) if name in experts else None
+
+    def before_reduce(params):  # tp's partial gradients summed, unit by unit, right before ZeRO reduces them
+        tensor_parallel.finish_grads(model, params)
+
+    partial = mesh.size("tp") > 1 and bool(getattr(model, "tp_partial_grads", None))
+    seams = fsdp.Seams(divide_by=dp_cp, groups_of=groups_of if experts else None,
+                       before_reduce=before_reduce if partial else None, shapes_only=shapes_only)
+    zero = dict(units=_pipeline_units(model) if pipelined else None,
+                reshard_after_forward=not pipelined,  # a pipeline keeps units gathered over its micro-batches
+                param_dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
+                init_fn=None if shapes_only else init_fn, offload=args.offload, lr=args.lr)
+    if args.zero_stage > 0:  # sharded over dp_shard x cp, replicas across dp_replicate (HSDP when > 1)
+        return hsdp.shard_hybrid(model, stage=args.zero_stage, shard_group=mesh.group("dp_shard_cp"),
+                                 replicate_group=mesh.group("dp_replicate"), seams=seams, **zero), None
+    averaged = dp_cp > 1 and not shapes_only
+    opt = fsdp.shard_model(model, 0, torch.optim.AdamW, group=mesh.group("dp_cp"),
+                           seams=dataclasses.replace(seams, averaged=averaged), **zero)
+    if not averaged:
+        return opt, None
+    # (wrapped after ZeRO flattened the parameters: its hooks are on the views ZeRO made)
+    return opt, ddp.BucketedDDP(model, mesh.group("dp_cp"), args.bucket_mb, min(1, args.bucket_mb),
+                                reduce_dtype=torch.float32 if args.dtype == "bfloat16" else None,
+                                divide_by=dp_cp, groups_of=groups_of if experts else None)
+
+
+# ---- what the steps use: activation checkpointing, a pipeline's ZeRO units --------------------------------
 
 # Selective activation checkpointing keeps the outputs of these ops — the matmuls and attention, which
 # cost the most to recompute — and recomputes everything else of a block in backward (the norms, rotary,
@@ -363,8 +388,7 @@ SAVED_BY_SELECTIVE = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, t
 def _selective(ctx, op, *args, **kwargs):
     """The selective policy: keep what SAVED_BY_SELECTIVE's ops return where autograd records them — not inside
     an autograd.Function's own forward, which runs without grad and saves what its backward needs itself
-    (ring attention's blocks: keeping their S/cp × S/cp scores made selective hold 3× more than no
-    checkpointing at all, found by the planner)."""
+    (ring attention's blocks: kept, their S/cp × S/cp scores would outweigh everything selective saves)."""
     keep = op in SAVED_BY_SELECTIVE and torch.is_grad_enabled()
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -4,10 +4,12 @@ global batches, and how a parallel run is compared with it.
     single_process(model, batches, ...)   the one single-process training loop (losses, parameters,
                                           gradients, gradient norms)
     snapshot(module), max_diff(a, b)      parameters (or gradients) by name, and their largest difference
+    TOL64, adamw_reach(lr, steps)         what "equal" can mean after AdamW steps: in float64, and in fp32/bf16
 """
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn as nn
@@ -76,3 +78,31 @@ def max_diff(a, b) -> float:
         raise KeyError(f"different names: only in one {sorted(set(a) ^ set(b))}")
     return max(((torch.as_tensor(a[k]).double().cpu() - torch.as_tensor(b[k]).double().cpu()).abs().max().item()
                 for k in a if a[k] is not None or b[k] is not None), default=0.0)
+
+
+# ---- what "equal" can mean after AdamW steps ------------------------------------------------------------
+#
+# AdamW moves each element by lr·m̂/(√v̂ + eps): its update is normalised by the root mean square of its own
+# gradients. Where an element's true gradient is ~0, a rounding-level difference between two runs (a sum taken
+# in another order, another CPU's kernels: AVX2, AVX-512, scalar) is all there is, and the normalisation turns
+# it into a step of up to lr, in one run and not the other. So fp32 (or bf16) parameters after AdamW can differ
+# by whole steps however correct the strategy is, and where that happens depends on the machine.
+# In float64 the rounding (~1e-16 of a gradient) is eight orders below eps = 1e-8, so no update is amplified and
+# parameters agree to ~1e-13 or better: TOL64 is far above that, and far below what a wrong gradient, shard or
+# step does.
+
+TOL64 = 1e-9
+
+
+def adamw_reach(lr: float, steps: int, betas=(0.9, 0.999)) -> float:
+    """The largest |difference| two AdamW runs with constant lr, from the same parameters, can reach in one
+    element after `steps` steps, whatever their gradients: a bound rounding cannot exceed (only a parameter
+    that is in the wrong place, or not AdamW's, can).
+
+    By Cauchy-Schwarz on m_t = (1-b1)·Σ_k b1^k g_{t-k} against v_t = (1-b2)·Σ_k b2^k g²_{t-k}, one step moves
+    an element by at most lr·c_t, c_t = (1-b1)/(1-b1^t) · √((1-b2^t)/(1-b2)) · √(Σ_{k<t} (b1²/b2)^k)
+    (1 at t = 1, 1.007 at t = 4; eps only shrinks it); weight decay scales the difference by 1 - lr·wd <= 1.
+    Two runs: 2·lr·Σ_t c_t."""
+    b1, b2 = betas
+    return 2 * lr * sum((1 - b1) / (1 - b1 ** t) * math.sqrt((1 - b2 ** t) / (1 - b2))
+                        * math.sqrt(sum((b1 * b1 / b2) ** k for k in range(t))) for t in range(1, steps + 1))

@@ -1,8 +1,9 @@
 """Checkpoint files for train.py: saved on any layout, loaded on any other, never half-written, never run.
 
-What is in a checkpoint is fsdp.py's (section 7, "pieces"): every rank owns pieces of the model state, each
-with its place in the WHOLE tensor, and a loading rank copies from every saved piece the elements that overlap
-its own (fsdp.load_places). This module is the file format around that algorithm, and its safety:
+What is in a checkpoint: every rank owns pieces of the model state (fsdp.py's slices of its flat units, each
+piece one parameter's part), each with its place in the WHOLE tensor, and a loading rank copies from every saved
+piece the elements that overlap its own (load_places, below). Then the file format around that algorithm, and its
+safety:
 
     DIR/step_00000006/           meta.json (written last) and one file per rank that owned pieces: rank0.pt, ...
     DIR/step_00000006.partial/   a checkpoint being written: never read, replaced by the next save
@@ -141,6 +142,114 @@ def state_dict_problems(path: str, shapes: dict) -> list[str]:
     return []
 
 
+# ---- pieces: a state dict any layout can load (built on fsdp.py's slices) ---------------------------------
+#
+# A sharded state dict reloads only into the layout that wrote it. To resume on ANY layout — other world
+# size, other ZeRO stage, tensor or pipeline parallel or not — each rank describes every piece it owns by
+# where it sits in the WHOLE tensor, and a loading rank copies, from every saved piece, the elements that
+# overlap its own (the idea behind torch.distributed.checkpoint's chunk metadata, written here by hand).
+#
+#   place = (name, full shape, narrow, lo, hi): the parameter this rank holds is the whole tensor narrowed
+#           along one dimension — a tensor-parallel slice, or a rank's experts: narrow = (dim, start, end);
+#           None: the whole tensor — and the piece is that tensor's flat elements [lo, hi) (ZeRO's slice).
+#
+# `where(name) -> (full shape, narrow)` says it for each parameter (its tp or expert slice). Copies of a
+# piece on other ranks (data-parallel replicas, tp ranks sharing a kv head) have the same place: one of
+# them writes it. Bytes: the job writes every element of model state once, (b_m + K)·Ψ in all (b_m the
+# master's bytes, K the optimizer's per element); a loading rank reads about its own state, plus the rest
+# of each saved piece that only partly overlaps it.
+
+def places(opt, where=None) -> list:
+    """[(unit index, piece index, place)] for every piece this rank owns."""
+    out = []
+    for k, u in enumerate(opt.units):
+        lo = u.rank * u.shard_numel
+        for j, (i, a, b, _) in enumerate(u.pieces):
+            full_shape, narrow = where(u.names[i]) if where is not None else (u.shapes[i], None)
+            start = lo + a - u.offsets[i]  # the piece's first element, as a flat index of the local parameter
+            out.append((k, j, (u.names[i], tuple(full_shape), narrow and tuple(narrow), start, start + b - a)))
+    return out
+
+
+def full_indices(full_shape, narrow, lo: int, hi: int) -> torch.Tensor:
+    """The flat indices, in the whole tensor, of elements [lo, hi) of the tensor narrowed by `narrow`: int64 [hi - lo],
+    increasing (row-major order survives the narrowing)."""
+    flat = torch.arange(lo, hi)
+    if narrow is None:
+        return flat
+    dim, start, end = narrow
+    shape = list(full_shape)
+    shape[dim] = end - start
+    index = list(torch.unravel_index(flat, shape))  # the multi-index in the narrowed tensor ...
+    index[dim] = index[dim] + start                 # ... and in the whole one
+    return sum(i * math.prod(full_shape[d + 1:]) for d, i in enumerate(index))
+
+
+def _ends(place) -> tuple[int, int, bool]:
+    """The first and last whole-tensor index of a place, without building them all (they increase), and
+    whether the place is one contiguous run of the whole tensor (no narrow, or a narrow of dimension 0)."""
+    name, full_shape, narrow, lo, hi = place
+    first = int(full_indices(full_shape, narrow, lo, lo + 1)[0])
+    last = int(full_indices(full_shape, narrow, hi - 1, hi)[0])
+    return first, last, last - first == hi - lo - 1
+
+
+def piece_tensors(opt, k: int, j: int) -> dict:
+    """What a checkpoint keeps of piece j of unit k: its master values and its optimizer state."""
+    q = opt.units[k].pieces[j][3]
+    state = {n: v for n, v in opt.inner.state.get(q, {}).items() if isinstance(v, torch.Tensor)}
+    return dict(value=q.detach(), **state)
+
+
+@torch.no_grad()
+def load_places(opt, saved: list, read, where=None) -> None:
+    """Fill every piece this rank owns from saved pieces: saved [(place, handle)], read(handle) -> the
+    piece_tensors dict it saved (tensors may stay on disk, memory-mapped: only what is indexed is read).
+    A piece takes, from each saved piece of its parameter that overlaps it, the overlapping elements — of
+    the master and of every optimizer state of the same size (the step count, a scalar, as it is). Raises
+    if the saved pieces do not cover a piece. Afterwards the compute copies are refreshed (publish)."""
+    by_name = {}
+    for place, handle in saved:
+        by_name.setdefault(place[0], []).append((place, _ends(place), handle))
+    for k, j, place in places(opt, where):
+        q, size = opt.units[k].pieces[j][3], place[4] - place[3]
+        first, last, contiguous = _ends(place)
+        mine, found, state = None, 0, {}
+        for theirs_place, (t_first, t_last, t_contiguous), handle in by_name.get(place[0], []):
+            if t_last < first or t_first > last:
+                continue  # no overlap: not read at all
+            if contiguous and t_contiguous:  # two runs of the whole tensor: their overlap is one slice of each
+                a, b = max(first, t_first), min(last, t_last) + 1
+                into, take = slice(a - first, b - first), slice(a - t_first, b - t_first)
+                count = b - a
+            else:  # match element by element: the whole-tensor indices of both, sorted
+                mine = full_indices(*place[1:]) if mine is None else mine
+                theirs = full_indices(*theirs_place[1:])
+                pos = torch.searchsorted(theirs, mine).clamp(max=len(theirs) - 1)
+                into = (theirs[pos] == mine).to(q.device)
+                take, count = pos[into.cpu()], int(into.sum())
+                if not count:
+                    continue
+            tensors = read(handle)
+            q[into] = tensors["value"][take].to(q.device, q.dtype)
+            for n, v in tensors.items():  # the optimizer state of the same elements; a step count as it is
+                if n != "value":
+                    if v.dim() == 0:
+                        state[n] = v.clone()
+                    else:
+                        state.setdefault(n, torch.zeros_like(q))[into] = v[take].to(q.device, q.dtype)
+            found += count
+        if found != size:
+            raise ValueError(f"the checkpoint covers {found} of the {size} elements of {place[0]} this rank "
+                             f"holds: it was written for another model")
+        if state:
+            opt.inner.state[q] = state
+        else:
+            opt.inner.state.pop(q, None)
+    for u in opt.units:
+        u.publish()
+
+
 # ---- saving and loading a training state: every piece with its place ----------------------------------
 #
 # opt is fsdp's ZeroOptimizer (it owns the pieces); where(name) -> (full shape, narrow) says where the
@@ -149,7 +258,7 @@ def state_dict_problems(path: str, shapes: dict) -> list[str]:
 def owned_places(opt, where):
     """This rank's pieces [(unit, piece, place)] that it writes — a piece several ranks hold (data-parallel
     replicas, tp ranks sharing a kv head) is written by the first of them — and every rank's places."""
-    mine = fsdp.places(opt, where)
+    mine = places(opt, where)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, [p for _, _, p in mine])  # metadata only: names and ranges
     first = {}
@@ -175,7 +284,7 @@ def save(opt, where, root: str, step: int, *, layout: dict, shapes: dict, keep: 
     dist.barrier()
     owned, _ = owned_places(opt, where)
     name = f"rank{rank}.pt"
-    pieces = [fsdp.piece_tensors(opt, k, j) for k, j, _ in owned]
+    pieces = [piece_tensors(opt, k, j) for k, j, _ in owned]
     with open(os.path.join(partial, name), "wb") as f:
         torch.save(dict(pieces=pieces, rng=torch.get_rng_state()), f)
         f.flush()
@@ -204,7 +313,7 @@ def save(opt, where, root: str, step: int, *, layout: dict, shapes: dict, keep: 
 
 def load(opt, where, path: str) -> int:
     """Continue from the checkpoint at `path`, written on any layout (checkpoint_problems has vetted it):
-    each piece this rank owns is filled from the saved pieces it overlaps (fsdp.load_places), read from
+    each piece this rank owns is filled from the saved pieces it overlaps (load_places), read from
     memory-mapped files, so only those pieces come off the disk. Returns the step it holds."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
@@ -217,7 +326,7 @@ def load(opt, where, path: str) -> int:
 
     saved = [((p[0], tuple(p[1]), p[2] and tuple(p[2]), p[3], p[4]), (name, n))
              for name, info in meta["files"].items() for n, p in enumerate(info["pieces"])]
-    fsdp.load_places(opt, saved, lambda handle: file(handle[0])["pieces"][handle[1]], where)
+    load_places(opt, saved, lambda handle: file(handle[0])["pieces"][handle[1]], where)
     # the random-number state: this rank's where the world is the same size, else rank 0's
     mine = f"rank{dist.get_rank()}.pt"
     torch.set_rng_state(file(mine if meta["world_size"] == dist.get_world_size() else "rank0.pt")["rng"])
@@ -248,7 +357,7 @@ def _whole_tensors(opt, where, shapes: dict, dtype, device):
                 values = torch.empty(p[4] - p[3], dtype=dtype, device=device)
                 dist.recv(values, r)
             if rank == 0:
-                full[fsdp.full_indices(*p[1:])] = values.cpu()
+                full[full_indices(*p[1:])] = values.cpu()
         yield name, full.view(shape) if rank == 0 else None
 
 
@@ -278,17 +387,17 @@ def init_from(opt, where, path: str, read: str = "every-rank", *, dtype, device)
     if read == "every-rank" and not directory:
         sd = torch.load(path, map_location="cpu", weights_only=True)
         saved = [((n, tuple(t.shape), None, 0, t.numel()), n) for n, t in sd.items()]
-        fsdp.load_places(opt, saved, lambda n: dict(value=sd[n].reshape(-1)), where)
+        load_places(opt, saved, lambda n: dict(value=sd[n].reshape(-1)), where)
         return os.path.getsize(path)
     source = None
     if read == "every-rank" or rank == 0:
         source = HFDirectory(path) if directory else _PlainFile(path)
     if read == "every-rank":  # a directory: each of my pieces straight from the files
-        mine = [p for _, _, p in fsdp.places(opt, where)]
-        fsdp.load_places(opt, [(p, p) for p in mine], lambda p: dict(value=source.read(p)), where)
+        mine = [p for _, _, p in places(opt, where)]
+        load_places(opt, [(p, p) for p in mine], lambda p: dict(value=source.read(p)), where)
         return source.bytes_read
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, [p for _, _, p in fsdp.places(opt, where)])
+    dist.all_gather_object(every, [p for _, _, p in places(opt, where)])
     received = {}
     for r, ps in enumerate(every):  # one order on every rank
         for p in ps:
@@ -302,7 +411,7 @@ def init_from(opt, where, path: str, read: str = "every-rank", *, dtype, device)
                 values = torch.empty(p[4] - p[3], dtype=dtype, device=device)
                 dist.recv(values, 0)
                 received[p] = values.cpu()
-    fsdp.load_places(opt, [(p, p) for p in received], lambda p: dict(value=received[p]), where)
+    load_places(opt, [(p, p) for p in received], lambda p: dict(value=received[p]), where)
     return source.bytes_read if source is not None else 0
 
 
@@ -313,7 +422,7 @@ class _PlainFile:
         self.sd, self.bytes_read = torch.load(path, map_location="cpu", weights_only=True, mmap=True), 0
 
     def read(self, place) -> torch.Tensor:
-        values = self.sd[place[0]].reshape(-1)[fsdp.full_indices(*place[1:])]
+        values = self.sd[place[0]].reshape(-1)[full_indices(*place[1:])]
         self.bytes_read += values.numel() * values.element_size()
         return values
 
@@ -436,7 +545,7 @@ class HFDirectory:
     """A Hugging Face model directory opened for reading, lazily: read(place) materialises only the rows (and
     columns) of the files that hold the place's elements, and counts their bytes in bytes_read.
 
-    A place (fsdp.py section 7) is elements [lo, hi) of the whole tensor narrowed along one dimension. Seen as
+    A place (the pieces section above) is elements [lo, hi) of the whole tensor narrowed along one dimension. Seen as
     rows (hf.disk_map: every dimension but the last merged), those elements lie in a run of rows of the narrowed
     tensor — and so of the whole one: a narrow of dimension 0 (tp's column-parallel slices, a rank's experts)
     shifts the run, a narrow of the last (row-parallel slices) keeps the rows and takes their columns [start, end).

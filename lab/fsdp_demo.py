@@ -28,7 +28,7 @@ import torch.distributed as dist
 import hsdp
 from fsdp import shard_model
 from lab import references
-from lab.baseline import max_diff, single_process
+from lab.baseline import TOL64, adamw_reach, max_diff, single_process
 from lab.data import get_batch, load_corpus
 from lab.instruments import CommCounter, memory_tracker, model_state_bytes, time_side_by_side
 from lab.launch import finish, main as run_main
@@ -146,17 +146,31 @@ def measure_runs(configs, **kwargs) -> list[dict]:
 
 # ---- the demos' check (fsdp.py, hsdp.py) ---------------------------------------------------------
 
-def one_process_check(state, model_name, steps, batch, seq, lr, param_dtype, device) -> bool:
-    """Full parameters after `steps` against the single-process run on the same global batches, printed.
-    Adam turns rounding-level gradient differences into up to a whole step (lr) on elements whose gradient
-    is ~0: fp32 within 5% of a step per step, bf16 compute within 2 steps."""
+def one_process_check(runs, model_name, steps, batch, seq, lr, param_dtype, device) -> bool:
+    """Each run's full parameters after `steps` against the single-process run on the same global batches,
+    printed. runs: [(label, state, state64)], a run's parameters and those of the same strategy retrained with
+    float64 parameters (computing in float64, also under bf16: the casts are FSDP2's to check, --compare).
+
+    The verdict is float64's: there the parameters equal one process's to rounding, within TOL64 (1e-9). The run
+    itself (fp32, or bf16 compute on fp32 masters, against one process with the same casts) cannot be held that
+    tight — AdamW turns a rounding-level gradient difference on an element whose gradient is ~0 into up to a whole
+    step, at places that depend on the CPU's kernels (lab/baseline.py) — so it is held to adamw_reach: what AdamW
+    can move an element at all in two runs, which no rounding exceeds and a misplaced shard does."""
     tokens = load_corpus()
     batches = [get_batch(tokens, s, batch, seq, 0, device=device) for s in range(steps)]
     ref = single_process(build_model(model_name, seed=0, device=device), batches, lr=lr, compute_dtype=param_dtype)
-    err, tol = max_diff(state, ref["model"].state_dict()), (0.05 if param_dtype is None else 2.0) * lr * steps
-    ok = all_agree(err < tol)
-    print0(f"parameters vs the single-process run: max |diff| = {err:.2e} (tolerance {tol:.1e}) -> "
-           f"{'ok' if ok else 'MISMATCH'}")
+    ref64 = single_process(build_model(model_name, seed=0, dtype=torch.float64, device=device), batches, lr=lr)
+    reach, name, ok = adamw_reach(lr, steps), "fp32" if param_dtype is None else "bf16", True
+    print0(f"parameters vs the single-process run on the same batches:\n"
+           f"  the same strategy in float64 within {TOL64:.0e}: its rounding (~1e-16) is far below AdamW's eps (1e-8)\n"
+           f"  this {name} run within AdamW's reach 2·lr·Σc_t = {reach:.1e}: rounding on a gradient that is ~0 can "
+           f"become a whole step, CPU by CPU")
+    for label, state, state64 in runs:
+        err64, err = max_diff(state64, ref64["model"].state_dict()), max_diff(state, ref["model"].state_dict())
+        good = all_agree(err64 < TOL64 and err < reach)
+        print0(f"  {label}float64 max |diff| = {err64:.2e}, {name} max |diff| = {err:.2e} -> "
+               f"{'ok' if good else 'MISMATCH'}")
+        ok &= good
     return ok
 
 
@@ -201,7 +215,10 @@ def demo(argv=None, reference=references.fsdp2) -> int:
     if res["peak"]:
         lines.append(f"  MemTracker peak {res['peak'] * mib:.3f} MiB (model state + activations + temporaries)")
     print_by_rank("\n".join(lines))
-    ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
+    res64 = train_and_measure(args.stage, args.model, args.steps, args.batch, args.seq, args.lr, dtype=torch.float64,
+                              **dict(kw, param_dtype=None))  # the same strategy in float64: the verdict (see there)
+    ok = one_process_check([("", res["state"], res64["state"])], args.model, args.steps, args.batch, args.seq,
+                           args.lr, pd, device)
     if args.compare and reference is not None:  # PyTorch's FSDP2 beside a fresh copy of ours, in alternating rounds
         ours, theirs = (build_model(args.model, seed=0, device=device) for _ in range(2))
         reference(theirs, param_dtype=pd, reshard_after_forward=not args.no_reshard)
@@ -249,9 +266,11 @@ def compare_stages(args, pd, kw, device) -> bool:
         print0(f"  {s:<6d} {FSDP_NAMES[s]:14s} {res['memory']['total'] * mib:10.3f} "
                f"{res['memory']['total'] / res['numel']:8.2f} {res['peak'] * mib:9.3f} {t[s] * 1e3:8.1f} "
                f"{max_diff(res['state'], first):22.2e}")
-    ok = all(one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
-             for res in results.values())
     del runs
+    runs64 = [train_and_measure(s, args.model, args.steps, args.batch, args.seq, args.lr, dtype=torch.float64,
+                                **dict(kw, param_dtype=None))["state"] for s in args.stages]
+    ok = one_process_check([(f"stage {s}: ", res["state"], st64) for (s, res), st64 in zip(results.items(), runs64)],
+                           args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
     return ok
 
 

@@ -83,7 +83,10 @@ def demo(argv=None, reference=references.hsdp2) -> int:
         + " (optimizer: + AdamW's step counter per parameter piece)")
     print_by_rank("\n".join(lines))
 
-    ok = one_process_check(res["state"], args.model, args.steps, args.batch, args.seq, args.lr, pd, device)
+    res64 = hsdp_train(R, S, model_name=args.model, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
+                       dtype=torch.float64)  # the same mesh in float64: the verdict (fsdp_demo.one_process_check)
+    ok = one_process_check([("", res["state"], res64["state"])], args.model, args.steps, args.batch, args.seq,
+                           args.lr, pd, device)
     ok &= all_agree(not res["bytes_by_dim"]["other"])
     if args.compare and reference is not None and S * R > 1:  # FSDP2's HSDP: fully_shard on a 2-D device mesh
         tokens = load_corpus()

@@ -134,7 +134,7 @@ def demo(argv=None, reference=references.torch_pipelining) -> int:
     if dist.get_rank() == 0:
         ref = single_process(build_model(cfg, seed=0), batches)["losses"]   # the same model in one process
         diff = max(abs(a - b) for a, b in zip(rows[-1][5], ref))
-        ok = diff < 1e-4
+        ok = diff < 1e-4  # fp32 losses, not parameters: AdamW moves those by whole steps on rounding (lab/baseline.py)
         measured, total = idle_share([e[2] for e in rows])
         idle, sim = idle_formula(name, p, m, v), simulate(SCHEDULES[name](p, m, v))
         print(f"{name}: p={p} ranks x v={v} chunks x dp={args.dp}, m={m} micro-batches of {args.batch // args.dp // m};"
@@ -149,7 +149,8 @@ def demo(argv=None, reference=references.torch_pipelining) -> int:
     ok = all_agree(ok)
     if args.compare and reference is not None and args.dp == 1:  # PyTorch's schedule, side by side
         ok &= reference(out, cfg, name, m, batches[0], device, mesh.group("pp"))
-    print0(f"loss matches the single-process model: {'ok' if ok else 'FAILED'} (max |diff| {diff:.1e})")
+    print0(f"loss matches the single-process model: {'ok' if ok else 'FAILED'} (max |diff| {diff:.1e} in fp32 losses, "
+           f"tolerance 1e-4)")
     return finish(ok)
 
 

@@ -209,3 +209,120 @@ def test_load_refreshes_every_gathered_copy(world):
             got = res[("load", config)]
             assert max_diff(got["loaded_state"], plain.state_dict()) == 0, (rank, config)
             assert (got["after_load"] - want).abs().max().item() < TOL, (rank, config)
+
+
+# ---- a module only some ranks run: one clear error on every rank (mesh.agree), never an abort ------------
+#
+# Ranks pair collectives by order alone. Under ZeRO-3 a unit is gathered before each use, so a module that only
+# rank 0 runs makes a gather rank 1 never makes: rank 0's call meets whatever rank 1 does next (a different
+# size aborted gloo; an equal size would swap the units' data). fsdp announces every collective first
+# (mesh.agree), so both ranks stop at once with the same error, naming what each was about to do.
+
+class RankBranch(nn.Module):
+    """The tiny Transformer (`body`) and a small `branch` that only rank 0 runs, on a second call of body's
+    embedding: an extra loss a learner computes on one rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = build_model("tiny", seed=0, dtype=torch.float64)
+        torch.manual_seed(3)
+        self.branch = nn.Linear(self.body.cfg.dim, 1, bias=False).double()
+
+    def forward(self, x, y, rank):
+        loss = self.body(x, y)
+        return loss + self.branch(self.body.tok_embeddings(x)).pow(2).mean() if rank == 0 else loss
+
+
+def mismatch_loss(case, model, x, y, rank):
+    """The loss of `case` on `rank`'s rows: the model above, or the plain body with a rank-dependent detour."""
+    if case == "embedding":
+        return model(x, y, rank)
+    body, pos = model, torch.arange(x.shape[1])
+    h = body.tok_embeddings(x)
+    if case == "swapped" and rank == 1:  # blocks of equal size in another order: the silent case without a check
+        return body.head(body.blocks(h, [body.layers[1], body.layers[0]], pos), y)
+    loss = body.head(body.blocks(h, list(body.layers), pos), y)
+    if case == "block" and rank == 0:  # one block run once more, on rank 0 only
+        loss = loss + body.blocks(torch.ones_like(h), [body.layers[1]], pos).pow(2).mean()
+    return loss
+
+
+def _mismatch_run(case, stage, units=None, steps=2):
+    """(the error's message or None, seconds from the first step to it, full state after the steps)."""
+    import time
+    from fsdp import shard_model
+    from lab.data import get_batch, load_corpus
+    r, P = dist.get_rank(), dist.get_world_size()
+    model = RankBranch() if case == "embedding" else build_model("tiny", seed=0, dtype=torch.float64)
+    units = units(model) if units else None
+    opt = shard_model(model, stage, lr=LR, weight_decay=0.0, units=units)
+    tokens, start = load_corpus(), time.perf_counter()
+    try:
+        for s in range(steps):
+            x, y = get_batch(tokens, s, B, S, 0, r, P)
+            mismatch_loss(case, model, x, y, r).backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as e:
+        return str(e), time.perf_counter() - start, None
+    return None, time.perf_counter() - start, opt.full_state_dict()
+
+
+def _embedding_in_root(model):
+    """units= without the embedding (and the branch): both join the root unit, gathered from forward into
+    backward, so rank 0's second call of the embedding needs no collective."""
+    return [*model.body.layers, [model.body.norm, model.body.output]]
+
+
+def run_mismatches():
+    out = {(c, 3): _mismatch_run(c, 3) for c in ("embedding", "block", "swapped")}
+    out.update({("embedding", s): _mismatch_run("embedding", s) for s in (0, 1, 2)})
+    out.update({("root", s): _mismatch_run("embedding", s, _embedding_in_root) for s in (0, 1, 2, 3)})
+    return out
+
+
+@functools.cache
+def mismatches():
+    from lab.launch import run_ranks
+    return run_ranks(run_mismatches, 2, timeout=120)
+
+
+def _embedding_reference():
+    """One process on the global batch: each rank's loss is its rows' mean, rank 0 adds the branch's term on its
+    rows, and data parallel averages the two: the global mean plus half of rank 0's term."""
+    from lab.data import get_batch, load_corpus
+    tokens, model = load_corpus(), RankBranch()
+
+    def loss(m, batch):
+        x, y = batch
+        return m.body(x, y) + m.branch(m.body.tok_embeddings(x[:B // 2])).pow(2).mean() / 2
+    ref = single_process(model, [get_batch(tokens, s, B, S, 0) for s in range(2)], lr=LR, weight_decay=0.0,
+                         loss_fn=loss)
+    return ref["model"].state_dict()
+
+
+@pytest.mark.parametrize("case, first", [
+    ("embedding", "gathers unit 0 (body.tok_embeddings) for forward, its 2nd forward since the last backward"),
+    ("block", "gathers unit 2 (layers.1) for forward, its 2nd forward since the last backward"),
+    ("swapped", "gathers unit 1 (layers.0) for forward")])
+def test_a_unit_only_some_ranks_run_stops_every_rank_with_one_error(case, first):
+    results = mismatches()
+    for rank, res in enumerate(results):
+        msg, seconds, _ = res[(case, 3)]
+        assert msg is not None, f"{case}: rank {rank} trained on without an error"
+        assert msg == results[0][(case, 3)][0], "every rank says the same"
+        assert f"rank 0 {first};" in msg and "rank 1 gathers unit" in msg, msg
+        assert "leave it out of units=" in msg and "reshard_after_forward=False" in msg, msg  # the fix
+        assert seconds < 10, f"{case}: rank {rank} took {seconds:.1f} s to stop"
+    if case == "swapped":  # equal sizes: without the check the gathers would have paired and swapped the data
+        assert "rank 1 gathers unit 2 (layers.1) for forward" in results[0][(case, 3)][0]
+
+
+def test_such_a_model_trains_equal_to_one_process_where_no_unit_is_gathered_apart():
+    """Stages 0-2 never gather a unit; with units= leaving the embedding to the root unit, neither does 3."""
+    want = _embedding_reference()
+    for rank, res in enumerate(mismatches()):
+        for key in [("embedding", s) for s in (0, 1, 2)] + [("root", s) for s in (0, 1, 2, 3)]:
+            msg, _, state = res[key]
+            assert msg is None, (rank, key, msg)
+            assert max_diff(state, want) < TOL, (rank, key, max_diff(state, want))

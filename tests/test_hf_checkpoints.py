@@ -78,7 +78,7 @@ class _Look:
         import fsdp
         self.held = fsdp.full_state_dict(trainer.opt)
         self.where = {n: trainer.where(n) for n in self.held}
-        self.share = [p[4] - p[3] for _, _, p in fsdp.places(trainer.opt, trainer.where)]
+        self.share = [p[4] - p[3] for _, _, p in checkpoint.places(trainer.opt, trainer.where)]
 
     def around(self, trainer, step):
         return nullcontext()

@@ -4,7 +4,7 @@ models run as HSDP too: tests/test_awkward_fsdp.py.)"""
 import torch
 import torch.distributed as dist
 
-from lab.baseline import max_diff
+from lab.baseline import adamw_reach, max_diff
 from harness import Exercise, run_script
 from test_fsdp import B, CLIP, LR, S, STEPS, ranks, reference
 
@@ -30,6 +30,17 @@ def run():
         opt.step()
         opt.zero_grad()
     out["shard_hybrid"] = opt.full_state_dict()
+    # PyTorch's FSDP2 HSDP with the same MixedPrecisionPolicy, for the bf16 run
+    from lab.references import hsdp2
+    theirs = build_model("tiny", seed=0)
+    hsdp2(theirs, 2, 2, param_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(theirs.parameters(), lr=LR)
+    for s in range(STEPS):
+        theirs(*get_batch(tokens, s, B, S, 0, dist.get_rank(), 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    out["bf16_fsdp2"] = {n: p.full_tensor().detach() for n, p in theirs.named_parameters()}
+    del theirs, opt  # FSDP2's state goes while the process group still exists
     errors = []  # bad input: one ValueError on every rank, before any collective
     for bad in (dict(mesh=Mesh(dp_replicate=2, dp_shard=2), stage=0), dict()):
         try:
@@ -43,7 +54,7 @@ def run():
 def test_hsdp_2x2():
     results = [r["hsdp"] for r in ranks(4)]
     ref64, (ref_clip, norms) = reference(torch.float64)[0], reference(torch.float64, clip=CLIP)
-    ref_mp, init = reference(compute_dtype=torch.bfloat16)[0], reference(steps=0)[0]
+    ref_mp = reference(compute_dtype=torch.bfloat16)[0]
     for rank, res in enumerate(results):
         for key in ("fp64", "keep", "r4"):
             assert max_diff(res[key]["state"], ref64) < 1e-10, key
@@ -51,8 +62,11 @@ def test_hsdp_2x2():
         assert len(res["errors"]) == 2 and "stage 1, 2 or 3" in res["errors"][0] and "Mesh" in res["errors"][1]
         assert max_diff(res["clip"]["state"], ref_clip) < 1e-10
         assert abs(res["clip"]["grad_norm"] - norms[-1]) < 1e-10
-        err = sum(((res["bf16"]["state"][k] - ref_mp[k]) ** 2).sum() for k in ref_mp)
-        assert (err / sum(((ref_mp[k] - init[k]) ** 2).sum() for k in ref_mp)).sqrt() < 0.05
+        # bf16: FSDP2's HSDP with the same casts makes the same sums in the same order (the same bits on any CPU:
+        # measured 0 with ATEN_CPU_CAPABILITY default, avx2, avx512); one process with the same casts is only
+        # within AdamW's reach (test_fsdp.test_mixed_precision_matches_same_casts, lab/baseline.py)
+        assert max_diff(res["bf16"]["state"], res["bf16_fsdp2"]) < 1e-6
+        assert max_diff(res["bf16"]["state"], ref_mp) < adamw_reach(LR, STEPS)
 
         # the mesh: shard groups {0,1}, {2,3}; replicate groups {0,2}, {1,3}
         assert res["fp64"]["shard_ranks"] == ((0, 1) if rank < 2 else (2, 3))

@@ -147,3 +147,47 @@ EXERCISES = [
     Exercise("torchrun --nproc_per_node 4 mesh.py --dp-shard 3", _check_bad, fails=True),
     Exercise("torchrun --nproc_per_node 4 mesh.py", _check_bytes),
 ]
+
+
+# ---- mesh.agree: ranks say what collective comes next, and disagree with one error ------------------------
+
+def _agree_cases():
+    import datetime
+    import os
+    import time
+    from mesh import agree
+    r, out = dist.get_rank(), {}
+    sub = dist.new_group([0, 1])  # (every rank builds every group)
+    for i in range(3):  # the same line on every rank, three times over: nothing happens, on either group
+        agree(None, f"all-reduces step {i}'s flags")
+        if r < 2:
+            agree(sub, "gathers unit 1")
+    try:  # different lines: every rank raises the same error, naming each rank's
+        agree(None, f"gathers unit {r % 2}", "Fix it alike.")
+    except RuntimeError as e:
+        out["differ"] = str(e)
+    os.environ["COURSE_CHECK_COLLECTIVES"] = "0"  # turned off: nothing is compared
+    agree(None, f"gathers unit {r}")
+    del os.environ["COURSE_CHECK_COLLECTIVES"]
+    start = time.perf_counter()
+    try:  # rank 0 announces one more collective than the others: after the timeout it says who never came
+        if r == 0:
+            agree(None, "gathers unit 7 for forward")
+    except RuntimeError as e:
+        out["missing"] = (str(e), time.perf_counter() - start)
+    store = dist.distributed_c10d._get_default_store()  # the others wait for it there, not in a collective
+    store.set("agreed", "done") if r == 0 else store.wait(["agreed"], datetime.timedelta(seconds=30))
+    return out
+
+
+def test_agree_names_each_ranks_collective_when_they_differ_and_who_never_came():
+    results = run_ranks(_agree_cases, 3, timeout=12)  # (the collectives' timeout: 0.8 x 12 s, at least 5 s)
+    want = ("the ranks of group [0, 1, 2] disagree on their next collective: rank 0 gathers unit 0; rank 1 gathers "
+            "unit 1; rank 2 gathers unit 0. Fix it alike.")
+    assert [r["differ"] for r in results] == [want] * 3, results
+    msg, seconds = results[0]["missing"]
+    assert msg.startswith("rank 0 gathers unit 7 for forward, but rank 1 never reached its next collective over "
+                          "ranks [0, 1, 2] (its last: gathers unit 1); rank 2 never reached its next collective over "
+                          "ranks [0, 1, 2] (its last: gathers unit 0) within 9 s."), msg
+    assert 5 <= seconds < 11, (msg, seconds)
+    assert "missing" not in results[1] and "missing" not in results[2]

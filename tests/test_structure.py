@@ -28,7 +28,7 @@ LESSON_BUILDS_ON = {"hsdp": {"fsdp"},            # hybrid sharding is ZeRO with 
 COURSE_USES = {"mesh": {"lab.launch"}, **{m: {"lab.model", "lab.data"} for m in LESSONS},
                "train": {"lab.model", "lab.data", "lab.checkpoint"}}
 # What train.py keeps out of the composition, in the package: checkpoint files (their format and safety), built
-# on fsdp.py's pieces, used by train.py alone; and the Hugging Face conversion those files use (config.json and
+# on fsdp.py's slices (their pieces any layout can load), used by train.py alone; and the Hugging Face conversion those files use (config.json and
 # the tensors' names: lab/hf.py imports only the model).
 BESIDE_TRAIN = (f"{PACKAGE}.checkpoint", f"{PACKAGE}.hf")
 TOP_LEVEL = {"README.md", "requirements.txt", "pytest.ini", ".gitignore", ".ci", "tests", "notebooks", PACKAGE,
