@@ -87,6 +87,13 @@ class Device:
                  hbm x hbm_efficiency (measured: STREAM-like kernels; cpu-gloo measures its own rate: 1)
     overlap_slowdown  while a collective runs beside compute (hidden behind it), the compute runs this much
                  slower: the collective's kernels hold SMs and memory bandwidth (0: none)
+    agree        seconds lesson 0's collective check (mesh.agree: this rank's line set in the job's TCPStore,
+                 every peer's read back, an old one deleted) costs before each of fsdp.py's collectives (its
+                 gathers, reduce-scatters, used flags, the clip's all-reduce) and hsdp.py's; COURSE_CHECK_COLLECTIVES=0
+                 turns the check off. cpu-gloo: measured (calibration_steps). A GPU: 0 -- the check blocks the host,
+                 which runs ahead of the device by the kernels it has queued, so its round trips (~0.2 ms each on
+                 loopback here, about a hundred a step for ZeRO-3) delay no kernel while the host stays ahead; not
+                 priced: the one store serving every rank's requests at hundreds of ranks
     async_launch  the host launches kernels ahead of the device (a GPU): a phase takes the longer of the device's
                  work and the host's launches; else (a CPU) their sum"""
     name: str
@@ -109,6 +116,7 @@ class Device:
     attention_backward: float | None = None
     hbm_efficiency: float = 1.0
     overlap_slowdown: float = 0.0
+    agree: float = 0.0
 
 
 # What a GPU reaches of its datasheet, each measured elsewhere and cited here (one profile per GPU type, the same
@@ -1207,6 +1215,16 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         clip = collective_time("all_reduce", 8, 1, world, dev, world > G) if args.grad_clip else 0.0
         if clip:
             exposed["clip"] = clip
+        # lesson 0's check before each of fsdp.py's collectives (Device.agree): ZeRO 1-3's gathers and reduce-
+        # scatters, one all-reduce of the used flags, HSDP's all-reduces across replicas (a unit's and the flags'),
+        # and the clip's all-reduce over every rank (ZeRO-0's buckets are ddp.py's: unchecked)
+        checks = 1 if args.grad_clip and world > 1 else 0
+        if z and shard > 1:
+            checks += sum(calls[op] for op in ("reduce_scatter", "all_gather") if op in ops) + 1
+        if z and args.dp_replicate > 1:
+            checks += len(units) + 1
+        if checks * dev.agree:
+            exposed["agree"] = checks * dev.agree
         # the optimizer (and the clip's arithmetic): per element of the local shard, and per tensor piece it loops
         # over (ZeRO: a unit's flat shard cuts its tensors; the most a rank holds: about half of them plus one)
         pieces = sum(min(t, math.ceil(t / shard) + 1) if shard > 1 else t for t in units)
@@ -1215,8 +1233,8 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         optimizer = ((psi - psi_e) / shard + psi_e / (n_e if z else 1)) * per_elem + pieces * dev.optimizer_tensor
         out = dict(compute=compute, parts=parts, exposed=exposed, optimizer=optimizer, stage=s,
                    flops=m * (flops["f"] + flops["b"]),
-                   unit=t_f + t_b, total=total, rest=dp_exposed + dp_beside + finish + clip + optimizer, forward=t_f,
-                   backward=t_b)
+                   unit=t_f + t_b, total=total, rest=dp_exposed + dp_beside + finish + clip + checks * dev.agree
+                   + optimizer, forward=t_f, backward=t_b)
         timed[(layers, s == 0, last)] = out
         unit_of.append(out["unit"])
     # The schedule was played as if every stage took the slowest one's times; a faster stage (the first holds
@@ -1522,6 +1540,7 @@ def _optimizer_step(cfg):
 
 
 IN_STEP = 12   # collectives (after matmuls) that measure alpha: a difference of two medians, noisy with fewer
+AGREE_CALLS = 20   # mesh.agree calls, back to back, that measure one's cost
 
 
 def calibration_steps(cfg) -> tuple[dict, callable]:
@@ -1540,9 +1559,10 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
                   all-reduces, 2 ring steps each — several times less: the ranks arrive apart and gloo's threads
                   wake from sleep). A step makes many collectives and pays each one's tail: means, not medians
       beta        an all-reduce of the model's gradient, Ψ·4 bytes: 2·bare_alpha + 2·(P-1)/P·n/β
-      collective_factor  reduce-scatter, all-gather, all-to-all at that size over the ring formula's time"""
+      collective_factor  reduce-scatter, all-gather, all-to-all at that size over the ring formula's time
+      agree       mesh.agree on the 2 ranks, back to back (0 with COURSE_CHECK_COLLECTIVES=0: the check is off)"""
     from lab.model import build_model
-    from mesh import all_gather_single, reduce_scatter_single
+    from mesh import agree, all_gather_single, reduce_scatter_single
     P = dist.get_world_size()
     a, w = torch.randn(256, cfg.dim), torch.randn(cfg.dim, cfg.ffn_dim)
     model, one = build_model(cfg), torch.zeros(1, 1, dtype=torch.long)
@@ -1569,6 +1589,7 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
              "cal:all_to_all": lambda: dist.all_to_all_single(into, big),
              # last: the rounds run in a cycle, and each step follows the one before it — what follows a 13 MB
              # collective pays for it (its buffers, gloo's threads); what follows matmuls does not
+             "cal:agree": lambda: [agree(None, "calibrates the check") for _ in range(AGREE_CALLS)],
              "cal:matmul": lambda: [a @ w for _ in range(10)]}
 
     def derive(t: dict) -> dict:
@@ -1583,7 +1604,8 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
         beta = wire_bytes("all_reduce", n, P) / max(t["cal:all_reduce"] - 2 * (P - 1) * bare, 1e-9)
         alpha = max((t["cal:in_step"] - t["cal:segment"]) / IN_STEP - wire / beta, 2 * (P - 1) * bare) / (2 * (P - 1))
         c = dict(bare_alpha=bare, rate=rate, hbm=3 * x.numel() * 4 * 5 / t["cal:memory"], alpha=alpha, beta=beta, op=op,
-                 opt_elem=max(t["cal:optimizer"] - tensors * opt_tensor, 0.0) / elements, opt_tensor=opt_tensor)
+                 opt_elem=max(t["cal:optimizer"] - tensors * opt_tensor, 0.0) / elements, opt_tensor=opt_tensor,
+                 agree=t["cal:agree"] / AGREE_CALLS)
         for name in ("reduce_scatter", "all_gather", "all_to_all"):
             c[name] = max(t["cal:" + name] - (P - 1) * bare, 1e-9) / (wire_bytes(name, n, P) / beta)
         return c
@@ -1623,12 +1645,44 @@ def measure_rank(names: list[str], rounds: int = 3, per_round: int = 2) -> dict:
     return dict(calibration=derive(t), measured={n: t[n] for n in names})
 
 
+def count_checks(names: list[str]) -> dict:
+    """On 2 gloo ranks: how many collective checks (mesh.agree over a group of more than one rank) one step of
+    each calibrated layout makes, counted in its second step (tests/test_plan_time.py holds step_time's count to
+    it)."""
+    import fsdp
+    import hsdp
+    from lab.data import load_corpus
+    from mesh import Mesh
+    counted = [0]
+
+    def counting(real):
+        def agree(group, *a, **kw):
+            counted[0] += dist.get_world_size(group if group is not None else dist.group.WORLD) > 1
+            return real(group, *a, **kw)
+        return agree
+    real = fsdp.agree, hsdp.agree
+    fsdp.agree, hsdp.agree = counting(real[0]), counting(real[1])
+    out, tokens = {}, load_corpus(None)
+    try:
+        for name in names:
+            args = calibrated_args(name)
+            trainer = train.Trainer(args, Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep),
+                                    torch.device("cpu"))
+            trainer.step(0, tokens)
+            counted[0] = 0
+            trainer.step(1, tokens)
+            out[name] = counted[0]
+    finally:
+        fsdp.agree, hsdp.agree = real
+    return out
+
+
 def cpu_gloo(calibration: dict) -> Device:
     c = calibration
     return Device("cpu-gloo", {"float32": c["rate"], "float64": c["rate"] / 2, "bfloat16": c["rate"] / 10}, c["hbm"],
                   c["alpha"], c["beta"], c["alpha"], c["beta"], 8e9, 2, "measured here: calibration_steps", c["op"],
                   {k: c[k] for k in ("reduce_scatter", "all_gather", "all_to_all")}, c["opt_elem"],
-                  c["opt_tensor"])
+                  c["opt_tensor"], agree=c.get("agree", 0.0))
 
 
 def spearman(a: list, b: list) -> float:
@@ -1683,7 +1737,8 @@ def report(out: dict) -> list[str]:
              f"us/tensor",
              f"gloo: alpha {c['alpha'] * 1e6:.0f} us in a step ({c['bare_alpha'] * 1e6:.0f} back to back), beta "
              f"{c['beta'] / 1e9:.2f} GB/s; x ring: reduce-scatter {c['reduce_scatter']:.1f}, all-gather "
-             f"{c['all_gather']:.1f}, all-to-all {c['all_to_all']:.1f}",
+             f"{c['all_gather']:.1f}, all-to-all {c['all_to_all']:.1f}; a collective's check (mesh.agree) "
+             f"{c.get('agree', 0) * 1e6:.0f} us",
              f"{'layout':47s} {'predicted ms':>12s} {'measured ms':>12s} {'ratio':>6s}  predicted breakdown (ms)"]
     dev = cpu_gloo(c)
     for name, p, m in out["rows"]:

@@ -230,6 +230,23 @@ def test_predicted_against_measured_on_two_gloo_ranks():
             if mb >= 1.5 * ma:
                 assert pb > pa, (a, pa, ma, b, pb, mb)
     assert len(T.report(out)) == len(out["rows"]) + 4
+    assert 0 < out["calibration"]["agree"] < out["calibration"]["alpha"] * 10   # a collective's check, measured
+
+
+def test_the_collective_checks_are_priced_as_the_code_makes_them():
+    # lesson 0's check (mesh.agree) before each of fsdp.py's collectives: the planner counts them as a real step
+    # on 2 gloo ranks makes them (ZeRO-1's 4 units: 4 reduce-scatters, 4 gathers at the step, the used flags, the
+    # clip; ZeRO-3's gathers for each micro-batch's forward and backward; ZeRO-0's buckets are ddp.py's: only
+    # the clip's), each at Device.agree
+    from lab.launch import run_ranks
+    names = ["dp ZeRO-0", "dp ZeRO-1", "dp ZeRO-3, 2 micro-batches, full checkpointing", "pp 1f1b, 2 micro-batches"]
+    counted = run_ranks(T.count_checks, 2, names)[0]
+    one = dataclasses.replace(T.DEVICES["cpu-gloo"], agree=1.0)
+    for name in names:
+        assert T.step_time(T.calibrated_args(name), one, T.CPU_ASSUMPTIONS, 2)["exposed"]["agree"] == counted[name]
+    assert counted["dp ZeRO-1"] == 10 and counted["dp ZeRO-3, 2 micro-batches, full checkpointing"] > 10
+    # a GPU's host runs ahead of its device: the checks' round trips delay no kernel (priced 0)
+    assert T.DEVICES["h100"].agree == 0 and "agree" not in _gpu("--dp-shard", "8")["exposed"]
 
 
 # ---- the README's exercise: one assumption changed, and the choice moves -------------------------------------
