@@ -1745,7 +1745,7 @@ def report(out: dict) -> list[str]:
         r = step_time(calibrated_args(name), dev, CPU_ASSUMPTIONS, 2)
         parts = dict(compute=r["compute"], bubble=r["bubble"], optimizer=r["optimizer"], **r["exposed"])
         lines.append(f"{name:47s} {p * 1e3:12.1f} {m * 1e3:12.1f} {p / m:6.2f}  "
-                     + " ".join(f"{k} {v * 1e3:.0f}" for k, v in parts.items() if v))
+                     + " ".join(f"{k} {v * 1e3:.{0 if v >= 0.01 else 1}f}" for k, v in parts.items() if v))
     lo, hi = TIGHT_BAND
     ratios = [p / m for _, p, m in out["rows"]]
     within = sum(lo <= x <= hi for x in ratios)
