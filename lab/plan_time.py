@@ -89,11 +89,11 @@ class Device:
                  slower: the collective's kernels hold SMs and memory bandwidth (0: none)
     agree        seconds lesson 0's collective check (mesh.agree: this rank's line set in the job's TCPStore,
                  every peer's read back, an old one deleted) costs before each of fsdp.py's collectives (its
-                 gathers, reduce-scatters, used flags, the clip's all-reduce) and hsdp.py's; COURSE_CHECK_COLLECTIVES=0
-                 turns the check off. cpu-gloo: measured (calibration_steps). A GPU: 0 -- the check blocks the host,
-                 which runs ahead of the device by the kernels it has queued, so its round trips (~0.2 ms each on
-                 loopback here, about a hundred a step for ZeRO-3) delay no kernel while the host stays ahead; not
-                 priced: the one store serving every rank's requests at hundreds of ranks
+                 gathers, reduce-scatters, used flags, the clip's all-reduce) and hsdp.py's;
+                 COURSE_CHECK_COLLECTIVES=0 turns the check off. cpu-gloo: measured (calibration_steps). A GPU: 0 --
+                 the check blocks the host, which runs ahead of the device by the kernels it has queued, so its round
+                 trips (0.16-0.31 ms each on loopback here, about a hundred a step for ZeRO-3) delay no kernel while
+                 the host stays ahead; not priced: the one store serving every rank's requests at hundreds of ranks
     async_launch  the host launches kernels ahead of the device (a GPU): a phase takes the longer of the device's
                  work and the host's launches; else (a CPU) their sum"""
     name: str
@@ -143,10 +143,9 @@ class Device:
 #   overlap_slowdown  compute beside a collective that runs at the same time (NCCL's kernels take SMs: one
 #       thread block a channel -- 24 of an H100's 132 for an all-gather beside a GEMM in the profile posted to
 #       forums.developer.nvidia.com, "Compute-Communication Overlap Causes Severe GEMM Performance Degradation
-#       because of Tail Effect") runs 18.9% slower
-#       on average (max 40%) than alone: Lee et al. 2025, "Characterizing Compute-Communication Overlap in
-#       GPU-Accelerated Distributed Deep Learning", arXiv:2507.03114 (GPT and LLaMA layers on A100, H100, MI250,
-#       MI210)
+#       because of Tail Effect") runs 18.9% slower on average (max 40%) than alone: Lee et al. 2025,
+#       "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning",
+#       arXiv:2507.03114 (GPT and LLaMA layers on A100, H100, MI250, MI210)
 _GPU = dict(async_launch=True, op_overhead=5e-6, overlap_slowdown=0.189)
 _FA2_H100 = dict(attention_efficiency=335 / 989, attention_backward=322 / 989)
 DEVICES = {
@@ -708,7 +707,8 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
                         loss = trainer.model(x, x, positions=trainer.positions)
                     else:
                         loss.backward()
-                for k, v in dict(flops=ops.flops, mm=ops.mm, mm32=ops.mm32, attn=ops.attn, attn_bwd=ops.attn_bwd, ops=ops.n, mem=ops.bytes,
+                for k, v in dict(flops=ops.flops, mm=ops.mm, mm32=ops.mm32, attn=ops.attn, attn_bwd=ops.attn_bwd,
+                                 ops=ops.n, mem=ops.bytes,
                                  kernels=ops.kernels, fused=ops.fused, core=ops.core, core_ops=ops.core_ops,
                                  core_mem=ops.core_mem).items():
                     flops[f"{k}_{phase}"] = v
@@ -987,7 +987,8 @@ def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: i
                  (causal: half the products); ring attention's blocks
                  as the code runs them (fp32 products, score blocks in memory) or, fused, a kernel per ring step;
                  unfused: every product, at the matmul rate, and the scores' bytes (UNFUSED_SCORE_BYTES)
-      memory     the memory-bound operations' bytes at bandwidth(): eager as counted, compiled as the fused runs read and
+      memory     the memory-bound operations' bytes at bandwidth(): eager as counted, compiled as the fused runs
+                 read and
                  write them; float8's casts (amax, scale, cast: each input, weight and output gradient read 2x and
                  written in 1 byte; compiled read once)
       launch     the host's cost per launch (Device.op_overhead): every operation eager, every kernel compiled;
