@@ -6,9 +6,10 @@ as lab/plan.py), at a device's rates:
     compute      the FLOPs the real step performs on this rank — PyTorch's FLOP formulas over one micro-batch's
                  forward and backward of the real model on meta tensors, checkpointing's recompute included (it
                  runs inside the backward), causal attention at half — matmuls at the device's peak × its
-                 measured matmul efficiency, fused attention at its attention efficiency; plus, for the
-                 operations without FLOPs (elementwise, norms, copies), the bytes they read and write at the
-                 memory bandwidth (compiled: each run of them one kernel), and every launch's host cost
+                 measured matmul efficiency, fused attention's forward and backward kernels at their measured
+                 efficiencies; plus, for the operations without FLOPs (elementwise, norms, copies), the bytes they
+                 read and write at the achievable memory bandwidth (Device.hbm x hbm_efficiency; compiled: each run
+                 of them one kernel), and every launch's host cost
                  (Device.op_overhead; a GPU launches ahead: the longer of the two). What a GPU run adds to the
                  course's code — fused attention, compile, float8, overlaps, a framework's policies — are
                  MECHANISMS, set by --assume or a framework's bundle (FRAMEWORKS)
@@ -26,7 +27,8 @@ as lab/plan.py), at a device's rates:
     overlap      Assumptions.overlap: the share of a window of compute that hides a collective, per strategy
                  (ZeRO-3's prefetched gathers behind the whole step's compute, a single backward's reductions
                  behind that backward, DDP's buckets behind the last backward, cp's ring behind the attention;
-                 tp behind the phase's matmuls where overlapped; the pipeline's sends exposed)
+                 tp behind the phase's matmuls where overlapped; the pipeline's sends exposed); the compute beside
+                 a hidden collective runs Device.overlap_slowdown slower ("overlap" in the breakdown)
     optimizer    AdamW and the clip's arithmetic: per element of the local shard (Device.optimizer_elem, else
                  Assumptions.optimizer_bytes at the memory bandwidth) and per tensor piece it loops over
                  (Device.optimizer_tensor: eager single-tensor AdamW on a CPU costs ~0.3 ms a tensor here)
@@ -76,10 +78,22 @@ class Device:
                  all-gather on loopback are not ring-optimal: measured 1.5-3x; NCCL's are: 1)
     optimizer_elem, optimizer_tensor  the optimizer step (AdamW) and the clip's norm, per element of the local
                  shard and per parameter tensor (piece) it loops over; None: Assumptions.optimizer_bytes at hbm
-    matmul_efficiency  by dtype, the share of `flops` a large matmul reaches (measured: the maximum achievable
-                 matmul FLOP/s over the peak); a dtype left out: 1
-    attention_efficiency  the share of the compute dtype's peak a fused attention kernel reaches (forward and
-                 backward)
+    matmul_efficiency  by dtype, the share of `flops` a large matmul reaches (measured: a sustained cuBLAS rate,
+                 else the maximum achievable matmul FLOP/s of short runs, over the peak); a dtype left out: 1
+    attention_efficiency  the share of the compute dtype's peak a fused attention kernel reaches (its forward;
+                 and its backward where attention_backward is None)
+    attention_backward  the share its backward kernel reaches (None: attention_efficiency)
+    hbm_efficiency  the share of `hbm` (the datasheet's) a streaming kernel reaches: memory-bound work runs at
+                 hbm x hbm_efficiency (measured: STREAM-like kernels; cpu-gloo measures its own rate: 1)
+    overlap_slowdown  while a collective runs beside compute (hidden behind it), the compute runs this much
+                 slower: the collective's kernels hold SMs and memory bandwidth (0: none)
+    agree        seconds lesson 0's collective check (mesh.agree: this rank's line set in the job's TCPStore,
+                 every peer's read back, an old one deleted) costs before each of fsdp.py's collectives (its
+                 gathers, reduce-scatters, used flags, the clip's all-reduce) and hsdp.py's;
+                 COURSE_CHECK_COLLECTIVES=0 turns the check off. cpu-gloo: measured (calibration_steps). A GPU: 0 --
+                 the check blocks the host, which runs ahead of the device by the kernels it has queued, so its round
+                 trips (0.16-0.31 ms each on loopback here, about a hundred a step for ZeRO-3) delay no kernel while
+                 the host stays ahead; not priced: the one store serving every rank's requests at hundreds of ranks
     async_launch  the host launches kernels ahead of the device (a GPU): a phase takes the longer of the device's
                  work and the host's launches; else (a CPU) their sum"""
     name: str
@@ -99,18 +113,41 @@ class Device:
     matmul_efficiency: dict = field(default_factory=dict)
     attention_efficiency: float = 1.0
     async_launch: bool = False
+    attention_backward: float | None = None
+    hbm_efficiency: float = 1.0
+    overlap_slowdown: float = 0.0
+    agree: float = 0.0
 
 
-# Measured matmul efficiency: the maximum achievable matmul FLOP/s (MAMF) over the datasheet peak, bf16 and fp8
-# inputs, from S. Bekman, Machine Learning Engineering (github.com/stas00/ml-engineering), compute/accelerator,
-# "Maximum Achievable Matmul FLOPS comparison table" (mamf-finder.py, mean of 100 iterations at the best shape):
-# A100 SXM 271.2 of 312 (86.9%), H100 SXM 794.5 of 989 (80.3%; "H200 is the same"), fp8 H100 SXM 1402.6 of 1979
-# (70.9%), H200 SXM 1453.4 (73.4%). Fused attention: FlashAttention-2 (PyTorch's SDPA flash kernel) at head dim
-# 128 reaches 330-370 TFLOP/s forward on an H100 SXM5 and FlashAttention-3 600-650 (Shah et al. 2024,
-# arXiv:2407.08608, Fig. 5); its backward, 2.5x the forward's FLOPs, runs slower than its forward: 0.30 of the
-# peak over both (a judgement from those figures, not a measurement of its own); on an A100, 50-73% of the peak
-# forward and less backward (Dao 2023, arXiv:2307.08691): 0.55.
-_GPU = dict(async_launch=True, op_overhead=5e-6)
+# What a GPU reaches of its datasheet, each measured elsewhere and cited here (one profile per GPU type, the same
+# for every run on it):
+#   matmul_efficiency  the best SUSTAINED cuBLAS rate where one is published: Azure's AI-benchmarking-guide
+#       (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md, ND_H100_v5_results.md,
+#       ND_H200_v5_results.md: cuBLASLt, random inputs, 10,000 warm-up iterations, so the GPU is at its power and
+#       thermal steady state): A100 SXM4 80GB fp16 256.5 TFLOP/s at 16384^3 (82.2% of 312), H100 SXM fp8 1382.2 at
+#       32768^3 (69.8% of 1,979), H200 fp8 1366.3 at 16384^3 (69.0%). Where none is (bf16 on H100 and H200), the
+#       maximum achievable matmul FLOP/s of short runs at the best shape (S. Bekman, Machine Learning Engineering,
+#       github.com/stas00/ml-engineering, compute/accelerator, "Maximum Achievable Matmul FLOPS comparison table":
+#       mamf-finder.py, 50 warm-up and 100 timed iterations): H100 SXM 794.5 of 989 (80.3%; "H200 is the same")
+#       -- a short run's rate, above a sustained one (the same table's A100 SXM: 271.2, 5.7% above Azure's 256.5)
+#   attention_efficiency, attention_backward  FlashAttention-2 (the kernels of PyTorch's SDPA flash backend, the
+#       backend PyTorch's default order picks first on an H100 in Dec 2024: pytorch/pytorch#138522 made cuDNN's
+#       opt-in) at head dim 128 on an H100 SXM5, 16k tokens: forward with the causal mask 335 TFLOP/s (33.9% of
+#       989), backward 322 (32.6%) (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, Fig. 5 and Fig. 6, the
+#       FlashAttention-2 bars). On an A100 (Dao 2023, arXiv:2307.08691: FlashAttention-2 reaches 50-73% of the
+#       peak forward, less backward): 0.55 over both, a judgement (no row of the published table runs it)
+#   hbm_efficiency  BabelStream (CUDA) on the same Azure machines, the mean of its Copy, Mul, Add and Triad
+#       kernels (one or two read streams and one write stream, as the step's elementwise kernels): A100 1.61,
+#       1.61, 1.70, 1.70 TB/s (81.2% of 2.039), H100 SXM 2.90, 2.90, 2.97, 2.97 (87.6% of 3.35), H200 4.01, 4.00,
+#       4.15, 4.15 (84.9% of 4.8)
+#   overlap_slowdown  compute beside a collective that runs at the same time (NCCL's kernels take SMs: one
+#       thread block a channel -- 24 of an H100's 132 for an all-gather beside a GEMM in the profile posted to
+#       forums.developer.nvidia.com, "Compute-Communication Overlap Causes Severe GEMM Performance Degradation
+#       because of Tail Effect") runs 18.9% slower on average (max 40%) than alone: Lee et al. 2025,
+#       "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning",
+#       arXiv:2507.03114 (GPT and LLaMA layers on A100, H100, MI250, MI210)
+_GPU = dict(async_launch=True, op_overhead=5e-6, overlap_slowdown=0.189)
+_FA2_H100 = dict(attention_efficiency=335 / 989, attention_backward=322 / 989)
 DEVICES = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense bf16 (1,979 with sparsity), 1,979 dense fp8, 67 TFLOPS fp32,
     # 3.35 TB/s HBM3, 80 GB; NVLink 4 at 900 GB/s both directions (450 each way); one 400 Gb/s ConnectX-7 NIC per
@@ -118,30 +155,36 @@ DEVICES = {
     "h100": Device("h100", {"bfloat16": 989e12, "float8": 1979e12, "float32": 67e12, "float64": 34e12}, 3.35e12,
                    5e-6, 450e9, 10e-6, 50e9, 80e9, 8,
                    "NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (NICs)",
-                   matmul_efficiency={"bfloat16": 0.803, "float8": 0.709}, attention_efficiency=0.30, **_GPU),
+                   matmul_efficiency={"bfloat16": 794.5 / 989, "float8": 1382.2 / 1979}, hbm_efficiency=2.935 / 3.35,
+                   **_FA2_H100, **_GPU),
     # The H100 of Meta's Grand Teton servers, on which torchtitan's benchmarks ran: 96 GB HBM2e at 2.4 TB/s, the
     # default 500 W power limit, 400 Gb/s RDMA per GPU between hosts (torchtitan benchmarks/
     # llama3_h100_202412_torchtitan.md, "Hardware"); "the actual peak TFLOPs number is between SXM and NVL" (its
-    # footnote 2): the H100 NVL's datasheet peaks, 835 TFLOPS dense bf16 and 1,671 fp8 (NVIDIA H100 NVL datasheet)
+    # footnote 2): the H100 NVL's datasheet peaks, 835 TFLOPS dense bf16 and 1,671 fp8 (NVIDIA H100 NVL datasheet),
+    # and the H100 SXM's measured shares of them (the same GPU; its HBM2e's share not measured: the H100 SXM's,
+    # 87.6% -- te42kyfo/gpu-benches, gpu-stream, measures 85-92% on the H100 PCIe's HBM2e)
     "h100-gt": Device("h100-gt", {"bfloat16": 835e12, "float8": 1671e12, "float32": 60e12, "float64": 30e12},
                       2.4e12, 5e-6, 450e9, 10e-6, 50e9, 96e9, 8,
                       "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100); H100 NVL datasheet",
-                      matmul_efficiency={"bfloat16": 0.803, "float8": 0.709}, attention_efficiency=0.30, **_GPU),
+                      matmul_efficiency={"bfloat16": 794.5 / 989, "float8": 1382.2 / 1979},
+                      hbm_efficiency=2.935 / 3.35, **_FA2_H100, **_GPU),
     # NVIDIA H200 SXM: the H100's compute with 4.8 TB/s HBM3e and 141 GB
     "h200": Device("h200", {"bfloat16": 989e12, "float8": 1979e12, "float32": 67e12, "float64": 34e12}, 4.8e12,
                    5e-6, 450e9, 10e-6, 50e9, 141e9, 8, "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
-                   matmul_efficiency={"bfloat16": 0.803, "float8": 0.734}, attention_efficiency=0.30, **_GPU),
+                   matmul_efficiency={"bfloat16": 794.5 / 989, "float8": 1366.3 / 1979}, hbm_efficiency=4.0775 / 4.8,
+                   **_FA2_H100, **_GPU),
     # NVIDIA A100 SXM4 80GB: 312 TFLOPS dense bf16, 19.5 fp32, 2.04 TB/s; NVLink 3 at 600 GB/s both directions, of
     # which NCCL's all-reduce reaches 230-250 GB/s bus bandwidth on 8 GPUs (nccl-tests reference numbers, e.g.
     # docs.alayanew.com "NCCL-tests in practice": 240); one 200 Gb/s HDR NIC per GPU in a DGX A100 (25 GB/s)
     "a100": Device("a100", {"bfloat16": 312e12, "float32": 19.5e12, "float64": 9.7e12}, 2.04e12, 5e-6, 240e9, 10e-6,
                    25e9, 80e9, 8, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide",
-                   matmul_efficiency={"bfloat16": 0.869}, attention_efficiency=0.55, **_GPU),
+                   matmul_efficiency={"bfloat16": 256.5 / 312}, attention_efficiency=0.55,
+                   hbm_efficiency=1.655 / 2.039, **_GPU),
     # this machine: gloo on loopback and one core per rank, measured by calibration_steps (predicted_vs_measured
     # measures it again; these are the numbers of the notebook's run here, 2 cores shared with other jobs)
-    "cpu-gloo": Device("cpu-gloo", {"float32": 8.2e10, "float64": 4.1e10, "bfloat16": 8.2e9}, 2.5e10, 7.5e-4, 1.0e9,
-                       7.5e-4, 1.0e9, 8e9, 2, "measured here: lab.plan_time.calibration_steps", 16e-6,
-                       dict(reduce_scatter=2.4, all_gather=1.5, all_to_all=1.0), 2.6e-9, 3.2e-4),
+    "cpu-gloo": Device("cpu-gloo", {"float32": 8.2e10, "float64": 4.1e10, "bfloat16": 8.2e9}, 2.9e10, 9.3e-4, 1.7e9,
+                       9.3e-4, 1.7e9, 8e9, 2, "measured here: lab.plan_time.calibration_steps", 14e-6,
+                       dict(reduce_scatter=3.4, all_gather=2.6, all_to_all=1.5), 2.4e-9, 2.9e-4, agree=2.7e-4),
 }
 
 
@@ -198,6 +241,8 @@ class Assumptions:
     selective_every: int = 0
     pp_scatter: float = 0.0
     recompute_whole: float = 0.0
+    hbm_efficiency: float | None = None
+    overlap_slowdown: float | None = None
 
 
 # What torchtitan and Megatron do beyond the course's code, as --assume framework=NAME sets it (a run's own
@@ -268,6 +313,22 @@ MECHANISMS = [
     ("pipeline scatter/gather", "pp_scatter=0|1",
      "pp: a stage boundary crosses nodes as 1/tp of it per tp rank, then an all-gather inside the node",
      "Narayanan et al. 2021 §4.1", "0", "0", "megatron2021, megatron: 1"),
+    ("measured kernel rates", "efficiency=X (one share for both; none: the device's)",
+     "matmul: the sustained cuBLAS rate where published, else the best short-run rate (MAMF); attention: the "
+     "forward kernel (and checkpointing's rerun of it) at FlashAttention-2's measured forward rate, the backward "
+     "kernel at its backward rate",
+     "Azure AI-benchmarking-guide (cuBLASLt, 10,000 warm-up iterations); Bekman, ML Engineering (MAMF); Shah et "
+     "al. 2024 (FlashAttention-3), Fig. 5-6",
+     "1 (the measured matmul rate is the peak)", "the device's", "the device's"),
+    ("achievable memory bandwidth", "hbm_efficiency=X (none: the device's)",
+     "memory, and the optimizer on a GPU: bytes at the datasheet bandwidth x the share STREAM-like kernels reach",
+     "BabelStream on Azure's ND A100 v4, ND H100 v5, ND H200 v5 (Azure AI-benchmarking-guide)",
+     "1 (its rate is measured here)", "0.81 (A100) - 0.88 (H100)", "the device's"),
+    ("compute beside a collective", "overlap_slowdown=S (none: the device's)",
+     "overlap: each second of a collective hidden behind compute costs S/(1 + S) s more, the compute running "
+     "S slower beside it (NCCL's kernels hold SMs)",
+     "Lee et al. 2025 (arXiv:2507.03114): 18.9% on average on A100, H100, MI250, MI210",
+     "0 (one core per rank: nothing hides)", "0.189", "0.189"),
     ("micro-batch size", "--microbatches (and --global-batch-size)",
      "every term: tokens per micro-batch set each matmul's and collective's size, the calls per step (gathers, "
      "α), the bubble's share; a published run's comes from its own configuration (Megatron's "
@@ -306,7 +367,7 @@ def assumptions(pairs: list[str] = ()) -> Assumptions:
             elif key in _TEXT:
                 changes[key] = value
             elif value.lower() == "none" and key in ("inter_beta", "intra_beta", "tp_cp_span", "efficiency",
-                                                     "compile", "float8"):
+                                                     "compile", "float8", "hbm_efficiency", "overlap_slowdown"):
                 changes[key] = None
             else:
                 changes[key] = int(float(value)) if key in ("optimizer_bytes", "verify_top", "tp_cp_span",
@@ -368,7 +429,7 @@ def _causal_half(op, formula):
 
 
 # what a probe counts in each phase (forward f, backward b): every key below, per phase ("ops_f", "mem_b", ...)
-COUNTS = ("flops", "mm", "mm32", "attn", "ops", "mem", "kernels", "fused", "core", "core_ops", "core_mem")
+COUNTS = ("flops", "mm", "mm32", "attn", "attn_bwd", "ops", "mem", "kernels", "fused", "core", "core_ops", "core_mem")
 PHASES = tuple(f"{k}_{p}" for k in COUNTS for p in "fb")
 
 
@@ -379,7 +440,7 @@ class _OpCount(TorchDispatchMode):
     norms, copies: memory-bound) read and write, at the device's memory bandwidth. Views move nothing.
     Beside them, for the mechanisms a GPU run adds (Assumptions):
       mm, mm32    matmul FLOPs (the linears, in the compute dtype; mm32: in fp32, e.g. ring attention's blocks)
-      attn        FLOPs of fused attention kernels (SDPA)
+      attn        FLOPs of fused attention kernels (SDPA); attn_bwd: those of its backward kernels
       kernels, fused   compile: each run of memory-bound operations between two others (a matmul, attention,
                   a collective) becomes one kernel (torch.compile's inductor fuses them), which reads the
                   tensors that enter the run once and writes those that leave it (consumed after the run, or
@@ -390,7 +451,7 @@ class _OpCount(TorchDispatchMode):
     attention_core = False      # set while the probe runs inside an attention core (_core)
 
     def __enter__(self):
-        self.n = self.bytes = self.flops = self.mm = self.mm32 = self.attn = 0
+        self.n = self.bytes = self.flops = self.mm = self.mm32 = self.attn = self.attn_bwd = 0
         self.core = self.core_ops = self.core_mem = 0
         self.kernels, self.run, self.kernel_run, self.read = 0, 0, -1, 0
         self.seen = set()
@@ -449,6 +510,7 @@ class _OpCount(TorchDispatchMode):
         self.n, self.flops, self.bytes = self.n + 1, self.flops + flops, self.bytes + nbytes
         if "scaled_dot_product" in func.__name__:
             self.attn += flops
+            self.attn_bwd += flops if "backward" in func.__name__ else 0
         elif flops and any(t.dtype in (torch.float32, torch.float64) for t in tensors_in):
             self.mm32 += flops
         else:
@@ -645,7 +707,8 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
                         loss = trainer.model(x, x, positions=trainer.positions)
                     else:
                         loss.backward()
-                for k, v in dict(flops=ops.flops, mm=ops.mm, mm32=ops.mm32, attn=ops.attn, ops=ops.n, mem=ops.bytes,
+                for k, v in dict(flops=ops.flops, mm=ops.mm, mm32=ops.mm32, attn=ops.attn, attn_bwd=ops.attn_bwd,
+                                 ops=ops.n, mem=ops.bytes,
                                  kernels=ops.kernels, fused=ops.fused, core=ops.core, core_ops=ops.core_ops,
                                  core_mem=ops.core_mem).items():
                     flops[f"{k}_{phase}"] = v
@@ -920,10 +983,12 @@ def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: i
       matmuls    the linears at the dtype's peak × Device.matmul_efficiency (float8: the blocks' linears at the
                  float8 rate, the head in the compute dtype) and fp32 ones at fp32's; the experts' (_moe) alike;
                  selective_every: the recomputed linears again in the backward
-      attention  SDPA's fused kernel at attention_efficiency (causal: half the products); ring attention's blocks
+      attention  SDPA's fused kernels, forward at attention_efficiency and backward at attention_backward
+                 (causal: half the products); ring attention's blocks
                  as the code runs them (fp32 products, score blocks in memory) or, fused, a kernel per ring step;
                  unfused: every product, at the matmul rate, and the scores' bytes (UNFUSED_SCORE_BYTES)
-      memory     the memory-bound operations' bytes at hbm: eager as counted, compiled as the fused runs read and
+      memory     the memory-bound operations' bytes at bandwidth(): eager as counted, compiled as the fused runs
+                 read and
                  write them; float8's casts (amax, scale, cast: each input, weight and output gradient read 2x and
                  written in 1 byte; compiled read once)
       launch     the host's cost per launch (Device.op_overhead): every operation eager, every kernel compiled;
@@ -932,8 +997,12 @@ def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: i
     compiled = args.compile if assume.compile is None else bool(assume.compile)
     float8 = (args.float8 if assume.float8 is None else bool(assume.float8)) and "float8" in dev.flops
     eff = (lambda dt: dev.matmul_efficiency.get(dt, 1.0)) if assume.efficiency is None else (lambda dt: assume.efficiency)
-    attn_eff = dev.attention_efficiency if assume.efficiency is None else assume.efficiency
     peak, wide = dev.flops[args.dtype], "float64" if args.dtype == "float64" else "float32"
+    # fused attention's rates: its forward kernel's and its backward kernel's (checkpointing's recompute runs the
+    # forward kernel inside the backward phase)
+    attn_f = peak * (dev.attention_efficiency if assume.efficiency is None else assume.efficiency)
+    attn_b = peak * (dev.attention_backward or dev.attention_efficiency if assume.efficiency is None
+                     else assume.efficiency)
     mm_rate, wide_rate = peak * eff(args.dtype), dev.flops[wide] * eff(wide)
     lin_rate = dev.flops["float8"] * eff("float8") if float8 else mm_rate
     b_el, tp, cp, S = _elem(args), args.tp, args.cp, args.seq_len
@@ -961,8 +1030,9 @@ def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: i
         launches = (layers * blk[f"kernels_{p}"] + (rst[f"ops_{p}"] if last else 0)) if compiled else count("ops", 1)
         launches += layers * moe["ops_" + p] if moe else 0
         # attention: SDPA's kernel, and ring attention's core
-        attn_flops = count("attn")
-        attention = attn_flops / (peak * attn_eff)
+        attn_flops, attn_bwd = count("attn"), count("attn_bwd")
+        fused = (attn_flops - attn_bwd) / attn_f + attn_bwd / attn_b
+        attention = fused
         core = count("core")
         if assume.attention == "code" or not core:
             attention += core / wide_rate
@@ -972,7 +1042,8 @@ def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: i
             heads_w = cfg.n_heads * cfg.head_dim / tp
             fwd = b * 2 * S * S * heads_w / cp                          # causal: half of 4·S²·H per sequence
             fl = fwd if p == "f" else 2.5 * fwd + (fwd if recompute else 0)
-            attention += layers * fl / (peak * attn_eff)
+            attention += layers * (fwd / attn_f if p == "f" else 2.5 * fwd / attn_b + (fwd / attn_f if recompute
+                                                                                          else 0))
             flops += layers * fl - core
             mem += layers * 3 * 4 * b * S * heads_w * (2 if p == "b" else 1)   # the merges of each step's output
             launches += layers * 2 * cp * (2 if p == "b" else 1)
@@ -981,7 +1052,7 @@ def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: i
             again = blk["attn_b"] / blk["attn_f"] > 3 if blk["attn_f"] else False   # backward recomputes it
             full = 2 * a_f if p == "f" else (4 + (2 if again else 0)) * a_f    # every score; no recompute of QKᵀ
             scores = b * layers * cfg.n_heads / tp * (S / cp) * S
-            attention += full / mm_rate - attn_flops / (peak * attn_eff)
+            attention += full / mm_rate - fused
             flops += full - attn_flops
             mem += scores * (UNFUSED_SCORE_BYTES[p] + (UNFUSED_SCORE_BYTES["f"] if p == "b" and again else 0))
             launches += layers * (6 if p == "f" else 9)
@@ -995,7 +1066,7 @@ def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: i
             if p == "b":   # the output gradient cast; the 1-byte transposes the backward's matmuls read
                 mem += layers * sum(T * o * per_byte + 2 * (T * i + T * o + i * o) for i, o in sizes)
             launches += layers * len(sizes) * (2 if p == "f" else 3)
-        memory = mem / dev.hbm
+        memory = mem / bandwidth(dev, assume)
         launch = launches * dev.op_overhead
         busy = matmul + attention + memory
         seconds = max(busy, launch) if dev.async_launch else busy + launch
@@ -1024,6 +1095,10 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
     b = args.global_batch_size // (dp * m)                     # sequences per micro-batch
     link = {d: crosses_nodes(sizes, (d,), G) for d in DIMS}
     o = assume.overlap
+    # the compute beside a hidden collective runs slower (Device.overlap_slowdown): each second of collective hidden
+    # behind compute costs s/(1 + s) of a second
+    slow = dev.overlap_slowdown if assume.overlap_slowdown is None else assume.overlap_slowdown
+    slow = slow / (1 + slow)
     moe = _moe(args, b, dev, link["dp_shard"], crosses_nodes(sizes, ("dp_replicate", "dp_shard", "cp", "tp"), G))
     timed, unit_of = {}, []
     for s, layers in enumerate(_stage_layers(args)):
@@ -1035,6 +1110,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         flops = {p: work[p]["flops"] for p in "fb"}
         comm = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "ep": 0.0, "world": 0.0}
         per_phase = {"f": 0.0, "b": 0.0}
+        beside = 0.0    # per micro-batch: the compute's slowdown beside the phases' hidden collectives
         raw = {(p, d): 0.0 for p in "fb" for d in comm}
         for (phase, where, dim, op), (calls, n) in pr["comm"].items():
             # calls inside the block: once per layer; the rest (the head's, the loss's): on the last stage
@@ -1052,7 +1128,8 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
                 floor = t / sizes[dim] if dim == "tp" and share else 0.0
                 exposed = max(floor, t - share * window)
             comm[dim] += exposed
-            per_phase[phase] += exposed
+            per_phase[phase] += exposed + slow * (t - exposed)
+            beside += slow * (t - exposed)
         if moe:
             for p in "fb":
                 per_phase[p] += layers * moe["comm_" + p]
@@ -1066,14 +1143,17 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
                     collective_time("all_gather", boundary, 1, tp, dev, link["tp"])
             else:
                 hop = collective_time("send", boundary, 1, 2, dev, link["pp"])
-            hop *= (1 - o["pp"]) * args.virtual_stages
-            t_f, t_b = t_f + hop, t_b + hop
-            comm["pp"] = 2 * hop
+            hop *= args.virtual_stages
+            t_f, t_b = t_f + hop * (1 - o["pp"] + slow * o["pp"]), t_b + hop * (1 - o["pp"] + slow * o["pp"])
+            comm["pp"] = 2 * hop * (1 - o["pp"])
+            beside += 2 * hop * o["pp"] * slow
         w = assume.weight_grad_share if args.schedule == "zb" else 0.0
         total = _bubble(args.schedule, pp, m, args.virtual_stages, t_f, t_b, w) if pp > 1 else m * (t_f + t_b)
         compute = m * (work["f"]["seconds"] + work["b"]["seconds"])
         parts = {k: m * (work["f"][k] + work["b"][k]) for k in COMPUTE_PARTS}
         exposed = {d: m * c for d, c in comm.items() if c}
+        if beside:
+            exposed["overlap"] = m * beside
         # data parallel: the step's reductions (and ZeRO's gathers), from the lessons' formula; one collective
         # per ZeRO unit (and per DDP bucket), each paying its α and its wait — not one per step
         psi, unit = _local_psi(args, s)
@@ -1094,10 +1174,11 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
                      all_reduce=buckets + 1 if z == 0 else 1)   # (+ the used-flags' all-reduce, once a step)
         inter = crosses_nodes(sizes, ("dp_replicate", "dp_shard", "cp") if not z else ("dp_shard", "cp"), G)
         dpt = {op: collective_time(op, n, calls[op], group[op], dev, inter) for op, n in ops.items()}
+        replicas = 0.0
         if z and args.dp_replicate > 1:   # HSDP: the shard's all-reduce across replicas
-            dpt["all_reduce"] = collective_time("all_reduce", ops.get("all_reduce", 0), len(units),
-                                                args.dp_replicate, dev,
-                                                crosses_nodes(sizes, ("dp_replicate",), G)) * (1 - o["replicas"])
+            replicas = collective_time("all_reduce", ops.get("all_reduce", 0), len(units), args.dp_replicate, dev,
+                                       crosses_nodes(sizes, ("dp_replicate",), G))
+            dpt["all_reduce"] = replicas * (1 - o["replicas"])
         t_last_b = t_b
         if z == 0:
             hidden = o["ddp"] * t_last_b
@@ -1114,8 +1195,12 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
             rs = dpt.get("reduce_scatter", 0)
             rs = max(0.0, rs - o["zero2"] * t_last_b) if z == 2 and not several else rs * (1 - o["step"])
             dp_exposed = rs + dpt.get("all_gather", 0) * (1 - o["step"]) + dpt.get("all_reduce", 0)
+        # what of the data-parallel collectives hid behind compute, slowing it (overlap_slowdown)
+        dp_beside = slow * (sum(dpt.values()) + replicas * o["replicas"] - dp_exposed)
         if dp_exposed:
             exposed["dp"] = dp_exposed
+        if dp_beside > 1e-12:
+            exposed["overlap"] = exposed.get("overlap", 0.0) + dp_beside
         # tp's partial gradients (sequence parallel's norm weights; k and v when tp ranks share a kv head), summed
         # over tp unit by unit before ZeRO reduces them (tensor_parallel.finish_grads): one all-reduce a unit
         finish = 0.0
@@ -1131,14 +1216,26 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         clip = collective_time("all_reduce", 8, 1, world, dev, world > G) if args.grad_clip else 0.0
         if clip:
             exposed["clip"] = clip
+        # lesson 0's check before each of fsdp.py's collectives (Device.agree): ZeRO 1-3's gathers and reduce-
+        # scatters, one all-reduce of the used flags, HSDP's all-reduces across replicas (a unit's and the flags'),
+        # and the clip's all-reduce over every rank (ZeRO-0's buckets are ddp.py's: unchecked)
+        checks = 1 if args.grad_clip and world > 1 else 0
+        if z and shard > 1:
+            checks += sum(calls[op] for op in ("reduce_scatter", "all_gather") if op in ops) + 1
+        if z and args.dp_replicate > 1:
+            checks += len(units) + 1
+        if checks * dev.agree:
+            exposed["agree"] = checks * dev.agree
         # the optimizer (and the clip's arithmetic): per element of the local shard, and per tensor piece it loops
         # over (ZeRO: a unit's flat shard cuts its tensors; the most a rank holds: about half of them plus one)
         pieces = sum(min(t, math.ceil(t / shard) + 1) if shard > 1 else t for t in units)
-        per_elem = dev.optimizer_elem if dev.optimizer_elem is not None else assume.optimizer_bytes / dev.hbm
+        per_elem = dev.optimizer_elem if dev.optimizer_elem is not None else \
+            assume.optimizer_bytes / bandwidth(dev, assume)
         optimizer = ((psi - psi_e) / shard + psi_e / (n_e if z else 1)) * per_elem + pieces * dev.optimizer_tensor
         out = dict(compute=compute, parts=parts, exposed=exposed, optimizer=optimizer, stage=s,
                    flops=m * (flops["f"] + flops["b"]),
-                   unit=t_f + t_b, total=total, rest=dp_exposed + finish + clip + optimizer, forward=t_f, backward=t_b)
+                   unit=t_f + t_b, total=total, rest=dp_exposed + dp_beside + finish + clip + checks * dev.agree
+                   + optimizer, forward=t_f, backward=t_b)
         timed[(layers, s == 0, last)] = out
         unit_of.append(out["unit"])
     # The schedule was played as if every stage took the slowest one's times; a faster stage (the first holds
@@ -1156,6 +1253,12 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
     best["tokens_per_s"] = tokens / best["seconds"]
     best["mfu"] = model_flops(args) / (world * dev.flops[args.dtype] * best["seconds"])
     return best
+
+
+def bandwidth(dev: Device, assume: Assumptions = Assumptions()) -> float:
+    """The memory bandwidth memory-bound work runs at: the datasheet's x the share a streaming kernel reaches
+    (Device.hbm_efficiency; Assumptions.hbm_efficiency replaces it)."""
+    return dev.hbm * (dev.hbm_efficiency if assume.hbm_efficiency is None else assume.hbm_efficiency)
 
 
 def _elem(args) -> int:
@@ -1438,6 +1541,7 @@ def _optimizer_step(cfg):
 
 
 IN_STEP = 12   # collectives (after matmuls) that measure alpha: a difference of two medians, noisy with fewer
+AGREE_CALLS = 20   # mesh.agree calls, back to back, that measure one's cost
 
 
 def calibration_steps(cfg) -> tuple[dict, callable]:
@@ -1456,9 +1560,10 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
                   all-reduces, 2 ring steps each — several times less: the ranks arrive apart and gloo's threads
                   wake from sleep). A step makes many collectives and pays each one's tail: means, not medians
       beta        an all-reduce of the model's gradient, Ψ·4 bytes: 2·bare_alpha + 2·(P-1)/P·n/β
-      collective_factor  reduce-scatter, all-gather, all-to-all at that size over the ring formula's time"""
+      collective_factor  reduce-scatter, all-gather, all-to-all at that size over the ring formula's time
+      agree       mesh.agree on the 2 ranks, back to back (0 with COURSE_CHECK_COLLECTIVES=0: the check is off)"""
     from lab.model import build_model
-    from mesh import all_gather_single, reduce_scatter_single
+    from mesh import agree, all_gather_single, reduce_scatter_single
     P = dist.get_world_size()
     a, w = torch.randn(256, cfg.dim), torch.randn(cfg.dim, cfg.ffn_dim)
     model, one = build_model(cfg), torch.zeros(1, 1, dtype=torch.long)
@@ -1485,6 +1590,7 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
              "cal:all_to_all": lambda: dist.all_to_all_single(into, big),
              # last: the rounds run in a cycle, and each step follows the one before it — what follows a 13 MB
              # collective pays for it (its buffers, gloo's threads); what follows matmuls does not
+             "cal:agree": lambda: [agree(None, "calibrates the check") for _ in range(AGREE_CALLS)],
              "cal:matmul": lambda: [a @ w for _ in range(10)]}
 
     def derive(t: dict) -> dict:
@@ -1499,7 +1605,8 @@ def calibration_steps(cfg) -> tuple[dict, callable]:
         beta = wire_bytes("all_reduce", n, P) / max(t["cal:all_reduce"] - 2 * (P - 1) * bare, 1e-9)
         alpha = max((t["cal:in_step"] - t["cal:segment"]) / IN_STEP - wire / beta, 2 * (P - 1) * bare) / (2 * (P - 1))
         c = dict(bare_alpha=bare, rate=rate, hbm=3 * x.numel() * 4 * 5 / t["cal:memory"], alpha=alpha, beta=beta, op=op,
-                 opt_elem=max(t["cal:optimizer"] - tensors * opt_tensor, 0.0) / elements, opt_tensor=opt_tensor)
+                 opt_elem=max(t["cal:optimizer"] - tensors * opt_tensor, 0.0) / elements, opt_tensor=opt_tensor,
+                 agree=t["cal:agree"] / AGREE_CALLS)
         for name in ("reduce_scatter", "all_gather", "all_to_all"):
             c[name] = max(t["cal:" + name] - (P - 1) * bare, 1e-9) / (wire_bytes(name, n, P) / beta)
         return c
@@ -1539,12 +1646,44 @@ def measure_rank(names: list[str], rounds: int = 3, per_round: int = 2) -> dict:
     return dict(calibration=derive(t), measured={n: t[n] for n in names})
 
 
+def count_checks(names: list[str]) -> dict:
+    """On 2 gloo ranks: how many collective checks (mesh.agree over a group of more than one rank) one step of
+    each calibrated layout makes, counted in its second step (tests/test_plan_time.py holds step_time's count to
+    it)."""
+    import fsdp
+    import hsdp
+    from lab.data import load_corpus
+    from mesh import Mesh
+    counted = [0]
+
+    def counting(real):
+        def agree(group, *a, **kw):
+            counted[0] += dist.get_world_size(group if group is not None else dist.group.WORLD) > 1
+            return real(group, *a, **kw)
+        return agree
+    real = fsdp.agree, hsdp.agree
+    fsdp.agree, hsdp.agree = counting(real[0]), counting(real[1])
+    out, tokens = {}, load_corpus(None)
+    try:
+        for name in names:
+            args = calibrated_args(name)
+            trainer = train.Trainer(args, Mesh(**{d: getattr(args, d) for d in DIMS}, ep=args.ep),
+                                    torch.device("cpu"))
+            trainer.step(0, tokens)
+            counted[0] = 0
+            trainer.step(1, tokens)
+            out[name] = counted[0]
+    finally:
+        fsdp.agree, hsdp.agree = real
+    return out
+
+
 def cpu_gloo(calibration: dict) -> Device:
     c = calibration
     return Device("cpu-gloo", {"float32": c["rate"], "float64": c["rate"] / 2, "bfloat16": c["rate"] / 10}, c["hbm"],
                   c["alpha"], c["beta"], c["alpha"], c["beta"], 8e9, 2, "measured here: calibration_steps", c["op"],
                   {k: c[k] for k in ("reduce_scatter", "all_gather", "all_to_all")}, c["opt_elem"],
-                  c["opt_tensor"])
+                  c["opt_tensor"], agree=c.get("agree", 0.0))
 
 
 def spearman(a: list, b: list) -> float:
@@ -1599,14 +1738,15 @@ def report(out: dict) -> list[str]:
              f"us/tensor",
              f"gloo: alpha {c['alpha'] * 1e6:.0f} us in a step ({c['bare_alpha'] * 1e6:.0f} back to back), beta "
              f"{c['beta'] / 1e9:.2f} GB/s; x ring: reduce-scatter {c['reduce_scatter']:.1f}, all-gather "
-             f"{c['all_gather']:.1f}, all-to-all {c['all_to_all']:.1f}",
+             f"{c['all_gather']:.1f}, all-to-all {c['all_to_all']:.1f}; a collective's check (mesh.agree) "
+             f"{c.get('agree', 0) * 1e6:.0f} us",
              f"{'layout':47s} {'predicted ms':>12s} {'measured ms':>12s} {'ratio':>6s}  predicted breakdown (ms)"]
     dev = cpu_gloo(c)
     for name, p, m in out["rows"]:
         r = step_time(calibrated_args(name), dev, CPU_ASSUMPTIONS, 2)
         parts = dict(compute=r["compute"], bubble=r["bubble"], optimizer=r["optimizer"], **r["exposed"])
         lines.append(f"{name:47s} {p * 1e3:12.1f} {m * 1e3:12.1f} {p / m:6.2f}  "
-                     + " ".join(f"{k} {v * 1e3:.0f}" for k, v in parts.items() if v))
+                     + " ".join(f"{k} {v * 1e3:.{0 if v >= 0.01 else 1}f}" for k, v in parts.items() if v))
     lo, hi = TIGHT_BAND
     ratios = [p / m for _, p, m in out["rows"]]
     within = sum(lo <= x <= hi for x in ratios)
@@ -1790,10 +1930,11 @@ PUBLISHED = [
 ]
 
 
-# the issue's target: every row within 0.8-1.25x of its published tokens/s, the median within 0.9-1.1x; the band
-# the whole table keeps today (tests/test_plan_time.py holds a few rows to it; the notebook prints them all)
+# the issue's target: every row within 0.8-1.25x of its published tokens/s, the median within 0.9-1.1x
+# (tests/test_plan_time.py holds a few rows to it; the notebook prints them all); the band the whole table keeps
+# today (context parallel over 4 and 8 ranks predicts 1.45x and 1.50x)
 TARGET_BAND = (0.8, 1.25)
-PUBLISHED_BAND = (0.8, 1.4)
+PUBLISHED_BAND = (0.9, 1.55)
 
 
 def published_args(row: Published):
