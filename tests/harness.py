@@ -78,9 +78,11 @@ def run_command(argv: list[str], *, cwd: str = ROOT, timeout: float = 240, expec
 def run_script(script: str, *args: str, nproc: int | None = None, timeout: float = 240, cwd: str = ROOT,
                expect_fail: bool = False) -> str:
     """`torchrun --nproc_per_node nproc script args` (or plain `python script args` when nproc is
-    None), through run_command."""
+    None): a lesson's run that succeeds under torchrun through the real torchrun (run_command) -- each lesson's
+    proof that torchrun starts it; one process, or bad input, forked (run_forked: the same script, no torch import)."""
     launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    return run_command([*launcher, script, *args], cwd=cwd, timeout=timeout, expect_fail=expect_fail)
+    run = run_forked if nproc is None or expect_fail else run_command
+    return run([*launcher, script, *args], cwd=cwd, timeout=timeout, expect_fail=expect_fail)
 
 
 @dataclass
@@ -145,13 +147,128 @@ class SetupCache:
                 d = tempfile.mkdtemp()
                 _copy_repository(d, ex.edits)
                 for command in ex.setup:
-                    run_command(exercise_argv(command), cwd=d, timeout=timeout)
+                    run_forked(exercise_argv(command), cwd=d, timeout=timeout)
                 self.dirs[key] = d
             return self.dirs[key]
 
     def remove(self) -> None:
         for d in self.dirs.values():
             shutil.rmtree(d, ignore_errors=True)
+
+
+# ---- the same command, started from a server that has imported torch ------------------------------------------
+#
+# A README exercise is `torchrun --nproc_per_node N lesson.py ...` (or `python lesson.py ...`). torchrun starts a
+# fresh interpreter per rank, and each imports torch: 1.5 s of CPU a rank, 5 s of wall for 4 ranks on 2 cores --
+# half of what the 57 exercises cost the suite. So the exercises start their ranks the way torchrun would --
+# the environment it sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the script
+# run as __main__ with the command's arguments, every rank's output, the others killed when one fails, a non-zero
+# exit when any rank's is -- but forked from lab.launch's server, which has imported torch once. What this skips
+# is torchrun's own launcher (its agent, rendezvous and restarts), which each lesson's own test still runs for
+# real (run_script), as does every exercise that names more than --nproc_per_node (e.g. --max-restarts) and
+# every one when COURSE_REAL_TORCHRUN=1.
+
+def _inside(path: str, directory: str) -> bool:
+    path = os.path.abspath(path)
+    return path == directory or path.startswith(directory + os.sep)
+
+
+def _exercise_rank(script, args, cwd, env, out_path, world):
+    """One rank of a forked exercise: the process a torchrun worker would be, from a server with torch in it."""
+    import runpy
+    code = 1
+    with open(out_path + ".out", "wb") as out, open(out_path + ".err", "wb") as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)      # C++ warnings too, as a worker's would
+    try:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        # the copy's code, not the repository's the server imported (lab.launch): forget every module from a
+        # directory of the repository, and put the copy first on the path, as `python script` would
+        for name, mod in list(sys.modules.items()):
+            if _inside(getattr(mod, "__file__", None) or "/", ROOT):
+                del sys.modules[name]
+        sys.path[:] = [cwd] + [p for p in sys.path if not _inside(p or ".", ROOT)]
+        sys.argv = [script, *args]
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))   # run_command's environment sets 1
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - what a worker prints when it dies of an exception
+        import traceback
+        traceback.print_exc()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)   # as lab.launch's ranks leave: no interpreter finalisation with gloo threads alive
+
+
+def _forked_command(argv: list[str]):
+    """(nproc or None for `python script`, script, args) when argv can start forked; else None."""
+    if argv[:2] == ["-m", "torch.distributed.run"]:
+        if len(argv) < 5 or argv[2] != "--nproc_per_node" or not argv[4].endswith(".py"):
+            return None                     # anything more than --nproc_per_node: the real torchrun
+        return int(argv[3]), argv[4], argv[5:]
+    return (None, argv[0], argv[1:]) if argv[0].endswith(".py") else None
+
+
+def run_forked(argv: list[str], *, cwd: str, timeout: float, expect_fail: bool = False) -> str:
+    """run_command's checks and result for a torchrun (or python) command whose ranks fork from the server that
+    imported torch (see above); the real command where that cannot stand in for it."""
+    import multiprocessing as mp
+    import time
+
+    from lab import launch
+    parsed = _forked_command(argv)
+    if parsed is None or os.environ.get("COURSE_REAL_TORCHRUN") == "1":
+        return run_command(argv, cwd=cwd, timeout=timeout, expect_fail=expect_fail)
+    nproc, script, args = parsed
+    base = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1")
+    base.pop("PYTEST_CURRENT_TEST", None)
+    world, port = nproc or 1, free_port()
+    launch._context()                                # lab.launch's server, started as its own calls start it
+    ctx = mp.get_context("forkserver")
+    procs, outs, logs = [], [], tempfile.mkdtemp()
+    for r in range(world):
+        env = dict(base) if nproc is None else dict(base, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                                   MASTER_PORT=str(port))
+        outs.append(os.path.join(logs, f"rank{r}"))
+        procs.append(ctx.Process(target=_exercise_rank, args=(script, args, cwd, env, outs[-1], world),
+                                 daemon=True))
+    for p in procs:
+        p.start()
+    deadline, failed = time.monotonic() + timeout, False
+    while any(p.is_alive() for p in procs):
+        if time.monotonic() > deadline:
+            break
+        if any(p.exitcode not in (None, 0) for p in procs):
+            failed = True                    # torchrun's agent: one worker failed, stop the others
+            time.sleep(0.5)                  # (their last words first)
+            break
+        time.sleep(0.05)
+    timed_out = not failed and any(p.is_alive() for p in procs)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    read = lambda path: open(path, errors="replace").read() if os.path.exists(path) else ""  # noqa: E731
+    stdout = "".join(read(o + ".out") for o in outs)
+    stderr = "".join(read(o + ".err") for o in outs)
+    shutil.rmtree(logs, ignore_errors=True)
+    if timed_out:
+        raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
+    code = 1 if failed or any(p.exitcode != 0 for p in procs) else 0
+    out = stdout + stderr
+    if expect_fail:
+        assert code != 0, f"{argv} should have failed:\n{out[-3000:]}"
+    else:
+        assert code == 0, f"{argv} exited {code}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+        assert "Traceback" not in stderr, stderr[-3000:]
+    assert "Warning" not in stderr, stderr[-3000:]
+    return out
 
 
 def run_exercise(ex: Exercise, setups: SetupCache | None = None) -> str:
@@ -165,5 +282,5 @@ def run_exercise(ex: Exercise, setups: SetupCache | None = None) -> str:
         else:
             _copy_repository(tmp, ex.edits)
             for command in ex.setup:
-                run_command(exercise_argv(command), cwd=tmp, timeout=ex.timeout)
-        return run_command(argv, cwd=tmp, timeout=ex.timeout, expect_fail=ex.fails)
+                run_forked(exercise_argv(command), cwd=tmp, timeout=ex.timeout)
+        return run_forked(argv, cwd=tmp, timeout=ex.timeout, expect_fail=ex.fails)

@@ -46,9 +46,9 @@ def test_a_hanging_rank_fails_within_the_timeout():
     t = time.monotonic()
     # rank 0 finishes at once; rank 1 never does (only rank 1 is named, unless the machine is so
     # loaded that rank 0 did not even start within the timeout)
-    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] of 2 did not finish within 15"):
-        run_ranks(_rank1_hangs, 2, timeout=15)
-    assert time.monotonic() - t < 30
+    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] of 2 did not finish within 8"):
+        run_ranks(_rank1_hangs, 2, timeout=8)
+    assert time.monotonic() - t < 20
 
 
 def test_tensors_survive_the_ranks_exiting():
