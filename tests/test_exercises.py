@@ -4,10 +4,13 @@ Each lesson's test module lists its exercises as `EXERCISES = [harness.Exercise(
 with the command exactly as the README prints it. This module collects them, checks that the README
 and the lists name the same commands (so neither can drift), and runs every one.
 
-Spawning ranks is most of the suite's time, and one exercise leaves a core idle much of the time (torchrun's
-launcher starting alone, the rendezvous, a rank waiting on another), so the selected exercises run two at a
-time, in test order, each in its own copy of the repository on its own port; an exercise marked `alone` (its
-check reads timings) runs with nothing beside it. Each test then checks its own exercise's output. A setup
+Spawning ranks is most of the suite's time: a torchrun command's ranks start forked from a server that imported
+torch once, with the environment torchrun gives them (harness.run_forked; the real torchrun for a command that
+names more than --nproc_per_node, and for all with COURSE_REAL_TORCHRUN=1 -- each lesson's own test runs its
+demo under the real one). One exercise leaves a core idle much of the time (a rank waiting on another), so the
+selected exercises run two at a time, in test order,
+each in its own copy of the repository on its own port; an exercise marked `alone` (its check reads timings)
+runs with nothing beside it. Each test then checks its own exercise's output. A setup
 that several exercises share (the checkpoint two resumes read) runs once (harness.SetupCache).
 """
 import threading
