@@ -125,11 +125,14 @@ class Device:
 #       (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md, ND_H100_v5_results.md,
 #       ND_H200_v5_results.md: cuBLASLt, random inputs, 10,000 warm-up iterations, so the GPU is at its power and
 #       thermal steady state): A100 SXM4 80GB fp16 256.5 TFLOP/s at 16384^3 (82.2% of 312), H100 SXM fp8 1382.2 at
-#       32768^3 (69.8% of 1,979), H200 fp8 1366.3 at 16384^3 (69.0%). Where none is (bf16 on H100 and H200), the
-#       maximum achievable matmul FLOP/s of short runs at the best shape (S. Bekman, Machine Learning Engineering,
-#       github.com/stas00/ml-engineering, compute/accelerator, "Maximum Achievable Matmul FLOPS comparison table":
-#       mamf-finder.py, 50 warm-up and 100 timed iterations): H100 SXM 794.5 of 989 (80.3%; "H200 is the same")
-#       -- a short run's rate, above a sustained one (the same table's A100 SXM: 271.2, 5.7% above Azure's 256.5)
+#       32768^3 (69.8% of 1,979), H200 fp8 1366.3 at 16384^3 (69.0%). bf16 on the H100 and H200 (Azure publishes
+#       fp8 only): the maximum SUSTAINABLE matmul FLOP/s (S. Bekman, Machine Learning Engineering,
+#       github.com/stas00/ml-engineering, branch fast-mamf at 082816f, 2026-08-10, compute/accelerator/README.md,
+#       "MSMF": mamf-finder.py's best shape once the board is power-saturated and its clock has settled, "the number
+#       that matches sustained training throughput"): H200 SXM 708.5 of 989 (71.6%; ~693 W at 1,465 MHz, where the
+#       same table's short burst, MAMF, reaches 841.9 at 1,980 MHz). The H100 SXM takes the H200's share: the same
+#       GH100 compute die, SM count, clocks and 700 W limit (its own MSMF is not measured yet; its short-run MAMF,
+#       794.5, stood here before and predicted every bf16 row of the published table faster than it ran)
 #   attention_efficiency, attention_backward  FlashAttention-2 (the kernels of PyTorch's SDPA flash backend, the
 #       backend PyTorch's default order picks first on an H100 in Dec 2024: pytorch/pytorch#138522 made cuDNN's
 #       opt-in) at head dim 128 on an H100 SXM5, 16k tokens: forward with the causal mask 335 TFLOP/s (33.9% of
@@ -155,7 +158,7 @@ DEVICES = {
     "h100": Device("h100", {"bfloat16": 989e12, "float8": 1979e12, "float32": 67e12, "float64": 34e12}, 3.35e12,
                    5e-6, 450e9, 10e-6, 50e9, 80e9, 8,
                    "NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (NICs)",
-                   matmul_efficiency={"bfloat16": 794.5 / 989, "float8": 1382.2 / 1979}, hbm_efficiency=2.935 / 3.35,
+                   matmul_efficiency={"bfloat16": 708.5 / 989, "float8": 1382.2 / 1979}, hbm_efficiency=2.935 / 3.35,
                    **_FA2_H100, **_GPU),
     # The H100 of Meta's Grand Teton servers, on which torchtitan's benchmarks ran: 96 GB HBM2e at 2.4 TB/s, the
     # default 500 W power limit, 400 Gb/s RDMA per GPU between hosts (torchtitan benchmarks/
@@ -166,12 +169,12 @@ DEVICES = {
     "h100-gt": Device("h100-gt", {"bfloat16": 835e12, "float8": 1671e12, "float32": 60e12, "float64": 30e12},
                       2.4e12, 5e-6, 450e9, 10e-6, 50e9, 96e9, 8,
                       "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100); H100 NVL datasheet",
-                      matmul_efficiency={"bfloat16": 794.5 / 989, "float8": 1382.2 / 1979},
+                      matmul_efficiency={"bfloat16": 708.5 / 989, "float8": 1382.2 / 1979},
                       hbm_efficiency=2.935 / 3.35, **_FA2_H100, **_GPU),
     # NVIDIA H200 SXM: the H100's compute with 4.8 TB/s HBM3e and 141 GB
     "h200": Device("h200", {"bfloat16": 989e12, "float8": 1979e12, "float32": 67e12, "float64": 34e12}, 4.8e12,
                    5e-6, 450e9, 10e-6, 50e9, 141e9, 8, "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
-                   matmul_efficiency={"bfloat16": 794.5 / 989, "float8": 1366.3 / 1979}, hbm_efficiency=4.0775 / 4.8,
+                   matmul_efficiency={"bfloat16": 708.5 / 989, "float8": 1366.3 / 1979}, hbm_efficiency=4.0775 / 4.8,
                    **_FA2_H100, **_GPU),
     # NVIDIA A100 SXM4 80GB: 312 TFLOPS dense bf16, 19.5 fp32, 2.04 TB/s; NVLink 3 at 600 GB/s both directions, of
     # which NCCL's all-reduce reaches 230-250 GB/s bus bandwidth on 8 GPUs (nccl-tests reference numbers, e.g.
@@ -282,7 +285,7 @@ MECHANISMS = [
     ("float8 matmuls", "--float8, or float8=0|1",
      "matmul: the blocks' linears at the float8 peak x its measured efficiency (the head stays in bf16); memory: "
      "each linear's input, weight and output gradient cast (amax, scale, 1-byte copy) and transposed",
-     "Micikevicius et al. 2022 (arXiv:2209.05433); torchao float8 (tensorwise); MAMF fp8 table",
+     "Micikevicius et al. 2022 (arXiv:2209.05433); torchao float8 (tensorwise); Azure's sustained fp8 cuBLASLt rate",
      "--float8 (no float8 rate on a CPU: off)", "--float8", "the run's flag"),
     ("data-parallel overlap", "overlap.zero3, overlap.ddp, overlap.zero2, overlap.step",
      "dp: ZeRO-3's prefetched gathers and reduce-scatters behind the step's compute, DDP's buckets behind the "
@@ -314,10 +317,10 @@ MECHANISMS = [
      "pp: a stage boundary crosses nodes as 1/tp of it per tp rank, then an all-gather inside the node",
      "Narayanan et al. 2021 §4.1", "0", "0", "megatron2021, megatron: 1"),
     ("measured kernel rates", "efficiency=X (one share for both; none: the device's)",
-     "matmul: the sustained cuBLAS rate where published, else the best short-run rate (MAMF); attention: the "
+     "matmul: the sustained rate (power-saturated: cuBLASLt after 10,000 warm-ups; MSMF); attention: the "
      "forward kernel (and checkpointing's rerun of it) at FlashAttention-2's measured forward rate, the backward "
      "kernel at its backward rate",
-     "Azure AI-benchmarking-guide (cuBLASLt, 10,000 warm-up iterations); Bekman, ML Engineering (MAMF); Shah et "
+     "Azure AI-benchmarking-guide (cuBLASLt, 10,000 warm-up iterations); Bekman, ML Engineering (MSMF); Shah et "
      "al. 2024 (FlashAttention-3), Fig. 5-6",
      "1 (the measured matmul rate is the peak)", "the device's", "the device's"),
     ("achievable memory bandwidth", "hbm_efficiency=X (none: the device's)",
