@@ -182,6 +182,19 @@ def _where(tb) -> str:
     return ""
 
 
+def _timed_out(e: CheckTimeout) -> str:
+    """Where the alarm found this rank: waiting for a peer in a collective or a transfer (the watch's wait), or
+    anywhere else -- looping."""
+    frames = traceback.extract_tb(e.__traceback__)
+    waiting = next((f for f in frames if f.name == watch._wait.__name__ and f.filename == watch.__file__), None)
+    if waiting is None:
+        return f"{e}{_where(e.__traceback__)}"
+    call = next((f for f in reversed(frames[:frames.index(waiting)]) if f.filename != watch.__file__), None)
+    fn = "" if call is None else os.path.relpath(call.filename, ROOT) if call.filename.startswith(ROOT) else call.filename
+    at = "" if call is None else f" at {fn} line {call.lineno}: {call.line}"
+    return f"the check ran longer than {CHECK_SECONDS:.0f} s, waiting for a peer{at}{_where(e.__traceback__)}"
+
+
 def _guarded(run, P: int) -> dict:
     watch.begin_check()
     old = signal.signal(signal.SIGALRM, _alarm)
@@ -196,7 +209,7 @@ def _guarded(run, P: int) -> dict:
     except watch.CollectiveMismatch as e:
         error, kind = str(e), "mismatch"
     except CheckTimeout as e:
-        error, kind = f"{e}{_where(e.__traceback__)}", "timeout"
+        error, kind = _timed_out(e), "timeout"
     except Exception as e:  # noqa: BLE001 - the learner's error, named with where it happened
         first = (str(e).strip().splitlines() or [""])[0][:300]
         error, kind = f"{type(e).__name__}: {first}{_where(e.__traceback__)}", "error"
@@ -260,15 +273,20 @@ def _judge(check: Check, P, results) -> Outcome:
     failed = [(r, res) for r, res in enumerate(results) if res["error"]]
     if failed:
         order = ["blank", "load", "mismatch", "timeout", "error", "peer"]
-        r, res = min(failed, key=lambda f: order.index(f[1]["kind"]))
-        who = "every rank" if len(failed) == len(results) and len(results) > 1 else f"rank {r}"
+        # the first by kind; of the timeouts, a rank that loops before one that waits (an endless loop on rank 1 while
+        # rank 0 waits in the all-reduce: rank 1's line is the one to read, rank 0's follows)
+        r, res = min(failed, key=lambda f: (order.index(f[1]["kind"]), "an endless loop?" not in f[1]["error"], f[0]))
+        alike = len(failed) == len(results) > 1 and all(x["error"] == res["error"] for _, x in failed)
+        who = "every rank" if alike else f"rank {r}"
         if res["kind"] in ("mismatch",):
             who = "a hang, stopped" if res["error"].startswith("deadlock") else "collectives do not match"
         lines = [f"{who}: {res['error']}"]
-        others = {}   # what the other ranks met, when it is something else (an endless loop beside a wait)
+        others = {}   # what the other ranks met, when it is something else (a wait beside an endless loop)
         for r2, res2 in failed:
-            if res2["kind"] not in (res["kind"], "peer") and res2["kind"] not in others:
-                others[res2["kind"]] = f"rank {r2}: {res2['error']}"
+            key = res2["kind"] if res2["kind"] != res["kind"] else res2["error"]
+            if res2["kind"] != "peer" and res2["error"] != res["error"] and key not in others and not (
+                    res["kind"] == "mismatch" and res2["kind"] == "mismatch"):
+                others[key] = f"rank {r2}: {res2['error']}"
         return Outcome(P, check.title, False, lines + list(others.values()), res["kind"])
     try:
         lines = check.judge(P, [res["out"] for res in results])
