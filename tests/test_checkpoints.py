@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from harness import ROOT, RankError, refusals, run_ranks
+from harness import ROOT, RankError, refusals, run_forked, run_ranks
 from lab.train_demo import reference_losses, run_layouts
 from lab.checkpoint import complete_checkpoints
 from train import check_args, parse_args
@@ -128,8 +128,9 @@ def test_a_rank_killed_mid_run_restarts_and_continues_exactly(tmp_path, dtype):
                               "--log-file", str(tmp_path / "crash.jsonl")], restarts=1)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--fail-at 5: dying after step 5" in p.stdout and "resuming after step 4" in p.stdout, p.stdout[-2000:]
-    q = _torchrun(4, flags + ["--log-file", str(tmp_path / "plain.jsonl"), "--quiet"])
-    assert q.returncode == 0, q.stderr[-3000:]
+    # the uninterrupted run: torchrun's ranks, forked (harness.run_forked) -- what is tested here is the restart
+    run_forked(["-m", "torch.distributed.run", "--nproc_per_node", "4", "train.py", *flags, "--log-file",
+                str(tmp_path / "plain.jsonl"), "--quiet"], cwd=ROOT, timeout=240)
     crashed, plain = _logged(tmp_path / "crash.jsonl"), _logged(tmp_path / "plain.jsonl")
     assert sorted(crashed) == list(range(1, 9)) and crashed == plain
     assert [s for s, _ in complete_checkpoints(str(tmp_path / "ck"))] == [2, 4, 6, 8]
