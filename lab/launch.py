@@ -7,8 +7,10 @@
 
 - Ranks are fresh processes on gloo (CPU), forked from one server process that imported torch once
   (multiprocessing's forkserver: a group starts in a fraction of a second, not the seconds N imports of torch
-  take on 2 cores) — spawned afresh instead while the environment, working directory or sys.path differs from
-  the server's (a rank starts with what a spawned one would). Every call gets a fresh free port.
+  take on 2 cores; torch._dynamo too, which torch imports at a rank's first model built under a device context
+  -- its random init goes through a function dynamo must skip -- 3 s of CPU a rank) — spawned afresh instead
+  while the environment, working directory or sys.path differs from the server's (a rank starts with what a
+  spawned one would). Every call gets a fresh free port.
 - An exception on any rank fails the call with *that* rank's traceback.
 - A rank that hangs (a collective nobody answers) fails the call after `timeout`
   seconds, and every rank is killed: nothing stalls.
@@ -113,7 +115,7 @@ def _context():
     now = _environment()
     if not _SERVER and now[:2] == _AT_IMPORT[:2]:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "lab.launch"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "lab.launch"])
         _SERVER.update(ctx=ctx, started=now)
     return _SERVER["ctx"] if _SERVER and now == _SERVER["started"] else mp.get_context("spawn")
 
