@@ -62,16 +62,26 @@ def run_command(argv: list[str], *, cwd: str = ROOT, timeout: float = 240, expec
     no warning and (unless it is meant to fail) no traceback; return stdout + stderr. torchrun's rendezvous
     port comes from the environment (PET_MASTER_PORT, which torchrun reads when the command names no
     --master-port): a free one, not the default 29500 another job — or another exercise — may hold."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1",
-               PET_MASTER_PORT=str(free_port()))
+    env = dict(_learner_env(), PET_MASTER_PORT=str(free_port()))
     p = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    out = p.stdout + p.stderr
+    return _checked(argv, p.returncode, p.stdout, p.stderr, expect_fail)
+
+
+def _learner_env() -> dict:
+    """The environment a command of the course runs in here: one thread a rank, collectives that give up after
+    120 s, output unbuffered."""
+    return dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1")
+
+
+def _checked(argv, code: int, stdout: str, stderr: str, expect_fail: bool) -> str:
+    """A command's exit code and stderr as a learner's run must leave them; stdout + stderr."""
+    out = stdout + stderr
     if expect_fail:
-        assert p.returncode != 0, f"{argv} should have failed:\n{out[-3000:]}"
+        assert code != 0, f"{argv} should have failed:\n{out[-3000:]}"
     else:
-        assert p.returncode == 0, f"{argv} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-        assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert "Warning" not in p.stderr, p.stderr[-3000:]  # runs warning-free (no deprecated calls)
+        assert code == 0, f"{argv} exited {code}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+        assert "Traceback" not in stderr, stderr[-3000:]
+    assert "Warning" not in stderr, stderr[-3000:]  # runs warning-free (no deprecated calls)
     return out
 
 
@@ -173,7 +183,7 @@ def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory + os.sep)
 
 
-def _exercise_rank(script, args, cwd, env, out_path, world):
+def _exercise_rank(script, args, cwd, env, out_path):
     """One rank of a forked exercise: the process a torchrun worker would be, from a server with torch in it."""
     import runpy
     code = 1
@@ -225,7 +235,7 @@ def run_forked(argv: list[str], *, cwd: str, timeout: float, expect_fail: bool =
     if parsed is None or os.environ.get("COURSE_REAL_TORCHRUN") == "1":
         return run_command(argv, cwd=cwd, timeout=timeout, expect_fail=expect_fail)
     nproc, script, args = parsed
-    base = dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1")
+    base = _learner_env()
     base.pop("PYTEST_CURRENT_TEST", None)
     world, port = nproc or 1, free_port()
     launch._context()                                # lab.launch's server, started as its own calls start it
@@ -236,7 +246,7 @@ def run_forked(argv: list[str], *, cwd: str, timeout: float, expect_fail: bool =
                                                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                                    MASTER_PORT=str(port))
         outs.append(os.path.join(logs, f"rank{r}"))
-        procs.append(ctx.Process(target=_exercise_rank, args=(script, args, cwd, env, outs[-1], world),
+        procs.append(ctx.Process(target=_exercise_rank, args=(script, args, cwd, env, outs[-1]),
                                  daemon=True))
     for p in procs:
         p.start()
@@ -260,15 +270,7 @@ def run_forked(argv: list[str], *, cwd: str, timeout: float, expect_fail: bool =
     shutil.rmtree(logs, ignore_errors=True)
     if timed_out:
         raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
-    code = 1 if failed or any(p.exitcode != 0 for p in procs) else 0
-    out = stdout + stderr
-    if expect_fail:
-        assert code != 0, f"{argv} should have failed:\n{out[-3000:]}"
-    else:
-        assert code == 0, f"{argv} exited {code}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
-        assert "Traceback" not in stderr, stderr[-3000:]
-    assert "Warning" not in stderr, stderr[-3000:]
-    return out
+    return _checked(argv, int(failed or any(p.exitcode != 0 for p in procs)), stdout, stderr, expect_fail)
 
 
 def run_exercise(ex: Exercise, setups: SetupCache | None = None) -> str:

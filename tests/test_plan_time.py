@@ -240,7 +240,9 @@ def test_the_collective_checks_are_priced_as_the_code_makes_them():
     # the clip's), each at Device.agree
     from lab.launch import run_ranks
     names = ["dp ZeRO-0", "dp ZeRO-1", "dp ZeRO-3, 2 micro-batches, full checkpointing", "pp 1f1b, 2 micro-batches"]
-    counted = run_ranks(T.count_checks, 2, names)[0]
+    per_rank = run_ranks(T.count_checks, 2, names)
+    counted = per_rank[0]
+    assert all(c == counted for c in per_rank), per_rank   # every rank makes the same checks (a pp stage too)
     one = dataclasses.replace(T.DEVICES["cpu-gloo"], agree=1.0)
     for name in names:
         assert T.step_time(T.calibrated_args(name), one, T.CPU_ASSUMPTIONS, 2)["exposed"]["agree"] == counted[name]
