@@ -232,7 +232,11 @@ class Assumptions:
                 (Megatron's scatter/gather, Narayanan et al. 2021 §4.1)
     recompute_whole  1: full checkpointing reruns a block's whole forward, its last linear too (a reentrant
                 checkpoint: Megatron-LM's CheckpointFunction); 0: PyTorch's non-reentrant checkpoint (the course's,
-                torchtitan's) stops once the backward's saved tensors are made, before the last linear"""
+                torchtitan's) stops once the backward's saved tensors are made, before the last linear
+    fsdp2_copies  1: ZeRO-3 as FSDP2 runs it, copying around each collective: the shard cast into the gather's
+                input (copy-in), the gathered buffer split into each parameter (copy-out), the gradients cast to
+                the reduce dtype into the reduce-scatter's input (chunk_cat); 0: the course's flat parameter, whose
+                tensors are views of the gathered buffer"""
     efficiency: float | None = None
     overlap: dict = field(default_factory=lambda: dict(zero3=1.0, ddp=1.0, zero2=1.0, tp=0.0, tp_b=0.0, cp=1.0,
                                                        pp=0.0, replicas=0.0, step=0.0))
@@ -249,6 +253,7 @@ class Assumptions:
     selective_every: int = 0
     pp_scatter: float = 0.0
     recompute_whole: float = 0.0
+    fsdp2_copies: float = 0.0
     hbm_efficiency: float | None = None
     overlap_slowdown: float | None = None
 
@@ -260,8 +265,9 @@ FRAMEWORKS = {
     # torchtitan (Liang et al. 2024, arXiv:2410.06511): SDPA's flash kernel, under context parallel per ring step
     # (torch.distributed.tensor.experimental.context_parallel); FSDP2's prefetched all-gathers (zero3 overlap, the
     # default); selective checkpointing's per-op policy saves every op of its list "except every second mm"
-    # (torchtitan/parallelisms/parallelize_llama.py, _apply_ac_to_transformer_block)
-    "torchtitan": dict(attention="fused", selective_every=2),
+    # (torchtitan/parallelisms/parallelize_llama.py, _apply_ac_to_transformer_block); FSDP2's copies around its
+    # collectives (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)
+    "torchtitan": dict(attention="fused", selective_every=2, fsdp2_copies=1.0),
     # Megatron-LM as Narayanan et al. 2021 ran it: attention as separate kernels (QKᵀ, its fused
     # scale-mask-softmax, attention dropout 0.1, ·V), its fused elementwise kernels (bias-GeLU, bias-dropout-add,
     # LayerNorm: compile's fusion), tensor parallel's all-reduces exposed, torch DDP's buckets behind the backward
@@ -314,6 +320,12 @@ MECHANISMS = [
      "policy: K = 2, wk, wo and w3 here), where the course's policy keeps every matmul's output",
      "torchtitan torchtitan/parallelisms/parallelize_llama.py (_apply_ac_to_transformer_block)",
      "0", "0", "torchtitan: 2"),
+    ("FSDP2's copies", "fsdp2_copies=0|1",
+     "fsdp2 copies: around every ZeRO-3 gather, the shard cast into the gather's input and the gathered buffer "
+     "copied out into each parameter (read and write of the unsharded parameters); before each reduce-scatter "
+     "the gradients copied and cast to the reduce dtype into its input -- memory-bound, on the step's path",
+     "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py (all_gather_copy_in, split_with_sizes_copy, "
+     "chunk_cat)", "0 (the course's flat parameter: views)", "0", "torchtitan: 1"),
     ("reentrant full recomputation", "recompute_whole=0|1",
      "compute: full checkpointing reruns the block's last linear too (PyTorch's non-reentrant checkpoint stops "
      "before it)", "Megatron-LM (2021) megatron/mpu/random.py CheckpointFunction; torch.utils.checkpoint",
@@ -1225,6 +1237,16 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
             rs = dpt.get("reduce_scatter", 0)
             rs = max(0.0, rs - o["zero2"] * t_last_b) if z == 2 and not several else rs * (1 - o["step"])
             dp_exposed = rs + dpt.get("all_gather", 0) * (1 - o["step"]) + dpt.get("all_reduce", 0)
+        # FSDP2's copies (Assumptions.fsdp2_copies): per gather of the stage's parameters, the shard cast in
+        # (read in the store dtype, write in the compute dtype) and the gathered buffer copied out (read and
+        # write); per reduce-scatter, the gradients read and written again in the reduce dtype (the store's)
+        copies = 0.0
+        if z == 3 and shard > 1 and assume.fsdp2_copies:
+            pb, sb = _elem(args), train.store_dtype(args).itemsize
+            gathers = regather if z == 3 else 1
+            nbytes = gathers * (2 * psi * pb + psi / shard * (sb + pb)) + psi * (pb + sb)
+            copies = assume.fsdp2_copies * nbytes / bandwidth(dev, assume)
+            exposed["fsdp2 copies"] = copies
         # what of the data-parallel collectives hid behind compute, slowing it (overlap_slowdown)
         dp_beside = slow * (sum(dpt.values()) + replicas * o["replicas"] - dp_exposed)
         if dp_exposed:
@@ -1265,7 +1287,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         out = dict(compute=compute, parts=parts, exposed=exposed, optimizer=optimizer, stage=s,
                    flops=m * (flops["f"] + flops["b"]),
                    unit=t_f + t_b, total=total, rest=dp_exposed + dp_beside + finish + clip + checks * dev.agree
-                   + optimizer, forward=t_f, backward=t_b)
+                   + optimizer + copies, forward=t_f, backward=t_b)
         timed[(layers, s == 0, last)] = out
         unit_of.append(out["unit"])
     # The schedule was played as if every stage took the slowest one's times; a faster stage (the first holds
@@ -1995,6 +2017,15 @@ FURTHER = [
            _fsdp(64, 1, 4096, "selective"), 355, device="a100", further=True),
     _titan(TT_A100, "Llama 2 70B, FSDP 64 A100s, local batch 2, full", "llama2-70b", 64,
            _fsdp(64, 2, 4096, "full"), 353, device="a100", further=True),
+    # Table 5: 3D on 512 GPUs; micro-batches not given: torchtitan's default, the pp degree
+    # (torchtitan/parallelisms/pipeline_llama.py, Dec 2024: pipeline_parallel_microbatches or parallel_dims.pp)
+    _titan(TT + ", Table 5", "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, local batch 32, full, 1F1B", "llama3.1-405b",
+           512, ["--pp", "8", "--microbatches", "8", "--schedule", "1f1b"] + _fsdp(8, 32, 8192, "full", tp=8), 100,
+           compile=True, float8=True, async_tp=True, further=True),
+    _titan(TT + ", Table 5", "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, interleaved 1F1B (2 stages a rank)",
+           "llama3.1-405b", 512, ["--pp", "8", "--microbatches", "8", "--schedule", "interleaved",
+                                  "--virtual-stages", "2"] + _fsdp(8, 32, 8192, "full", tp=8), 128,
+           compile=True, float8=True, async_tp=True, further=True),
     _titan(TT_405, "Llama 3.1 405B, FSDP 16 x TP 8, local batch 2, full, compile", "llama3.1-405b", 128,
            _fsdp(16, 2, 8192, "full", tp=8), 109, compile=True, further=True),
     _titan(TT_405, "Llama 3.1 405B, FSDP 16 x TP 8, + float8", "llama3.1-405b", 128,
