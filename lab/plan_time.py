@@ -142,7 +142,7 @@ class Device:
 #       over MAMF on the H200 (Bekman, fast-mamf 082816f: ~1,465 against 1,980 MHz) measures what that costs the
 #       tensor cores, and flash attention's inner loop is the same tensor-core matmuls (no soaked flash rate is
 #       published). On an A100 (Dao 2023, arXiv:2307.08691: FlashAttention-2 reaches 50-73% of the
-#       peak forward, less backward): 0.55 over both, a judgement (the held-out torchtitan A100 rows run it)
+#       peak forward, less backward): 0.55 over both, a judgement (the further torchtitan A100 runs use it)
 #   hbm_efficiency  BabelStream (CUDA) on the same Azure machines, the mean of its Copy, Mul, Add and Triad
 #       kernels (one or two read streams and one write stream, as the step's elementwise kernels): A100 1.61,
 #       1.61, 1.70, 1.70 TB/s (81.2% of 2.039), H100 SXM 2.90, 2.90, 2.97, 2.97 (87.6% of 3.35), H200 4.01, 4.00,
@@ -780,7 +780,7 @@ def stride_of(sizes: dict, dim: str) -> int:
 
 def crosses_nodes(sizes: dict, dims: tuple, G: int) -> bool:
     """Does a group along `dims` (adjacent in DIMS) span more than one node of G ranks?"""
-    return stride_of(sizes, dims[-1]) * math.prod(sizes[d] for d in dims) > G
+    return ranks_per_node(sizes, dims, G) > 0
 
 
 def ranks_per_node(sizes: dict, dims: tuple, G: int) -> int:
@@ -1160,6 +1160,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
                          f"size {dp} times --microbatches {m}: no whole micro-batch to time")
     b = args.global_batch_size // (dp * m)                     # sequences per micro-batch
     link = {d: ranks_per_node(sizes, (d,), G) for d in DIMS}
+    everyone = ranks_per_node(sizes, DIMS, G)                  # the world's group: G a node once it spans nodes
     o = assume.overlap
     # the compute beside a hidden collective runs slower (Device.overlap_slowdown): each second of collective hidden
     # behind compute costs s/(1 + s) of a second
@@ -1180,7 +1181,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         raw = {(p, d): 0.0 for p in "fb" for d in comm}
         for (phase, where, dim, op), (calls, n) in pr["comm"].items():
             # calls inside the block: once per layer; the rest (the head's, the loss's): on the last stage
-            t = collective_time(op, b * n, calls, sizes.get(dim, world), dev, link.get(dim, G if world > G else 0))
+            t = collective_time(op, b * n, calls, sizes.get(dim, world), dev, link.get(dim, everyone))
             t *= layers if where == "block" else (1 if last else 0)
             raw[(phase, dim if dim in comm else "world")] += t
         for (phase, dim), t in raw.items():
@@ -1267,8 +1268,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
         copies = 0.0
         if z == 3 and shard > 1 and assume.fsdp2_copies:
             pb, sb = _elem(args), train.store_dtype(args).itemsize
-            gathers = regather if z == 3 else 1
-            nbytes = gathers * (2 * psi * pb + psi / shard * (sb + pb)) + psi * (pb + sb)
+            nbytes = regather * (2 * psi * pb + psi / shard * (sb + pb)) + psi * (pb + sb)
             copies = assume.fsdp2_copies * nbytes / bandwidth(dev, assume)
             exposed["fsdp2 copies"] = copies
         # what of the data-parallel collectives hid behind compute, slowing it (overlap_slowdown)
@@ -1289,7 +1289,7 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
             if finish:
                 exposed["tp"] = exposed.get("tp", 0.0) + finish
         # the clip's norm: one all-reduce of a scalar over every rank, at the step
-        clip = collective_time("all_reduce", 8, 1, world, dev, G if world > G else 0) if args.grad_clip else 0.0
+        clip = collective_time("all_reduce", 8, 1, world, dev, everyone) if args.grad_clip else 0.0
         if clip:
             exposed["clip"] = clip
         # lesson 0's check before each of fsdp.py's collectives (Device.agree): ZeRO 1-3's gathers and reduce-
@@ -1947,13 +1947,13 @@ TT_ASYNC = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 
 
 def _titan(source, name, model, gpus, flags, tokens, compile=False, float8=False, async_tp=False,
-           device="h100-gt", further=False):
+           device="h100-gt"):
     """torchtitan on Grand Teton H100s (96 GB HBM2e, 500 W; 8 a node, 400 Gb/s per GPU between nodes) unless
     `device` says otherwise, bf16 compute with fp32 gradient reduction (FSDP2's mixed precision), global batch =
     local batch x data parallel."""
     extra = (["--compile"] if compile else []) + (["--float8"] if float8 else [])
     return Published(source, name, model, device, gpus, tuple(list(flags) + extra),
-                     ("framework=torchtitan",) + (("overlap.tp=1",) if async_tp else ()), tokens, further=further)
+                     ("framework=torchtitan",) + (("overlap.tp=1",) if async_tp else ()), tokens)
 
 
 def _fsdp(dp, lbs, seq, ac, cp=1, tp=1):
@@ -2024,39 +2024,39 @@ TT_A100 = ("torchtitan docs/performance.md (Apr 2024, 1ea476e9f): 64 A100 80GB, 
            "profile's network, 200 Gb/s per GPU, is assumed (the page does not say)")
 TT_405 = ("torchtitan docs/performance.md (Aug 2024, 3faaa1a0d): 128 H100 of 95 GB HBM2e at a lower TDP, "
           "train_configs/llama3_405b.toml (compile, tp 8)")
-FURTHER = [
+FURTHER = [replace(row, further=True) for row in (
     _titan(TT_H200, "Llama 3.1 8B, FSDP 32 (4 nodes of H200), local batch 2, compile + float8", "llama3.1-8b", 32,
-           _fsdp(32, 2, 8192, "selective"), 10938, compile=True, float8=True, device="h200", further=True),
+           _fsdp(32, 2, 8192, "selective"), 10938, compile=True, float8=True, device="h200"),
     _titan(TT_H200, "Llama 3.1 8B, FSDP 64 (8 nodes of H200), local batch 2, compile + float8", "llama3.1-8b", 64,
-           _fsdp(64, 2, 8192, "selective"), 10753, compile=True, float8=True, device="h200", further=True),
+           _fsdp(64, 2, 8192, "selective"), 10753, compile=True, float8=True, device="h200"),
     _titan(TT_A100, "Llama 3 8B, FSDP 64 A100s, local batch 1, selective (op)", "llama3.1-8b", 64,
-           _fsdp(64, 1, 8192, "selective"), 2973, device="a100", further=True),
+           _fsdp(64, 1, 8192, "selective"), 2973, device="a100"),
     _titan(TT_A100, "Llama 3 70B, FSDP 64 A100s, local batch 1, full", "llama3.1-70b", 64,
-           _fsdp(64, 1, 8192, "full"), 331, device="a100", further=True),
+           _fsdp(64, 1, 8192, "full"), 331, device="a100"),
     _titan(TT_A100, "Llama 2 13B, FSDP 64 A100s, local batch 2, no checkpointing", "llama2-13b", 64,
-           _fsdp(64, 2, 4096, "none"), 2162, device="a100", further=True),
+           _fsdp(64, 2, 4096, "none"), 2162, device="a100"),
     _titan(TT_A100, "Llama 2 13B, FSDP 64 A100s, local batch 2, selective (op)", "llama2-13b", 64,
-           _fsdp(64, 2, 4096, "selective"), 1904, device="a100", further=True),
+           _fsdp(64, 2, 4096, "selective"), 1904, device="a100"),
     _titan(TT_A100, "Llama 2 70B, FSDP 64 A100s, local batch 1, selective (op)", "llama2-70b", 64,
-           _fsdp(64, 1, 4096, "selective"), 355, device="a100", further=True),
+           _fsdp(64, 1, 4096, "selective"), 355, device="a100"),
     _titan(TT_A100, "Llama 2 70B, FSDP 64 A100s, local batch 2, full", "llama2-70b", 64,
-           _fsdp(64, 2, 4096, "full"), 353, device="a100", further=True),
+           _fsdp(64, 2, 4096, "full"), 353, device="a100"),
     # Table 5: 3D on 512 GPUs; micro-batches not given: torchtitan's default, the pp degree
     # (torchtitan/parallelisms/pipeline_llama.py, Dec 2024: pipeline_parallel_microbatches or parallel_dims.pp)
     _titan(TT + ", Table 5", "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, local batch 32, full, 1F1B", "llama3.1-405b",
            512, ["--pp", "8", "--microbatches", "8", "--schedule", "1f1b"] + _fsdp(8, 32, 8192, "full", tp=8), 100,
-           compile=True, float8=True, async_tp=True, further=True),
+           compile=True, float8=True, async_tp=True),
     _titan(TT + ", Table 5", "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, interleaved 1F1B (2 stages a rank)",
            "llama3.1-405b", 512, ["--pp", "8", "--microbatches", "8", "--schedule", "interleaved",
                                   "--virtual-stages", "2"] + _fsdp(8, 32, 8192, "full", tp=8), 128,
-           compile=True, float8=True, async_tp=True, further=True),
+           compile=True, float8=True, async_tp=True),
     _titan(TT_405, "Llama 3.1 405B, FSDP 16 x TP 8, local batch 2, full, compile", "llama3.1-405b", 128,
-           _fsdp(16, 2, 8192, "full", tp=8), 109, compile=True, further=True),
+           _fsdp(16, 2, 8192, "full", tp=8), 109, compile=True),
     _titan(TT_405, "Llama 3.1 405B, FSDP 16 x TP 8, + float8", "llama3.1-405b", 128,
-           _fsdp(16, 2, 8192, "full", tp=8), 177, compile=True, float8=True, further=True),
+           _fsdp(16, 2, 8192, "full", tp=8), 177, compile=True, float8=True),
     _titan(TT_405, "Llama 3.1 405B, FSDP 16 x TP 8, + float8 + async TP", "llama3.1-405b", 128,
-           _fsdp(16, 2, 8192, "full", tp=8), 185, compile=True, float8=True, async_tp=True, further=True),
-]
+           _fsdp(16, 2, 8192, "full", tp=8), 185, compile=True, float8=True, async_tp=True),
+)]
 
 
 # the issue's target: every row within 0.8-1.25x of its published tokens/s, the median within 0.9-1.1x
