@@ -639,3 +639,83 @@ def test_flash_attention_runs_at_the_settled_clock_on_a_power_saturated_gpu():
         d = T.DEVICES[name]
         assert d.attention_efficiency == pytest.approx(335 / 989 * 708.5 / 841.9)
         assert d.attention_backward == pytest.approx(322 / 989 * 708.5 / 841.9)
+
+
+# ---- every prediction the README and the tests show, pinned: a refactor that changes one fails here ----------
+
+PINNED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_time_pinned.json")
+# the README's search tables (llama3-8b, 512 x 8,192 tokens, H100s 8 a node): each shown layout, timed alone
+SEARCH_SHOWN = {8: (["--dp-shard", "8", "--zero-stage", "3", "--microbatches", "64"],
+                    ["--pp", "2", "--dp-shard", "4", "--zero-stage", "3", "--microbatches", "128"],
+                    ["--pp", "2", "--dp-shard", "4", "--zero-stage", "1", "--microbatches", "128"]),
+                64: (["--dp-shard", "64", "--zero-stage", "2", "--microbatches", "8"],
+                     ["--dp-replicate", "2", "--dp-shard", "32", "--zero-stage", "3", "--microbatches", "8"],
+                     ["--dp-replicate", "4", "--dp-shard", "16", "--zero-stage", "3", "--microbatches", "8"]),
+                512: (["--dp-replicate", "4", "--dp-shard", "128", "--zero-stage", "3"],
+                      ["--dp-replicate", "8", "--dp-shard", "64", "--zero-stage", "3"],
+                      ["--dp-replicate", "2", "--dp-shard", "256", "--zero-stage", "3"])}
+# the memory test's layouts (medium, 4 layers, 256 tokens) under each bundle, on devices of 8, 4 and 2 ranks a node: every
+# branch of step_time (tp, sp, cp ring and Ulysses, pp's schedules, ZeRO 0-3, HSDP, ep) on and across nodes
+PINNED_BUNDLES = (("h100", (), 8), ("h100", ("framework=torchtitan",), 4),
+                  ("a100", ("framework=megatron2021", "overlap.ddp=0"), 2), ("h200", ("framework=megatron",), 8))
+
+
+def _numbers(r: dict) -> dict:
+    return {k: v for k, v in r.items() if isinstance(v, (int, float, dict))}
+
+
+def pinned_now() -> dict:
+    """What the planner predicts today for every published and further row (its step and breakdown, its memory by
+    the formulas), the README's search tables, the calibrated layouts on the committed cpu-gloo profile, and the
+    memory test's layouts under every bundle."""
+    out = {"published": {}, "search": {}, "cpu-gloo": {}, "layouts": {}}
+    for row in T.PUBLISHED + T.FURTHER:
+        out["published"][row.name] = dict(_numbers(T.predict_published(row)),
+                                          memory=T.memory_parts(T.published_args(row)))
+    common = ["--model", "llama3-8b", "--dtype", "bfloat16", "--seq-len", "8192", "--global-batch-size", "512"]
+    for gpus, shown in SEARCH_SHOWN.items():
+        for flags in shown:
+            args = train.parse_args(common + flags)
+            out["search"][f"{gpus}: {' '.join(flags)}"] = dict(
+                _numbers(T.step_time(args, T.device_named("h100"), T.Assumptions(), 8)),
+                memory=T.memory_parts(args))
+    for name in T.CALIBRATED_LAYOUTS:
+        out["cpu-gloo"][name] = _numbers(T.step_time(T.calibrated_args(name), T.DEVICES["cpu-gloo"],
+                                                     T.CPU_ASSUMPTIONS, 2))
+    for device, assume, G in PINNED_BUNDLES:
+        a = T.assumptions(list(assume))
+        for flags in MEMORY_LAYOUTS:
+            args = train.parse_args(["--model", "medium", "--layers", "4", "--seq-len", "256",
+                                     "--global-batch-size", "32", "--dtype", "bfloat16"] + flags)
+            key = f"{device} {' '.join(assume) or 'course'} G{G}: {' '.join(flags)}"
+            out["layouts"][key] = _numbers(T.step_time(args, T.device_named(device, a), a, G))
+    return out
+
+
+def _differences(want, got, where=""):
+    if isinstance(want, dict) and isinstance(got, dict):
+        if set(want) != set(got):
+            return [f"{where}: keys {sorted(set(want) ^ set(got))}"]
+        return [d for k in want for d in _differences(want[k], got[k], f"{where}/{k}")]
+    if want == got or (isinstance(want, (int, float)) and isinstance(got, (int, float))
+                       and math.isclose(want, got, rel_tol=1e-9, abs_tol=1e-15)):
+        return []
+    return [f"{where}: {want} -> {got}"]
+
+
+def test_every_shown_prediction_is_the_pinned_one():
+    # plan_time_pinned.json holds what the planner predicted when it was last changed on purpose (rewritten by
+    # `python tests/test_plan_time.py --pin`, with the before and after in the commit's message): a change to the
+    # code that moves any of them by more than 1e-9 is a change of behaviour, and says which
+    with open(PINNED) as f:
+        want = json.load(f)
+    wrong = _differences(want, json.loads(json.dumps(pinned_now())))
+    assert not wrong, f"{len(wrong)} predictions moved:\n" + "\n".join(wrong[:40])
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] == ["--pin"]:
+        with open(PINNED, "w") as f:
+            json.dump(pinned_now(), f, indent=0, sort_keys=True)
+            f.write("\n")
