@@ -1,37 +1,35 @@
 """The time planner: of the layouts that fit, which is fastest, and why? (train.py --plan --device, --search)
 
 One step's time on one rank, from what the real code path does (the same fake process group and meta device
-as lab/plan.py), at a device's rates:
+as lab/plan.py), at a device's rates (lab/devices.py), with the mechanisms a GPU run adds to the course's code
+(lab/frameworks.py: MECHANISMS, and the frameworks' bundles that set them). step_time times each pipeline stage
+with stage_time, which adds one function per mechanism, each naming its source:
 
-    compute      the FLOPs the real step performs on this rank — PyTorch's FLOP formulas over one micro-batch's
-                 forward and backward of the real model on meta tensors, checkpointing's recompute included (it
-                 runs inside the backward), causal attention at half — matmuls at the device's peak × its
-                 measured matmul efficiency, fused attention's forward and backward kernels at their measured
-                 efficiencies; plus, for the operations without FLOPs (elementwise, norms, copies), the bytes they
-                 read and write at the achievable memory bandwidth (Device.hbm x hbm_efficiency; compiled: each run
-                 of them one kernel), and every launch's host cost
-                 (Device.op_overhead; a GPU launches ahead: the longer of the two). What a GPU run adds to the
-                 course's code — fused attention, compile, float8, overlaps, a framework's policies — are
-                 MECHANISMS, set by --assume or a framework's bundle (FRAMEWORKS)
-    collectives  the bytes the same run hands to each collective, grouped by the mesh dimension of its group
-                 (instruments.CommCounter), at α·steps + wire bytes/β (instruments.wire_bytes: a ring) for the
-                 link the group crosses: inside a node or between nodes, from where its ranks sit on the mesh
-                 (ranks are numbered tp fastest, then cp, dp_shard, dp_replicate, pp: a group of stride s and
-                 size n stays inside a node of G ranks when s·n <= G); data parallel's reductions and ZeRO's
-                 gathers come from the lessons' formulas (fsdp_demo.zero_comm_formula: they happen at the step),
-                 one call per ZeRO unit (ZeRO-3: per micro-batch, forward and backward) or DDP bucket, each paying
-                 α; the clip's all-reduce of the norm; an op slower than a ring by Device.collective_factor
-    experts      an MoE layer: the dense probe plus the experts' FLOPs for uniform routing and the dispatch and
-                 combine all-to-alls, forward and backward (_moe: routing by value cannot run on meta)
-    bubble       pipeline.simulate of the schedule itself, with the forward and backward times above
-    overlap      Assumptions.overlap: the share of a window of compute that hides a collective, per strategy
-                 (ZeRO-3's prefetched gathers behind the whole step's compute, a single backward's reductions
-                 behind that backward, DDP's buckets behind the last backward, cp's ring behind the attention;
-                 tp behind the phase's matmuls where overlapped; the pipeline's sends exposed); the compute beside
-                 a hidden collective runs Device.overlap_slowdown slower ("overlap" in the breakdown)
-    optimizer    AdamW and the clip's arithmetic: per element of the local shard (Device.optimizer_elem, else
-                 Assumptions.optimizer_bytes at the memory bandwidth) and per tensor piece it loops over
-                 (Device.optimizer_tensor: eager single-tensor AdamW on a CPU costs ~0.3 ms a tensor here)
+    compute      compute_time: the FLOPs the real step performs on this rank — PyTorch's FLOP formulas over one
+                 micro-batch's forward and backward of the real model on meta tensors (probe), checkpointing's
+                 recompute included, causal attention at half — at kernel_rates (matmuls at the peak × the
+                 measured efficiency, fused attention's forward and backward kernels at theirs); the bytes of the
+                 operations without FLOPs (elementwise, norms, copies) at bandwidth() (compiled: each run of them
+                 one kernel); every launch's host cost (a GPU launches ahead: the longer of the two). Within it:
+                 recomputed_linears, fused_ring_attention, unfused_attention, float8_casts
+    tp, cp       layer_collectives: the bytes the same run hands to each collective (instruments.CommCounter) at
+                 collective_time — α per step + wire bytes/β (instruments.wire_bytes) on the link the group
+                 crosses, from where its ranks sit (ranks_per_node: tp fastest, then cp, dp_shard, dp_replicate,
+                 pp); tp_gradient_sums: tp's partial gradients summed unit by unit
+    ep           expert_collectives: the experts' all-to-alls (_moe: their FLOPs and bytes for uniform routing,
+                 which meta tensors cannot route)
+    pp           pipeline_boundary: each micro-batch's boundary, each way; the bubble: pipeline_total
+                 (pipeline.simulate of the schedule itself, by closed form where one holds)
+    dp           dp_collectives: the lessons' formulas (fsdp_demo.zero_comm_formula), one call per ZeRO unit
+                 (ZeRO-3: per micro-batch, forward and backward) or DDP bucket; dp_exposed: what no compute hides
+    overlap      hide_behind_windows and dp_exposed, by Assumptions.overlap (ZeRO-3's prefetched gathers behind the
+                 step's compute, DDP's buckets behind the last backward, tp behind the phase's matmuls, cp's ring
+                 behind the attention); each second hidden costs overlap_price (the compute beside it slower)
+    the step     clip_all_reduce (the clip's norm over every rank); collective_checks (lesson 0's mesh.agree before
+                 each of fsdp.py's collectives); optimizer_time (AdamW and the clip's arithmetic, per element of the
+                 local shard and per tensor piece)
+    frameworks'  fsdp2_copies (torchtitan's FSDP2)
+    extras
 
 A probe runs ONE block and the head (a model of one layer, one sequence) per distinct (tp, cp, sp, cp method,
 checkpointing, sequence): the block's FLOPs and collective bytes scale with its layers and the micro-batch's
@@ -789,38 +787,24 @@ def _linear_flops(cfg, tp: int) -> list[float]:
     return [2 * H * w for w in (H / tp, kv, kv, H / tp)] + ([] if cfg.n_experts else [2 * H * F / tp] * 3)
 
 
-def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: int, last: bool, moe) -> dict:
+def compute_time(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: int, last: bool, moe) -> dict:
     """One micro-batch's forward (f) and backward (b) on one rank of a stage, beyond its collectives: {phase:
     {seconds, flops, linears (the block matmuls' seconds: tp's window), attention (cp's window), and
     COMPUTE_PARTS}}. The probe's counts (one sequence, one block and the rest), priced with the mechanisms:
       matmuls    the linears at the dtype's peak × Device.matmul_efficiency (float8: the blocks' linears at the
                  float8 rate, the head in the compute dtype) and fp32 ones at fp32's; the experts' (_moe) alike;
-                 selective_every: the recomputed linears again in the backward
+                 recomputed_linears: what a framework's recompute runs again in the backward
       attention  SDPA's fused kernels, forward at attention_efficiency and backward at attention_backward
-                 (causal: half the products); ring attention's blocks
-                 as the code runs them (fp32 products, score blocks in memory) or, fused, a kernel per ring step;
-                 unfused: every product, at the matmul rate, and the scores' bytes (UNFUSED_SCORE_BYTES)
+                 (causal: half the products); ring attention's blocks as the code runs them (fp32 products, score
+                 blocks in memory) or fused (fused_ring_attention); unfused_attention
       memory     the memory-bound operations' bytes at bandwidth(): eager as counted, compiled as the fused runs
-                 read and
-                 write them; float8's casts (amax, scale, cast: each input, weight and output gradient read 2x and
-                 written in 1 byte; compiled read once)
+                 read and write them; float8_casts
       launch     the host's cost per launch (Device.op_overhead): every operation eager, every kernel compiled;
                  on a GPU it runs ahead of the device: a phase takes the longer of the two"""
     cfg, blk, rst = _config(args), pr["block"], pr["rest"]
     compiled = args.compile if assume.compile is None else bool(assume.compile)
     float8 = (args.float8 if assume.float8 is None else bool(assume.float8)) and "float8" in dev.flops
-    eff = (lambda dt: dev.matmul_efficiency.get(dt, 1.0)) if assume.efficiency is None else (lambda dt: assume.efficiency)
-    peak, wide = dev.flops[args.dtype], "float64" if args.dtype == "float64" else "float32"
-    # fused attention's rates: its forward kernel's and its backward kernel's (checkpointing's recompute runs the
-    # forward kernel inside the backward phase)
-    attn_f = peak * (dev.attention_efficiency if assume.efficiency is None else assume.efficiency)
-    attn_b = peak * (dev.attention_backward or dev.attention_efficiency if assume.efficiency is None
-                     else assume.efficiency)
-    mm_rate, wide_rate = peak * eff(args.dtype), dev.flops[wide] * eff(wide)
-    lin_rate = dev.flops["float8"] * eff("float8") if float8 else mm_rate
-    b_el, tp, cp, S = _elem(args), args.tp, args.cp, args.seq_len
-    T = b * S // cp                                                    # tokens a micro-batch brings this rank
-    linears = _linear_flops(cfg, tp)
+    rate = kernel_rates(args, dev, assume, float8)
     # the ring's blocks run again in the backward (checkpointing's recompute): the code's backward counted 3.5x
     # its forward's products (5 per block pair against 2, and the forward's again), not 2.5x
     recompute = blk["core_f"] > 0 and blk["core_b"] / blk["core_f"] > 3
@@ -829,60 +813,34 @@ def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: i
         def count(key, scale=b):
             return scale * (layers * blk[f"{key}_{p}"] + (rst[f"{key}_{p}"] if last else 0))
         mm_block, mm_rest = b * layers * blk[f"mm_{p}"], (b * rst[f"mm_{p}"] if last else 0)
-        extra = 0.0
-        if p == "b" and args.activation_checkpointing == "selective" and assume.selective_every > 0:
-            k = assume.selective_every
-            extra = b * layers * S // cp * sum(linears[k - 1::k])     # the recomputed matmuls, per token
-        if p == "b" and args.activation_checkpointing == "full" and assume.recompute_whole:
-            extra = b * layers * S // cp * linears[-1]                 # the last linear, run again
-        t_lin = (mm_block + extra) / lin_rate
-        matmul = t_lin + mm_rest / mm_rate + count("mm32") / wide_rate + (layers * moe[p] / mm_rate if moe else 0)
+        extra = recomputed_linears(args, assume, b, layers, p)
+        t_lin = (mm_block + extra) / rate["linear"]
+        matmul = t_lin + mm_rest / rate["mm"] + count("mm32") / rate["wide"] + \
+            (layers * moe[p] / rate["mm"] if moe else 0)
         flops = count("flops") + extra + count("core") + (layers * moe[p] if moe else 0)
-        # compile: each block's forward (train.py --compile, torchtitan's per-block compile): the head and loss stay eager
+        # compile: each block's forward (train.py --compile, torchtitan's per-block compile); head and loss eager
         mem = (b * layers * blk[f"fused_{p}"] + (b * rst[f"mem_{p}"] if last else 0)) if compiled else count("mem")
         launches = (layers * blk[f"kernels_{p}"] + (rst[f"ops_{p}"] if last else 0)) if compiled else count("ops", 1)
         launches += layers * moe["ops_" + p] if moe else 0
         # attention: SDPA's kernel, and ring attention's core
         attn_flops, attn_bwd = count("attn"), count("attn_bwd")
-        fused = (attn_flops - attn_bwd) / attn_f + attn_bwd / attn_b
+        fused = (attn_flops - attn_bwd) / rate["attn_f"] + attn_bwd / rate["attn_b"]
         attention = fused
         core = count("core")
         if assume.attention == "code" or not core:
-            attention += core / wide_rate
+            attention += core / rate["wide"]
             mem += count("core_mem")
             launches += count("core_ops", 1)
-        else:   # a fused kernel per ring step over this rank's share of the causal attention (zigzag: 1/cp)
-            heads_w = cfg.n_heads * cfg.head_dim / tp
-            fwd = b * 2 * S * S * heads_w / cp                          # causal: half of 4·S²·H per sequence
-            fl = fwd if p == "f" else 2.5 * fwd + (fwd if recompute else 0)
-            attention += layers * (fwd / attn_f if p == "f" else 2.5 * fwd / attn_b + (fwd / attn_f if recompute
-                                                                                          else 0))
-            flops += layers * fl - core
-            if assume.torch_cp:   # torch's context_parallel around each step's kernel (TORCH_CP_STEP_BYTES)
-                per = TORCH_CP_STEP_BYTES[p] + (TORCH_CP_STEP_BYTES["f"] if p == "b" and recompute else 0)
-                mem += assume.torch_cp * layers * cp * b * (S // cp) * heads_w * per
-            else:
-                mem += layers * 3 * 4 * b * S * heads_w * (2 if p == "b" else 1)   # the merges of each step's output
-            launches += layers * 2 * cp * (2 if p == "b" else 1)
-        if assume.attention == "unfused" and attn_flops:   # QKᵀ, softmax, dropout, ·V as separate kernels
-            a_f = b * (layers * blk["attn_f"] + (rst["attn_f"] if last else 0))   # flash forward: causal half
-            again = blk["attn_b"] / blk["attn_f"] > 3 if blk["attn_f"] else False   # backward recomputes it
-            full = 2 * a_f if p == "f" else (4 + (2 if again else 0)) * a_f    # every score; no recompute of QKᵀ
-            scores = b * layers * cfg.n_heads / tp * (S / cp) * S
-            attention += full / mm_rate - fused
-            flops += full - attn_flops
-            mem += scores * (UNFUSED_SCORE_BYTES[p] + (UNFUSED_SCORE_BYTES["f"] if p == "b" and again else 0))
-            launches += layers * (6 if p == "f" else 9)
-        if float8:   # each linear's input, weight and output gradient: amax, scale and cast to 1 byte
-            per_byte = (b_el + 1) if compiled else (2 * b_el + 1)
-            H, F = cfg.dim, cfg.ffn_dim
-            sizes = [(H, n / 2 / H) for n in linears]                 # (in, out) of each linear on this rank
-            sizes = [(i, o) if j != 3 and j != 6 else (o, i) for j, (i, o) in enumerate(sizes)]
-            if p == "f" or recompute:
-                mem += layers * sum(T * i + i * o for i, o in sizes) * per_byte
-            if p == "b":   # the output gradient cast; the 1-byte transposes the backward's matmuls read
-                mem += layers * sum(T * o * per_byte + 2 * (T * i + T * o + i * o) for i, o in sizes)
-            launches += layers * len(sizes) * (2 if p == "f" else 3)
+        else:
+            t, fl, nbytes, n = fused_ring_attention(args, assume, rate, b, layers, p, recompute)
+            attention, flops, mem, launches = attention + t, flops + fl - core, mem + nbytes, launches + n
+        if assume.attention == "unfused" and attn_flops:
+            t, fl, nbytes, n = unfused_attention(args, rate, pr, b, layers, last, p)
+            attention, flops, mem, launches = attention + t - fused, flops + fl - attn_flops, mem + nbytes, \
+                launches + n
+        if float8:
+            nbytes, n = float8_casts(args, b, layers, p, compiled, recompute)
+            mem, launches = mem + nbytes, launches + n
         memory = mem / bandwidth(dev, assume)
         launch = launches * dev.op_overhead
         busy = matmul + attention + memory
@@ -892,179 +850,381 @@ def _compute(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: i
     return out
 
 
-def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_node: int | None = None,
-              dp_bytes: dict | None = None) -> dict:
-    """Predicted seconds of one step on the slowest pipeline stage, with its breakdown: compute (this rank's
-    FLOPs at peak × efficiency), exposed collectives per mesh dimension, the pipeline's bubble, the optimizer;
-    tokens/s and MFU (the model's 6·N·tokens + attention FLOPs over the world's peak × seconds). dp_bytes: the
-    data-parallel collectives' bytes per step ({op: bytes}), else zero_comm_formula for the analytic Ψ."""
+def kernel_rates(args, dev: Device, assume: Assumptions, float8: bool) -> dict:
+    """FLOP/s of each kind of kernel (measured kernel rates): mm, the compute dtype's matmuls at its peak ×
+    Device.matmul_efficiency (a sustained cuBLASLt or MSMF rate); wide, fp32's (fp64's); linear, the blocks'
+    linears (float8's rate under float8); attn_f and attn_b, fused attention's forward and backward kernels
+    (FlashAttention-2's measured rates: Device.attention_efficiency, attention_backward). Assumptions.efficiency
+    replaces every share."""
+    eff = (lambda dt: assume.efficiency) if assume.efficiency is not None else \
+        (lambda dt: dev.matmul_efficiency.get(dt, 1.0))
+    peak, wide = dev.flops[args.dtype], "float64" if args.dtype == "float64" else "float32"
+    mm = peak * eff(args.dtype)
+    return dict(mm=mm, wide=dev.flops[wide] * eff(wide),
+                linear=dev.flops["float8"] * eff("float8") if float8 else mm,
+                attn_f=peak * (dev.attention_efficiency if assume.efficiency is None else assume.efficiency),
+                attn_b=peak * (dev.attention_backward or dev.attention_efficiency if assume.efficiency is None
+                               else assume.efficiency))
+
+
+def recomputed_linears(args, assume: Assumptions, b: int, layers: int, p: str) -> float:
+    """The backward's FLOPs a framework's recompute adds to what the probe counted (the course's policies):
+    torchtitan's selective policy reruns every k-th matmul of a block (selective_every; its
+    _apply_ac_to_transformer_block), a reentrant full checkpoint the block's last linear too (recompute_whole;
+    Megatron-LM 2021's CheckpointFunction, where PyTorch's non-reentrant one stops before it)."""
+    if p != "b":
+        return 0.0
+    linears, tokens = _linear_flops(_config(args), args.tp), b * layers * args.seq_len // args.cp
+    if args.activation_checkpointing == "selective" and assume.selective_every > 0:
+        return tokens * sum(linears[assume.selective_every - 1::assume.selective_every])
+    if args.activation_checkpointing == "full" and assume.recompute_whole:
+        return tokens * linears[-1]
+    return 0.0
+
+
+def fused_ring_attention(args, assume: Assumptions, rate: dict, b: int, layers: int, p: str,
+                         recompute: bool) -> tuple:
+    """attention=fused under ring attention: a flash kernel per ring step over this rank's share of the causal
+    attention (zigzag: 1/cp), in place of the code's fp32 blocks; around it a fused ring's merges of each step's
+    output (12 bytes a query element forward, 24 backward) or, torch_cp, what torch's context_parallel does
+    (TORCH_CP_STEP_BYTES). (seconds, FLOPs, bytes, launches)."""
+    cfg, S, cp, tp = _config(args), args.seq_len, args.cp, args.tp
+    heads_w = cfg.n_heads * cfg.head_dim / tp
+    fwd = b * 2 * S * S * heads_w / cp                          # causal: half of 4·S²·H per sequence
+    fl = fwd if p == "f" else 2.5 * fwd + (fwd if recompute else 0)
+    seconds = layers * (fwd / rate["attn_f"] if p == "f" else 2.5 * fwd / rate["attn_b"]
+                        + (fwd / rate["attn_f"] if recompute else 0))
+    if assume.torch_cp:   # torch's context_parallel around each step's kernel (TORCH_CP_STEP_BYTES)
+        per = TORCH_CP_STEP_BYTES[p] + (TORCH_CP_STEP_BYTES["f"] if p == "b" and recompute else 0)
+        nbytes = assume.torch_cp * layers * cp * b * (S // cp) * heads_w * per
+    else:
+        nbytes = layers * 3 * 4 * b * S * heads_w * (2 if p == "b" else 1)   # the merges of each step's output
+    return seconds, layers * fl, nbytes, layers * 2 * cp * (2 if p == "b" else 1)
+
+
+def unfused_attention(args, rate: dict, pr: dict, b: int, layers: int, last: bool, p: str) -> tuple:
+    """attention=unfused (Megatron-LM 2021): QKᵀ, softmax, dropout and ·V as separate kernels, every product at
+    the matmul rate and every score in memory (UNFUSED_SCORE_BYTES). (seconds, FLOPs, bytes, launches) in place
+    of the fused kernel's."""
+    cfg, blk, rst, S, cp = _config(args), pr["block"], pr["rest"], args.seq_len, args.cp
+    a_f = b * (layers * blk["attn_f"] + (rst["attn_f"] if last else 0))   # flash forward: causal half
+    again = blk["attn_b"] / blk["attn_f"] > 3 if blk["attn_f"] else False   # backward recomputes it
+    full = 2 * a_f if p == "f" else (4 + (2 if again else 0)) * a_f    # every score; no recompute of QKᵀ
+    scores = b * layers * cfg.n_heads / args.tp * (S / cp) * S
+    nbytes = scores * (UNFUSED_SCORE_BYTES[p] + (UNFUSED_SCORE_BYTES["f"] if p == "b" and again else 0))
+    return full / rate["mm"], full, nbytes, layers * (6 if p == "f" else 9)
+
+
+def float8_casts(args, b: int, layers: int, p: str, compiled: bool, recompute: bool) -> tuple:
+    """float8's casts (torchao tensorwise): each linear's input, weight and output gradient read for its amax and
+    again to scale and cast to 1 byte (compiled: read once), and the 1-byte transposes the backward's matmuls
+    read. (bytes, launches)."""
+    cfg, b_el = _config(args), _elem(args)
+    T = b * args.seq_len // args.cp                                    # tokens a micro-batch brings this rank
+    per_byte = (b_el + 1) if compiled else (2 * b_el + 1)
+    H = cfg.dim
+    sizes = [(H, n / 2 / H) for n in _linear_flops(cfg, args.tp)]     # (in, out) of each linear on this rank
+    sizes = [(i, o) if j != 3 and j != 6 else (o, i) for j, (i, o) in enumerate(sizes)]
+    nbytes = 0.0
+    if p == "f" or recompute:
+        nbytes += layers * sum(T * i + i * o for i, o in sizes) * per_byte
+    if p == "b":   # the output gradient cast; the 1-byte transposes the backward's matmuls read
+        nbytes += layers * sum(T * o * per_byte + 2 * (T * i + T * o + i * o) for i, o in sizes)
+    return nbytes, layers * len(sizes) * (2 if p == "f" else 3)
+
+
+# ---- one step, composed of its mechanisms (the README's list, one function each) ----------------------------
+
+@dataclass(frozen=True)
+class _Step:
+    """What every mechanism of one step reads: the run's flags, the device, the assumptions, the mesh's sizes and
+    where its groups sit (link: per dim, 0 inside a node or the ranks each node holds; everyone: the world's), the
+    sequences per micro-batch b, the probe's counts, the experts' layer (_moe) and overlap's price per hidden
+    second (slow)."""
+    args: object
+    dev: Device
+    assume: Assumptions
+    G: int
+    sizes: dict
+    world: int
+    b: int
+    link: dict
+    everyone: int
+    slow: float
+    pr: dict
+    moe: dict | None
+
+
+def _setting(args, dev: Device, assume: Assumptions, gpus_per_node: int | None) -> _Step:
     G = gpus_per_node or dev.gpus_per_node
     sizes = {d: getattr(args, d) for d in DIMS}
-    world = math.prod(sizes.values())
-    dp, tp, cp, pp, m, z = args.dp_replicate * args.dp_shard, args.tp, args.cp, args.pp, args.microbatches, args.zero_stage
-    sp = args.sequence_parallel and tp > 1
+    dp, tp, cp, m = args.dp_replicate * args.dp_shard, args.tp, args.cp, args.microbatches
     # an MoE model: the dense model probed (experts 0), the experts added by _moe (routing needs values)
-    pr = probe(_config(args), 0, args.top_k, args.dtype, args.seq_len, tp, cp, sp, args.cp_method,
-               args.cp_ulysses, args.activation_checkpointing)
+    pr = probe(_config(args), 0, args.top_k, args.dtype, args.seq_len, tp, cp, args.sequence_parallel and tp > 1,
+               args.cp_method, args.cp_ulysses, args.activation_checkpointing)
     if args.global_batch_size % (dp * m):                      # (train.check_args says so before a run)
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel "
                          f"size {dp} times --microbatches {m}: no whole micro-batch to time")
     b = args.global_batch_size // (dp * m)                     # sequences per micro-batch
     link = {d: ranks_per_node(sizes, (d,), G) for d in DIMS}
-    everyone = ranks_per_node(sizes, DIMS, G)                  # the world's group: G a node once it spans nodes
-    o = assume.overlap
-    # the compute beside a hidden collective runs slower (Device.overlap_slowdown): each second of collective hidden
-    # behind compute costs s/(1 + s) of a second
-    slow = dev.overlap_slowdown if assume.overlap_slowdown is None else assume.overlap_slowdown
-    slow = slow / (1 + slow)
     moe = _moe(args, b, dev, link["dp_shard"], ranks_per_node(sizes, ("dp_replicate", "dp_shard", "cp", "tp"), G))
+    return _Step(args, dev, assume, G, sizes, math.prod(sizes.values()), b, link,
+                 ranks_per_node(sizes, DIMS, G), overlap_price(dev, assume), pr, moe)
+
+
+def overlap_price(dev: Device, assume: Assumptions) -> float:
+    """Compute beside a collective that hides behind it runs Device.overlap_slowdown slower (NCCL's kernels hold
+    SMs and memory bandwidth: Lee et al. 2025, arXiv:2507.03114, 18.9% on average): each second of collective
+    hidden costs s/(1 + s) of a second ("overlap" in the breakdown)."""
+    slow = dev.overlap_slowdown if assume.overlap_slowdown is None else assume.overlap_slowdown
+    return slow / (1 + slow)
+
+
+def layer_collectives(st: _Step, layers: int, last: bool) -> dict:
+    """tp's and cp's collectives (and any over their joint group), as the probe counted the real block and head
+    issue them (instruments.CommCounter: calls and bytes per phase), each at collective_time on the link its
+    group crosses: {(phase, dim): seconds}, once per layer for the block's, on the last stage for the head's."""
+    raw = {(p, d): 0.0 for p in "fb" for d in ("tp", "cp", "pp", "ep", "world")}
+    for (phase, where, dim, op), (calls, n) in st.pr["comm"].items():
+        t = collective_time(op, st.b * n, calls, st.sizes.get(dim, st.world), st.dev,
+                            st.link.get(dim, st.everyone))
+        t *= layers if where == "block" else (1 if last else 0)
+        raw[(phase, dim if dim in ("tp", "cp", "pp", "ep") else "world")] += t
+    return raw
+
+
+def hide_behind_windows(st: _Step, raw: dict, work: dict) -> tuple[dict, dict, float]:
+    """Overlap of the layer's collectives (Assumptions.overlap): tp's behind the phase's matmuls (async TP,
+    Megatron's tp-comm-overlap; its first of tp pieces cannot hide: Wang et al., ASPLOS 2023), the ring's sends
+    behind its attention (ring_attention.RingPass starts the next block's first: Liu et al. 2023), the rest by its
+    share. (exposed per dim, seconds added to each phase, overlap's price per micro-batch)."""
+    comm = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "ep": 0.0, "world": 0.0}
+    per_phase, beside, o = {"f": 0.0, "b": 0.0}, 0.0, st.assume.overlap
+    for (phase, dim), t in raw.items():
+        window = {"tp": work[phase]["linears"], "cp": work[phase]["attention"]}.get(dim)
+        share = o.get("tp_b" if dim == "tp" and phase == "b" else dim, 0.0)
+        if window is None:
+            exposed = t * (1 - share)
+        else:
+            floor = t / st.sizes[dim] if dim == "tp" and share else 0.0
+            exposed = max(floor, t - share * window)
+        comm[dim] += exposed
+        per_phase[phase] += exposed + st.slow * (t - exposed)
+        beside += st.slow * (t - exposed)
+    return comm, per_phase, beside
+
+
+def expert_collectives(st: _Step, layers: int) -> dict:
+    """ep: the experts' dispatch and combine all-to-alls, the counts' and the aux loss's all-reduce (_moe, uniform
+    routing), exposed: seconds per phase of one micro-batch."""
+    return {p: layers * st.moe["comm_" + p] if st.moe else 0.0 for p in "fb"}
+
+
+def pipeline_boundary(st: _Step) -> float:
+    """pp: one micro-batch's stage boundary [b, S/cp(/tp under sp), H] sent each way, once per chunk a rank holds
+    (interleaved: virtual_stages); with pp_scatter 1/tp of it crosses and an all-gather over the node's tp group
+    rebuilds it (Narayanan et al. 2021 §4.1). Seconds of one direction."""
+    args, dev, tp = st.args, st.dev, st.args.tp
+    sp = args.sequence_parallel and tp > 1
+    boundary = st.b * args.seq_len // args.cp * _config(args).dim * _elem(args) // (tp if sp else 1)
+    if st.assume.pp_scatter and tp > 1 and not sp:
+        hop = collective_time("send", boundary / tp, 1, 2, dev, st.link["pp"]) + \
+            collective_time("all_gather", boundary, 1, tp, dev, st.link["tp"])
+    else:
+        hop = collective_time("send", boundary, 1, 2, dev, st.link["pp"])
+    return hop * args.virtual_stages
+
+
+def pipeline_total(st: _Step, t_f: float, t_b: float) -> float:
+    """The micro-batches' forward and backward through the schedule: its bubble included (_bubble:
+    pipeline.simulate's total, by closed form where one holds), or m·(t_f + t_b) without a pipeline."""
+    a = st.args
+    if a.pp == 1:
+        return a.microbatches * (t_f + t_b)
+    w = st.assume.weight_grad_share if a.schedule == "zb" else 0.0
+    return _bubble(a.schedule, a.pp, a.microbatches, a.virtual_stages, t_f, t_b, w)
+
+
+def dp_collectives(st: _Step, s: int, dp_bytes: dict | None) -> dict:
+    """Data parallel's collectives of stage s, from the lessons' formulas (zero_comm_formula: its bytes, {op:
+    bytes} or dp_bytes), one call per ZeRO unit (ZeRO-3 without a pipeline: per micro-batch, forward and backward),
+    DDP bucket (and the used flags' all-reduce), each at collective_time over the group's link; HSDP's all-reduce
+    across replicas per unit. Returns {seconds: {op: s}, replicas, units, shard, psi, psi_e, n_e, regather, calls}
+    (psi: this rank's parameters, experts included; psi_e the experts', held by n_e ranks)."""
+    args, z, cp, m, pp = st.args, st.args.zero_stage, st.args.cp, st.args.microbatches, st.args.pp
+    dp = args.dp_replicate * args.dp_shard
+    psi = _local_psi(args, s)[0]
+    psi_e = _expert_psi(args, s)[0]
+    units = _unit_tensors(args, s)
+    shard = args.dp_shard * cp if z else 1
+    n_e = dp * cp // args.ep if _config(args).n_experts else 1   # ranks holding a copy of my experts
+    ops = dp_bytes if dp_bytes is not None else \
+        _dp_formula(args, psi + (psi_e if n_e > 1 else 0), shard)   # experts alone on their ranks: no reduction
+    psi += psi_e
+    group = dict(reduce_scatter=shard, all_gather=shard, all_reduce=shard if z else dp * cp)
+    grad_bytes = psi * train.store_dtype(args).itemsize
+    buckets = 1 + math.ceil(max(grad_bytes - 2**20, 0) / (args.bucket_mb * 2**20))
+    regather = 2 * m if z == 3 and pp == 1 else 1     # ZeRO-3 gathers for the forward and again the backward
+    calls = dict(reduce_scatter=len(units), all_gather=len(units) * regather,
+                 all_reduce=buckets + 1 if z == 0 else 1)   # (+ the used-flags' all-reduce, once a step)
+    inter = ranks_per_node(st.sizes, ("dp_replicate", "dp_shard", "cp") if not z else ("dp_shard", "cp"), st.G)
+    seconds = {op: collective_time(op, n, calls[op], group[op], st.dev, inter) for op, n in ops.items()}
+    replicas = 0.0
+    if z and args.dp_replicate > 1:   # HSDP: the shard's all-reduce across replicas
+        replicas = collective_time("all_reduce", ops.get("all_reduce", 0), len(units), args.dp_replicate, st.dev,
+                                   ranks_per_node(st.sizes, ("dp_replicate",), st.G))
+        seconds["all_reduce"] = replicas * (1 - st.assume.overlap["replicas"])
+    return dict(seconds=seconds, replicas=replicas, units=units, shard=shard, psi=psi, psi_e=psi_e, n_e=n_e,
+                regather=regather, calls=calls, ops=ops)
+
+
+def dp_exposed(st: _Step, dpt: dict, compute: float, t_b: float) -> float:
+    """What of data parallel's collectives no compute hides (Assumptions.overlap): DDP's buckets behind the last
+    backward (Li et al. 2020); ZeRO-3's prefetched gathers behind the step's compute and, without micro-batches,
+    its reduce-scatters behind the backward on the same group and link (Zhao et al. 2023, FSDP); ZeRO-2's
+    reduce-scatter behind a single backward; ZeRO-1/2's work at the step exposed (overlap.step: Megatron's
+    distributed optimizer)."""
+    z, o = st.args.zero_stage, st.assume.overlap
+    several = st.args.pp > 1 or st.args.microbatches > 1
+    if z == 0:
+        return max(0.0, dpt.get("all_reduce", 0) - o["ddp"] * t_b)
+    if z == 3:
+        ag, rs = dpt.get("all_gather", 0), dpt.get("reduce_scatter", 0)
+        if several:   # the reduce-scatter deferred over the micro-batches, to the step
+            out = max(0.0, ag - o["zero3"] * compute) + rs * (1 - o["step"])
+        else:         # gathers and reduce-scatters queue on one group, one link: their sum hides behind the
+                      # step's compute, the reduce-scatter's part behind the backward only
+            out = max(0.0, ag + rs - o["zero3"] * compute, rs - o["zero3"] * t_b)
+        return out + dpt.get("all_reduce", 0)
+    rs = dpt.get("reduce_scatter", 0)
+    rs = max(0.0, rs - o["zero2"] * t_b) if z == 2 and not several else rs * (1 - o["step"])
+    return rs + dpt.get("all_gather", 0) * (1 - o["step"]) + dpt.get("all_reduce", 0)
+
+
+def fsdp2_copies(st: _Step, dp: dict) -> float:
+    """torchtitan's extra (Assumptions.fsdp2_copies): FSDP2 copies around each collective
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): per gather of the stage's parameters the shard cast
+    in (read in the store dtype, written in the compute dtype) and the gathered buffer copied out (read and
+    written); per reduce-scatter the gradients read and written again in the reduce dtype (the store's) —
+    memory-bound, on the step's path. The course's flat parameter holds views: none."""
+    a = st.args
+    if a.zero_stage != 3 or dp["shard"] <= 1 or not st.assume.fsdp2_copies:
+        return 0.0
+    pb, sb, psi = _elem(a), train.store_dtype(a).itemsize, dp["psi"]
+    nbytes = dp["regather"] * (2 * psi * pb + psi / dp["shard"] * (sb + pb)) + psi * (pb + sb)
+    return st.assume.fsdp2_copies * nbytes / bandwidth(st.dev, st.assume)
+
+
+def tp_gradient_sums(st: _Step, layers: int, last: bool) -> float:
+    """tp's partial gradients (sequence parallel's norm weights; k and v where tp ranks share a kv head), summed
+    over tp unit by unit before ZeRO reduces them (tensor_parallel.finish_grads): one all-reduce a unit, exposed."""
+    a, cfg, tp = st.args, _config(st.args), st.args.tp
+    if tp <= 1:
+        return 0.0
+    sp = a.sequence_parallel
+    shared_kv = cfg.n_kv_heads < tp
+    per_block = (2 * cfg.dim if sp else 0) + (2 * cfg.n_kv_heads * cfg.head_dim * cfg.dim if shared_kv else 0)
+    out = layers * collective_time("all_reduce", per_block * _elem(a), 1, tp, st.dev, st.link["tp"]) \
+        if per_block else 0.0
+    return out + (collective_time("all_reduce", cfg.dim * _elem(a), 1, tp, st.dev, st.link["tp"])
+                  if sp and last else 0)
+
+
+def clip_all_reduce(st: _Step) -> float:
+    """The clip's norm: one all-reduce of a scalar over every rank, at the step (fsdp.ZeroOptimizer.clip_grad_norm_)."""
+    return collective_time("all_reduce", 8, 1, st.world, st.dev, st.everyone) if st.args.grad_clip else 0.0
+
+
+def collective_checks(st: _Step, dp: dict) -> int:
+    """Lesson 0's check (mesh.agree, Device.agree each) before each of fsdp.py's collectives: ZeRO 1-3's gathers
+    and reduce-scatters, one all-reduce of the used flags, HSDP's all-reduces across replicas (a unit's and the
+    flags'), and the clip's all-reduce over every rank (ZeRO-0's buckets are ddp.py's: unchecked). How many a step
+    makes (count_checks counts them in a real one)."""
+    a = st.args
+    checks = 1 if a.grad_clip and st.world > 1 else 0
+    if a.zero_stage and dp["shard"] > 1:
+        checks += sum(dp["calls"][op] for op in ("reduce_scatter", "all_gather") if op in dp["ops"]) + 1
+    if a.zero_stage and a.dp_replicate > 1:
+        checks += len(dp["units"]) + 1
+    return checks
+
+
+def optimizer_time(st: _Step, dp: dict) -> float:
+    """AdamW and the clip's arithmetic: per element of the local shard (Device.optimizer_elem, else
+    Assumptions.optimizer_bytes at the memory bandwidth) and per tensor piece it loops over (Device.optimizer_tensor;
+    ZeRO: a unit's flat shard cuts its tensors; the most a rank holds: about half of them plus one)."""
+    shard, dev = dp["shard"], st.dev
+    pieces = sum(min(t, math.ceil(t / shard) + 1) if shard > 1 else t for t in dp["units"])
+    per_elem = dev.optimizer_elem if dev.optimizer_elem is not None else \
+        st.assume.optimizer_bytes / bandwidth(dev, st.assume)
+    local = (dp["psi"] - dp["psi_e"]) / shard + dp["psi_e"] / (dp["n_e"] if st.args.zero_stage else 1)
+    return local * per_elem + pieces * dev.optimizer_tensor
+
+
+def stage_time(st: _Step, s: int, layers: int, dp_bytes: dict | None) -> dict:
+    """Stage s's step, mechanism by mechanism: compute (compute_time), the layer's collectives and what hides them,
+    the experts', the pipeline's boundary, the schedule (its bubble), data parallel's collectives and what hides
+    them, a framework's extras, tp's gradient sums, the clip, the collective checks and the optimizer."""
+    args, m, o, last = st.args, st.args.microbatches, st.assume.overlap, s == st.args.pp - 1
+    work = compute_time(args, st.dev, st.assume, st.pr, st.b, layers, last, st.moe)
+    comm, per_phase, beside = hide_behind_windows(st, layer_collectives(st, layers, last), work)
+    if st.moe:
+        ep = expert_collectives(st, layers)
+        per_phase = {p: per_phase[p] + ep[p] for p in "fb"}
+        comm["ep"] = ep["f"] + ep["b"]
+    t_f = work["f"]["seconds"] + per_phase["f"]
+    t_b = work["b"]["seconds"] + per_phase["b"]
+    if args.pp > 1:   # the boundary's sends, exposed unless overlap.pp says otherwise
+        hop = pipeline_boundary(st)
+        t_f, t_b = t_f + hop * (1 - o["pp"] + st.slow * o["pp"]), t_b + hop * (1 - o["pp"] + st.slow * o["pp"])
+        comm["pp"] = 2 * hop * (1 - o["pp"])
+        beside += 2 * hop * o["pp"] * st.slow
+    total = pipeline_total(st, t_f, t_b)
+    compute = m * (work["f"]["seconds"] + work["b"]["seconds"])
+    exposed = {d: m * c for d, c in comm.items() if c}
+    if beside:
+        exposed["overlap"] = m * beside
+    dp = dp_collectives(st, s, dp_bytes)
+    dp_time = dp_exposed(st, dp["seconds"], compute, t_b)
+    copies = fsdp2_copies(st, dp)
+    if copies:
+        exposed["fsdp2 copies"] = copies
+    # what of the data-parallel collectives hid behind compute, slowing it
+    dp_beside = st.slow * (sum(dp["seconds"].values()) + dp["replicas"] * o["replicas"] - dp_time)
+    if dp_time:
+        exposed["dp"] = dp_time
+    if dp_beside > 1e-12:
+        exposed["overlap"] = exposed.get("overlap", 0.0) + dp_beside
+    finish = tp_gradient_sums(st, layers, last)
+    if finish:
+        exposed["tp"] = exposed.get("tp", 0.0) + finish
+    clip = clip_all_reduce(st)
+    if clip:
+        exposed["clip"] = clip
+    checks = collective_checks(st, dp) * st.dev.agree
+    if checks:
+        exposed["agree"] = checks
+    optimizer = optimizer_time(st, dp)
+    return dict(compute=compute, parts={k: m * (work["f"][k] + work["b"][k]) for k in COMPUTE_PARTS},
+                exposed=exposed, optimizer=optimizer, stage=s, flops=m * (work["f"]["flops"] + work["b"]["flops"]),
+                unit=t_f + t_b, total=total, rest=dp_time + dp_beside + finish + clip + checks + optimizer + copies,
+                forward=t_f, backward=t_b)
+
+
+def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_node: int | None = None,
+              dp_bytes: dict | None = None) -> dict:
+    """Predicted seconds of one step on the slowest pipeline stage, with its breakdown: compute (this rank's
+    FLOPs at peak × efficiency), exposed collectives per mesh dimension, the pipeline's bubble, the optimizer;
+    tokens/s and MFU (the model's 6·N·tokens + attention FLOPs over the world's peak × seconds). dp_bytes: the
+    data-parallel collectives' bytes per step ({op: bytes}), else zero_comm_formula for the analytic Ψ. Each
+    stage is timed by stage_time (a stage like one timed already: the same time)."""
+    st = _setting(args, dev, assume, gpus_per_node)
     timed, unit_of = {}, []
     for s, layers in enumerate(_stage_layers(args)):
-        last = s == pp - 1
-        if (layers, s == 0, last) in timed:   # a stage like one timed already: the same time
-            unit_of.append(timed[(layers, s == 0, last)]["unit"])
-            continue
-        work = _compute(args, dev, assume, pr, b, layers, last, moe)
-        flops = {p: work[p]["flops"] for p in "fb"}
-        comm = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "ep": 0.0, "world": 0.0}
-        per_phase = {"f": 0.0, "b": 0.0}
-        beside = 0.0    # per micro-batch: the compute's slowdown beside the phases' hidden collectives
-        raw = {(p, d): 0.0 for p in "fb" for d in comm}
-        for (phase, where, dim, op), (calls, n) in pr["comm"].items():
-            # calls inside the block: once per layer; the rest (the head's, the loss's): on the last stage
-            t = collective_time(op, b * n, calls, sizes.get(dim, world), dev, link.get(dim, everyone))
-            t *= layers if where == "block" else (1 if last else 0)
-            raw[(phase, dim if dim in comm else "world")] += t
-        for (phase, dim), t in raw.items():
-            # what hides a collective: tp's behind the phase's matmuls (async TP, Megatron's tp-comm-overlap: its
-            # first of tp pieces cannot), the ring's sends behind its attention, the rest by its overlap share
-            window = {"tp": work[phase]["linears"], "cp": work[phase]["attention"]}.get(dim)
-            share = o.get("tp_b" if dim == "tp" and phase == "b" else dim, 0.0)
-            if window is None:
-                exposed = t * (1 - share)
-            else:
-                floor = t / sizes[dim] if dim == "tp" and share else 0.0
-                exposed = max(floor, t - share * window)
-            comm[dim] += exposed
-            per_phase[phase] += exposed + slow * (t - exposed)
-            beside += slow * (t - exposed)
-        if moe:
-            for p in "fb":
-                per_phase[p] += layers * moe["comm_" + p]
-            comm["ep"] = layers * (moe["comm_f"] + moe["comm_b"])
-        t_f = work["f"]["seconds"] + per_phase["f"]
-        t_b = work["b"]["seconds"] + per_phase["b"]
-        if pp > 1:   # a boundary of [b, S/cp(/tp), H] each way per micro-batch, exposed
-            boundary = b * args.seq_len // cp * _config(args).dim * _elem(args) // (tp if sp else 1)
-            if assume.pp_scatter and tp > 1 and not sp:   # 1/tp of it across, all-gathered over the node's tp group
-                hop = collective_time("send", boundary / tp, 1, 2, dev, link["pp"]) + \
-                    collective_time("all_gather", boundary, 1, tp, dev, link["tp"])
-            else:
-                hop = collective_time("send", boundary, 1, 2, dev, link["pp"])
-            hop *= args.virtual_stages
-            t_f, t_b = t_f + hop * (1 - o["pp"] + slow * o["pp"]), t_b + hop * (1 - o["pp"] + slow * o["pp"])
-            comm["pp"] = 2 * hop * (1 - o["pp"])
-            beside += 2 * hop * o["pp"] * slow
-        w = assume.weight_grad_share if args.schedule == "zb" else 0.0
-        total = _bubble(args.schedule, pp, m, args.virtual_stages, t_f, t_b, w) if pp > 1 else m * (t_f + t_b)
-        compute = m * (work["f"]["seconds"] + work["b"]["seconds"])
-        parts = {k: m * (work["f"][k] + work["b"][k]) for k in COMPUTE_PARTS}
-        exposed = {d: m * c for d, c in comm.items() if c}
-        if beside:
-            exposed["overlap"] = m * beside
-        # data parallel: the step's reductions (and ZeRO's gathers), from the lessons' formula; one collective
-        # per ZeRO unit (and per DDP bucket), each paying its α and its wait — not one per step
-        psi, unit = _local_psi(args, s)
-        psi_e = _expert_psi(args, s)[0]
-        units = _unit_tensors(args, s)
-        shard = args.dp_shard * cp if z else 1
-        several = pp > 1 or m > 1
-        cfg = _config(args)
-        n_e = dp * cp // args.ep if cfg.n_experts else 1   # ranks holding a copy of my experts
-        ops = dp_bytes if dp_bytes is not None else \
-            _dp_formula(args, psi + (psi_e if n_e > 1 else 0), shard)   # experts alone on their ranks: no reduction
-        psi += psi_e
-        group = dict(reduce_scatter=shard, all_gather=shard, all_reduce=shard if z else dp * cp)
-        grad_bytes = psi * train.store_dtype(args).itemsize
-        buckets = 1 + math.ceil(max(grad_bytes - 2**20, 0) / (args.bucket_mb * 2**20))
-        regather = 2 * m if z == 3 and pp == 1 else 1     # ZeRO-3 gathers for the forward and again the backward
-        calls = dict(reduce_scatter=len(units), all_gather=len(units) * regather,
-                     all_reduce=buckets + 1 if z == 0 else 1)   # (+ the used-flags' all-reduce, once a step)
-        inter = ranks_per_node(sizes, ("dp_replicate", "dp_shard", "cp") if not z else ("dp_shard", "cp"), G)
-        dpt = {op: collective_time(op, n, calls[op], group[op], dev, inter) for op, n in ops.items()}
-        replicas = 0.0
-        if z and args.dp_replicate > 1:   # HSDP: the shard's all-reduce across replicas
-            replicas = collective_time("all_reduce", ops.get("all_reduce", 0), len(units), args.dp_replicate, dev,
-                                       ranks_per_node(sizes, ("dp_replicate",), G))
-            dpt["all_reduce"] = replicas * (1 - o["replicas"])
-        t_last_b = t_b
-        if z == 0:
-            hidden = o["ddp"] * t_last_b
-            dp_exposed = max(0.0, dpt.get("all_reduce", 0) - hidden)
-        elif z == 3:
-            ag, rs = dpt.get("all_gather", 0), dpt.get("reduce_scatter", 0)
-            if several:   # the reduce-scatter deferred over the micro-batches, to the step
-                dp_exposed = max(0.0, ag - o["zero3"] * compute) + rs * (1 - o["step"])
-            else:         # gathers and reduce-scatters queue on one group, one link: their sum hides behind the
-                          # step's compute, the reduce-scatter's part behind the backward only
-                dp_exposed = max(0.0, ag + rs - o["zero3"] * compute, rs - o["zero3"] * t_last_b)
-            dp_exposed += dpt.get("all_reduce", 0)
-        else:
-            rs = dpt.get("reduce_scatter", 0)
-            rs = max(0.0, rs - o["zero2"] * t_last_b) if z == 2 and not several else rs * (1 - o["step"])
-            dp_exposed = rs + dpt.get("all_gather", 0) * (1 - o["step"]) + dpt.get("all_reduce", 0)
-        # FSDP2's copies (Assumptions.fsdp2_copies): per gather of the stage's parameters, the shard cast in
-        # (read in the store dtype, write in the compute dtype) and the gathered buffer copied out (read and
-        # write); per reduce-scatter, the gradients read and written again in the reduce dtype (the store's)
-        copies = 0.0
-        if z == 3 and shard > 1 and assume.fsdp2_copies:
-            pb, sb = _elem(args), train.store_dtype(args).itemsize
-            nbytes = regather * (2 * psi * pb + psi / shard * (sb + pb)) + psi * (pb + sb)
-            copies = assume.fsdp2_copies * nbytes / bandwidth(dev, assume)
-            exposed["fsdp2 copies"] = copies
-        # what of the data-parallel collectives hid behind compute, slowing it (overlap_slowdown)
-        dp_beside = slow * (sum(dpt.values()) + replicas * o["replicas"] - dp_exposed)
-        if dp_exposed:
-            exposed["dp"] = dp_exposed
-        if dp_beside > 1e-12:
-            exposed["overlap"] = exposed.get("overlap", 0.0) + dp_beside
-        # tp's partial gradients (sequence parallel's norm weights; k and v when tp ranks share a kv head), summed
-        # over tp unit by unit before ZeRO reduces them (tensor_parallel.finish_grads): one all-reduce a unit
-        finish = 0.0
-        if tp > 1:
-            shared_kv = cfg.n_kv_heads < tp
-            per_block = (2 * cfg.dim if sp else 0) + (2 * cfg.n_kv_heads * cfg.head_dim * cfg.dim if shared_kv else 0)
-            finish = layers * collective_time("all_reduce", per_block * _elem(args), 1, tp, dev, link["tp"]) \
-                if per_block else 0.0
-            finish += collective_time("all_reduce", cfg.dim * _elem(args), 1, tp, dev, link["tp"]) if sp and last else 0
-            if finish:
-                exposed["tp"] = exposed.get("tp", 0.0) + finish
-        # the clip's norm: one all-reduce of a scalar over every rank, at the step
-        clip = collective_time("all_reduce", 8, 1, world, dev, everyone) if args.grad_clip else 0.0
-        if clip:
-            exposed["clip"] = clip
-        # lesson 0's check before each of fsdp.py's collectives (Device.agree): ZeRO 1-3's gathers and reduce-
-        # scatters, one all-reduce of the used flags, HSDP's all-reduces across replicas (a unit's and the flags'),
-        # and the clip's all-reduce over every rank (ZeRO-0's buckets are ddp.py's: unchecked)
-        checks = 1 if args.grad_clip and world > 1 else 0
-        if z and shard > 1:
-            checks += sum(calls[op] for op in ("reduce_scatter", "all_gather") if op in ops) + 1
-        if z and args.dp_replicate > 1:
-            checks += len(units) + 1
-        if checks * dev.agree:
-            exposed["agree"] = checks * dev.agree
-        # the optimizer (and the clip's arithmetic): per element of the local shard, and per tensor piece it loops
-        # over (ZeRO: a unit's flat shard cuts its tensors; the most a rank holds: about half of them plus one)
-        pieces = sum(min(t, math.ceil(t / shard) + 1) if shard > 1 else t for t in units)
-        per_elem = dev.optimizer_elem if dev.optimizer_elem is not None else \
-            assume.optimizer_bytes / bandwidth(dev, assume)
-        optimizer = ((psi - psi_e) / shard + psi_e / (n_e if z else 1)) * per_elem + pieces * dev.optimizer_tensor
-        out = dict(compute=compute, parts=parts, exposed=exposed, optimizer=optimizer, stage=s,
-                   flops=m * (flops["f"] + flops["b"]),
-                   unit=t_f + t_b, total=total, rest=dp_exposed + dp_beside + finish + clip + checks * dev.agree
-                   + optimizer + copies, forward=t_f, backward=t_b)
-        timed[(layers, s == 0, last)] = out
-        unit_of.append(out["unit"])
+        kind = (layers, s == 0, s == args.pp - 1)
+        if kind not in timed:
+            timed[kind] = stage_time(st, s, layers, dp_bytes)
+        unit_of.append(timed[kind]["unit"])
     # The schedule was played as if every stage took the slowest one's times; a faster stage (the first holds
     # the embedding, the last the head and the loss) gives back what it is faster by once, in the fill and drain
     # (1F1B, GPipe: about Σ_s t_s + (m − 1)·max_s t_s, t_s = t_f + t_b of stage s; equal stages: exact)
@@ -1072,13 +1232,12 @@ def step_time(args, dev: Device, assume: Assumptions = Assumptions(), gpus_per_n
     total = slowest["total"] - sum(slowest["unit"] - u for u in unit_of)
     best = None
     for out in timed.values():
-        out.update(seconds=total + out.pop("rest"), bubble=total - m * out["unit"])
+        out.update(seconds=total + out.pop("rest"), bubble=total - args.microbatches * out["unit"])
         del out["total"], out["unit"]
         if best is None or out["seconds"] > best["seconds"]:
             best = out
-    tokens = args.global_batch_size * args.seq_len
-    best["tokens_per_s"] = tokens / best["seconds"]
-    best["mfu"] = model_flops(args) / (world * dev.flops[args.dtype] * best["seconds"])
+    best["tokens_per_s"] = args.global_batch_size * args.seq_len / best["seconds"]
+    best["mfu"] = model_flops(args) / (st.world * dev.flops[args.dtype] * best["seconds"])
     return best
 
 

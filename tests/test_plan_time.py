@@ -654,8 +654,8 @@ SEARCH_SHOWN = {8: (["--dp-shard", "8", "--zero-stage", "3", "--microbatches", "
                 512: (["--dp-replicate", "4", "--dp-shard", "128", "--zero-stage", "3"],
                       ["--dp-replicate", "8", "--dp-shard", "64", "--zero-stage", "3"],
                       ["--dp-replicate", "2", "--dp-shard", "256", "--zero-stage", "3"])}
-# the memory test's layouts (medium, 4 layers, 256 tokens) under each bundle, on devices of 8, 4 and 2 ranks a node: every
-# branch of step_time (tp, sp, cp ring and Ulysses, pp's schedules, ZeRO 0-3, HSDP, ep) on and across nodes
+# the memory test's layouts (medium, 4 layers, 256 tokens) under each bundle, on devices of 8, 4 and 2 ranks a
+# node: every branch of step_time (tp, sp, cp ring and Ulysses, pp's schedules, ZeRO 0-3, HSDP, ep) on and across nodes
 PINNED_BUNDLES = (("h100", (), 8), ("h100", ("framework=torchtitan",), 4),
                   ("a100", ("framework=megatron2021", "overlap.ddp=0"), 2), ("h200", ("framework=megatron",), 8))
 
