@@ -33,7 +33,11 @@ class Device:
                  trips (0.16-0.31 ms each on loopback here, about a hundred a step for ZeRO-3) delay no kernel while
                  the host stays ahead; not priced: the one store serving every rank's requests at hundreds of ranks
     async_launch  the host launches kernels ahead of the device (a GPU): a phase takes the longer of the device's
-                 work and the host's launches; else (a CPU) their sum"""
+                 work and the host's launches; else (a CPU) their sum
+    nccl         its collectives are NCCL's, which picks an algorithm per call by its cost model (NCCL_*: a ring,
+                 or for an all-reduce a tree); gloo's are rings
+    nvls         NVSwitches with NVLink SHARP (third generation, H100/H200 HGX boards): NCCL's NVLS algorithm, the
+                 switch reducing an all-reduce inside a node"""
     name: str
     flops: dict
     hbm: float
@@ -55,6 +59,8 @@ class Device:
     hbm_efficiency: float = 1.0
     overlap_slowdown: float = 0.0
     agree: float = 0.0
+    nccl: bool = False
+    nvls: bool = False
 
 
 # What a GPU reaches of its datasheet, each measured elsewhere and cited here (one profile per GPU type, the same
@@ -91,7 +97,7 @@ class Device:
 #       because of Tail Effect") runs 18.9% slower on average (max 40%) than alone: Lee et al. 2025,
 #       "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning",
 #       arXiv:2507.03114 (GPT and LLaMA layers on A100, H100, MI250, MI210)
-_GPU = dict(async_launch=True, op_overhead=5e-6, overlap_slowdown=0.189)
+_GPU = dict(async_launch=True, op_overhead=5e-6, overlap_slowdown=0.189, nccl=True)
 _SETTLED = 708.5 / 841.9      # the H200's sustained (MSMF) over short-run (MAMF) bf16 matmul rate
 _FA2_H100 = dict(attention_efficiency=335 / 989 * _SETTLED, attention_backward=322 / 989 * _SETTLED)
 DEVICES = {
@@ -102,7 +108,7 @@ DEVICES = {
                    5e-6, 450e9, 10e-6, 50e9, 80e9, 8,
                    "NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (NICs)",
                    matmul_efficiency={"bfloat16": 708.5 / 989, "float8": 1382.2 / 1979}, hbm_efficiency=2.935 / 3.35,
-                   **_FA2_H100, **_GPU),
+                   nvls=True, **_FA2_H100, **_GPU),
     # The H100 of Meta's Grand Teton servers, on which torchtitan's benchmarks ran: 96 GB HBM2e at 2.4 TB/s, the
     # default 500 W power limit, 400 Gb/s RDMA per GPU between hosts (torchtitan benchmarks/
     # llama3_h100_202412_torchtitan.md, "Hardware"); "the actual peak TFLOPs number is between SXM and NVL" (its
@@ -113,12 +119,12 @@ DEVICES = {
                       2.4e12, 5e-6, 450e9, 10e-6, 50e9, 96e9, 8,
                       "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100); H100 NVL datasheet",
                       matmul_efficiency={"bfloat16": 708.5 / 989, "float8": 1382.2 / 1979},
-                      hbm_efficiency=2.935 / 3.35, **_FA2_H100, **_GPU),
+                      hbm_efficiency=2.935 / 3.35, nvls=True, **_FA2_H100, **_GPU),
     # NVIDIA H200 SXM: the H100's compute with 4.8 TB/s HBM3e and 141 GB
     "h200": Device("h200", {"bfloat16": 989e12, "float8": 1979e12, "float32": 67e12, "float64": 34e12}, 4.8e12,
                    5e-6, 450e9, 10e-6, 50e9, 141e9, 8, "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
                    matmul_efficiency={"bfloat16": 708.5 / 989, "float8": 1366.3 / 1979}, hbm_efficiency=4.0775 / 4.8,
-                   **_FA2_H100, **_GPU),
+                   nvls=True, **_FA2_H100, **_GPU),
     # NVIDIA A100 SXM4 80GB: 312 TFLOPS dense bf16, 19.5 fp32, 2.04 TB/s; NVLink 3 at 600 GB/s both directions, of
     # which NCCL's all-reduce reaches 230-250 GB/s bus bandwidth on 8 GPUs (nccl-tests reference numbers, e.g.
     # docs.alayanew.com "NCCL-tests in practice": 240); one 200 Gb/s HDR NIC per GPU in a DGX A100 (25 GB/s)
@@ -132,3 +138,31 @@ DEVICES = {
                        9.3e-4, 1.7e9, 8e9, 2, "measured here: lab.plan_time.calibration_steps", 14e-6,
                        dict(reduce_scatter=3.4, all_gather=2.6, all_to_all=1.5), 2.4e-9, 2.9e-4, agree=2.7e-4),
 }
+
+
+# NCCL's cost model, by which it picks an algorithm and a protocol for each call: the time it predicts for each,
+# latency + bytes / algorithm bandwidth, the least of them (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel and
+# ncclTopoGetAlgoTime, 2.19-2.23; the same constants in src/tuning/ since). Latencies in µs, by protocol (LL, LL128,
+# Simple): a base per call, and per hop over NVLink or the network; a ring pays a hop per step (2(n-1) for an
+# all-reduce, those between nodes at the network's), a tree 2·((ranks a node - 1)·NVLink + log2(nodes)·network),
+# NVLS (the switch reducing: Simple alone, one node here) its NVLink hop once. Bandwidths: a ring's its link's bus
+# bandwidth (LL 1/2, LL128 0.92 of it), a tree's 0.92 of it (LL a further 1/3.8, LL128 7/9 in a node and 120/128
+# across), halved (every byte up the tree and down again), times NCCL_TREE_CORRECTION at the call's size; NVLS's
+# 0.85 of NVLink's on Hopper, twice over for an all-reduce (NCCL's nvlsEfficiency). A ring's latency across nodes
+# for an all-reduce of at least ranks/16 x 64 KiB is 1.9x (NCCL's "plateau effect of ring"); LL's NVLink hop 1.8x
+# across nodes.
+NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
+NCCL_BASE_LATENCY = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 8.4), "nvls": (0.0, 0.0, 0.0)}
+NCCL_NVLINK_LATENCY = {"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0), "nvls": (None, None, 25.0)}
+NCCL_NET_LATENCY = {"ring": (2.7, 4.0, 14.0), "tree": (5.0, 8.5, 14.0)}
+NCCL_RING_BANDWIDTH = (0.5, 0.92, 1.0)
+NCCL_TREE_BANDWIDTH = 0.92
+NCCL_NVLS_EFFICIENCY = 0.85
+NCCL_RING_PLATEAU = 1.9
+NCCL_LL_CROSSING = 1.8
+# "Trees are not perfectly sticking to the model for medium sizes": a tree's bandwidth x this at log2(bytes/64),
+# 64 B to 512 MB, per protocol
+NCCL_TREE_CORRECTION = (
+    (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0, 1.0),
+    (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0, 1.0),
+    (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9))

@@ -92,6 +92,12 @@ MECHANISMS = [
      "Azure AI-benchmarking-guide (cuBLASLt, 10,000 warm-up iterations); Bekman, ML Engineering (MSMF); Shah et "
      "al. 2024 (FlashAttention-3), Fig. 5-6",
      "1 (the measured matmul rate is the peak)", "the device's", "the device's"),
+    ("NCCL's algorithm", "the device (Device.nccl, Device.nvls)",
+     "every all-reduce: priced as the algorithm NCCL's cost model picks for its size and group -- a ring (2(n-1) "
+     "steps at α), a tree (log2 of the nodes' hops: the clip's and other small all-reduces across nodes), or NVLS "
+     "inside an H100/H200 node (the NVSwitch reduces: 2 x 0.85 of NVLink's bus bandwidth)",
+     "NVIDIA/nccl src/graph/tuning.cc (ncclTopoTuneModel, ncclTopoGetAlgoTime: latencies, bandwidths, tree "
+     "correction)", "a ring (gloo)", "NCCL's pick", "NCCL's pick"),
     ("a node's NICs together", "--gpus-per-node (where the ranks sit)",
      "every collective across nodes: a group with k ranks in each node crosses at k NICs' rate -- NCCL's ring "
      "runs on channels that leave the node at different GPUs -- and NVLink carries its other hops",

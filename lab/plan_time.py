@@ -58,7 +58,9 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 import pipeline
 import train
-from lab.devices import DEVICES, Device
+from lab.devices import (DEVICES, NCCL_BASE_LATENCY, NCCL_LL_CROSSING, NCCL_NET_LATENCY, NCCL_NVLINK_LATENCY,
+                         NCCL_NVLS_EFFICIENCY, NCCL_PROTOCOLS, NCCL_RING_BANDWIDTH, NCCL_RING_PLATEAU,
+                         NCCL_TREE_BANDWIDTH, NCCL_TREE_CORRECTION, Device)
 from lab.frameworks import FRAMEWORKS, MECHANISMS, TORCH_CP_STEP_BYTES, UNFUSED_SCORE_BYTES
 from lab.fsdp_demo import zero_comm_formula, zero_state_formula
 from lab.instruments import CommCounter, wire_bytes
@@ -546,18 +548,19 @@ def ranks_per_node(sizes: dict, dims: tuple, G: int) -> int:
 
 
 def collective_time(op: str, n_bytes: float, calls: int, group: int, dev: Device, inter: int) -> float:
-    """α per ring step (all-reduce 2(n-1) of them, gather/scatter/all-to-all n-1, a send 1) + wire bytes/β.
-    inter: 0 inside a node; k >= 1 (True is 1) when the group crosses nodes with k of its ranks in each. NCCL
-    runs a ring over such a group on several channels, and each channel leaves the node at a different rank's NIC:
-    the node's k NICs carry the wire bytes together, while the other k-1 of every k hops ride NVLink (Bekman,
-    Machine Learning Engineering, network/README.md, "Inter-node speed depends on intra-node speed": 4 x 8 B200,
-    a 4 GiB all-reduce within 6% of the flat ring over the node's 8 x 50 GB/s; one NIC's rate would be 7.5x
-    slower than measured)."""
+    """A ring: α per ring step (all-reduce 2(n-1) of them, gather/scatter/all-to-all n-1, a send 1) + wire
+    bytes/β — or, for an all-reduce where NCCL's cost model picks a tree or NVLS for it (nccl_all_reduce), that
+    algorithm's time. inter: 0 inside a node; k >= 1 (True is 1) when the group crosses nodes with k of its ranks
+    in each (link_bandwidth)."""
     if group <= 1 and op not in ("send", "recv"):
         return 0.0
+    k = int(inter)
+    if op == "all_reduce" and dev.nccl and calls:
+        algorithm, _, seconds = nccl_all_reduce(n_bytes / calls, group, k, dev)
+        if algorithm != "ring":
+            return calls * seconds
     steps = {"all_reduce": 2 * (group - 1), "send": 1, "recv": 0}.get(op, group - 1)
     wire = n_bytes if op == "send" else wire_bytes(op, n_bytes, group)
-    k = int(inter)
     if k:
         seconds = max(wire / (k * dev.inter_beta), wire * (k - 1) / k / dev.intra_beta)
     else:
@@ -565,6 +568,51 @@ def collective_time(op: str, n_bytes: float, calls: int, group: int, dev: Device
     # every call pays α per ring step; the bytes at β, times how far this device's implementation of the op is
     # from a ring (Device.collective_factor)
     return calls * steps * (dev.inter_alpha if k else dev.intra_alpha) + seconds * dev.collective_factor.get(op, 1.0)
+
+
+def link_bandwidth(dev: Device, inter: int) -> float:
+    """The bytes per second a ring over the group moves per rank: NVLink's inside a node (Device.intra_beta);
+    across nodes with k ranks in each, the node's k NICs together, while the other k-1 of every k hops ride NVLink
+    (NCCL runs the ring on several channels, each leaving the node at a different rank's NIC: Bekman, Machine
+    Learning Engineering, network/README.md, "Inter-node speed depends on intra-node speed": 4 x 8 B200, a 4 GiB
+    all-reduce within 6% of the flat ring over the node's 8 x 50 GB/s; one NIC's rate would be 7.5x slower)."""
+    k = int(inter)
+    if not k:
+        return dev.intra_beta
+    return 1 / max(1 / (k * dev.inter_beta), (k - 1) / k / dev.intra_beta)
+
+
+def nccl_all_reduce(n_bytes: float, group: int, inter: int, dev: Device) -> tuple[str, str, float]:
+    """The algorithm and protocol NCCL's cost model picks for one all-reduce of n_bytes over `group` ranks, `inter`
+    of them a node (0: one node), and the seconds it predicts: (algorithm, protocol, seconds) — the least of a ring,
+    a tree (log2 of the nodes' hops: the clip's 8 bytes over 16,384 ranks pay ~0.13 ms, where a ring's 2(n-1)
+    steps pay ~0.3 s) and, inside a node with NVLink SHARP (Device.nvls), NVLS, each over LL, LL128 and Simple.
+    Its constants and their source: lab/devices.py, NCCL_*; the bus bandwidth: link_bandwidth."""
+    nodes, per_node = (group // inter, inter) if inter else (1, group)
+    steps, crossing = 2 * (group - 1), 2 * (nodes - 1)
+    bus, size = link_bandwidth(dev, inter), int(n_bytes) >> 6
+    log_size = size.bit_length() - 1 if size else 0
+    best = ("ring", "Simple", math.inf)
+    for i, proto in enumerate(NCCL_PROTOCOLS):
+        ll = NCCL_LL_CROSSING if proto == "LL" and nodes > 1 else 1.0
+        ring = NCCL_BASE_LATENCY["ring"][i] + (steps - crossing) * NCCL_NVLINK_LATENCY["ring"][i] * ll + \
+            crossing * NCCL_NET_LATENCY["ring"][i]
+        if proto == "Simple" and nodes > 1 and n_bytes >= group / 16 * 65536:
+            ring *= NCCL_RING_PLATEAU
+        tree = NCCL_BASE_LATENCY["tree"][i] + 2 * ((per_node - 1) * NCCL_NVLINK_LATENCY["tree"][i] * ll
+                                                   + int(math.log2(nodes)) * NCCL_NET_LATENCY["tree"][i])
+        tree_share = {"LL": 1 / 3.8, "LL128": 7 / 9 if nodes == 1 else 120 / 128}.get(proto, 1.0)
+        correction = NCCL_TREE_CORRECTION[i][log_size] if log_size < len(NCCL_TREE_CORRECTION[i]) else 1.0
+        options = [("ring", ring, bus * NCCL_RING_BANDWIDTH[i] * group / steps),
+                   ("tree", tree, bus * NCCL_TREE_BANDWIDTH * tree_share * 0.5 * correction)]
+        if dev.nvls and nodes == 1 and NCCL_NVLINK_LATENCY["nvls"][i] is not None:
+            options.append(("nvls", NCCL_NVLINK_LATENCY["nvls"][i],
+                            dev.intra_beta * NCCL_NVLS_EFFICIENCY * 2 * group / steps))
+        for algorithm, latency, bandwidth in options:
+            seconds = latency * 1e-6 + n_bytes / bandwidth
+            if seconds < best[2]:
+                best = (algorithm, proto, seconds)
+    return best
 
 
 # ---- the model of one step ----------------------------------------------------------------------------------

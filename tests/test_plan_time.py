@@ -52,7 +52,7 @@ def test_links_follow_where_ranks_sit():
     assert not T.crosses_nodes(sizes, ("tp",), 8)
     assert T.crosses_nodes(sizes, ("dp_shard",), 8) and T.crosses_nodes(sizes, ("pp",), 8)
     assert not T.crosses_nodes(dict(sizes, tp=1, dp_shard=8), ("dp_shard",), 8)
-    dev = T.DEVICES["h100"]
+    dev = T.DEVICES["a100"]   # (no NVLink SHARP: NCCL's ring for a large all-reduce inside a node too)
     inside, across = (T.collective_time("all_reduce", 1e9, 1, 8, dev, x) for x in (False, True))
     wire = 2 * 7 / 8 * 1e9   # a ring all-reduce: 2(P-1) steps, each rank sends 2(P-1)/P of the bytes
     assert inside == pytest.approx(14 * dev.intra_alpha + wire / dev.intra_beta)
@@ -61,6 +61,32 @@ def test_links_follow_where_ranks_sit():
     assert T.ranks_per_node(sizes, ("tp",), 8) == 0 and T.ranks_per_node(sizes, ("dp_shard",), 8) == 1
     assert T.ranks_per_node(dict(sizes, tp=1, dp_shard=64), ("dp_shard",), 8) == 8
     assert T.ranks_per_node(dict(sizes, tp=2, dp_shard=64), ("dp_shard",), 8) == 4
+
+
+def test_an_all_reduce_is_priced_as_the_algorithm_nccl_picks():
+    # NCCL's cost model (src/graph/tuning.cc: lab/devices.py's NCCL_*) picks a tree for a small all-reduce over
+    # many nodes: the clip's 8 bytes over 16,384 ranks, 8 a node, climb 7 NVLink hops and log2(2,048) = 11 network
+    # hops up the tree and down again (LL), where a ring's 2(n-1) steps at α cost a third of a second
+    dev = T.DEVICES["h100"]
+    algorithm, protocol, seconds = T.nccl_all_reduce(8, 16384, 8, dev)
+    assert (algorithm, protocol) == ("tree", "LL")
+    assert seconds == pytest.approx((6.8 + 2 * (7 * 0.6 * 1.8 + 11 * 5.0)) * 1e-6, rel=1e-3)
+    assert T.collective_time("all_reduce", 8, 1, 16384, dev, 8) == seconds < 1e-3 < 2 * 16383 * dev.inter_alpha
+    # inside a node of 8 the ring wins a small one (LL: 6.6 + 14 x 0.6 µs); a large one NVLS, on H100's NVLink
+    # SHARP switches (each rank's bytes reduced in the switch: 2 x 0.85 of NVLink's bus bandwidth), not on A100's
+    assert T.nccl_all_reduce(8, 8, 0, dev)[0] == "ring"
+    big = 2**28
+    assert T.nccl_all_reduce(big, 8, 0, dev)[0] == "nvls" and T.nccl_all_reduce(big, 8, 0, T.DEVICES["a100"])[0] == "ring"
+    assert T.collective_time("all_reduce", big, 1, 8, dev, 0) < T.collective_time("all_reduce", big, 1, 8,
+                                                                                  T.DEVICES["a100"], 0) / 2
+    # a very large one across nodes: the ring's bandwidth wins; where the ring is picked, the ring formula prices it
+    assert T.nccl_all_reduce(2**32, 64, 8, dev)[0] == "ring"
+    ring = 126 * dev.inter_alpha + T.wire_bytes("all_reduce", 2**32, 64) / T.link_bandwidth(dev, 8)
+    assert T.collective_time("all_reduce", 2**32, 1, 64, dev, 8) == pytest.approx(ring)
+    # gloo's collectives are rings, at any size (cpu-gloo: no NCCL)
+    gloo = T.DEVICES["cpu-gloo"]
+    assert T.collective_time("all_reduce", 8, 1, 64, gloo, 1) == pytest.approx(
+        126 * gloo.inter_alpha + T.wire_bytes("all_reduce", 8, 64) / gloo.inter_beta)
 
 
 def test_a_group_with_many_ranks_in_a_node_crosses_at_the_node_s_nics():
