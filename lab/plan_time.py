@@ -561,13 +561,10 @@ def collective_time(op: str, n_bytes: float, calls: int, group: int, dev: Device
             return calls * seconds
     steps = {"all_reduce": 2 * (group - 1), "send": 1, "recv": 0}.get(op, group - 1)
     wire = n_bytes if op == "send" else wire_bytes(op, n_bytes, group)
-    if k:
-        seconds = max(wire / (k * dev.inter_beta), wire * (k - 1) / k / dev.intra_beta)
-    else:
-        seconds = wire / dev.intra_beta
-    # every call pays α per ring step; the bytes at β, times how far this device's implementation of the op is
-    # from a ring (Device.collective_factor)
-    return calls * steps * (dev.inter_alpha if k else dev.intra_alpha) + seconds * dev.collective_factor.get(op, 1.0)
+    # every call pays α per ring step; the bytes at the link's rate, times how far this device's implementation of
+    # the op is from a ring (Device.collective_factor)
+    seconds = wire / link_bandwidth(dev, k) * dev.collective_factor.get(op, 1.0)
+    return calls * steps * (dev.inter_alpha if k else dev.intra_alpha) + seconds
 
 
 def link_bandwidth(dev: Device, inter: int) -> float:
