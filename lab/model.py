@@ -1,9 +1,18 @@
-"""The one model every lesson shares: a small Llama-style decoder.
+"""The one model every lesson shares: a small Llama-style decoder, or a GPT-family one by its config's options.
 
     tokens [B, S] -> Embedding -> L x Block -> RMSNorm -> Linear head -> logits [B, S, V]
     Block:  h = h + Attention(RMSNorm(h));  h = h + MLP(RMSNorm(h))
     Attention: grouped-query (n_kv_heads <= n_heads), rotary positions, SDPA, causal.
     MLP: SwiGLU  w2(silu(w1 x) * w3 x),  or a mixture of experts of such MLPs.
+
+The options a GPT-family block needs (ModelConfig; the defaults are Llama, CONFIGS names GPT-2, GPT-3, MPT and
+BLOOM): LayerNorm for RMSNorm (with or without its bias); a GELU MLP w2(gelu(w1 x)) (tanh-approximated, GPT-2's
+gelu_new, or exact); learned positions (an embedding of max_seq_len rows added to the tokens' — GPT-2, GPT-3)
+or ALiBi (no position embedding: each head adds m_h·(j − i) to the score of query i against key j — MPT,
+BLOOM; Press et al. 2022, arXiv:2108.12409) for rotary; biases on attention's and the MLP's linears; the head
+tied to the embedding (one matrix); a LayerNorm right after the embedding (BLOOM); and the vocabulary padded
+to a multiple (Megatron's make-vocab-size-divisible-by; nanoGPT's 50,304 for GPT-2's 50,257), rows no token
+uses and no loss sees, so tensor parallel can split it.
 
 Written so a strategy can swap the part it parallelises by assignment, without
 forking this file:
@@ -35,7 +44,7 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 2          # grouped-query attention: n_heads % n_kv_heads == 0
-    ffn_dim: int = 64            # SwiGLU inner width
+    ffn_dim: int = 64            # the MLP's inner width (SwiGLU's; GPT's GELU MLP: 4·dim)
     max_seq_len: int = 64
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -43,34 +52,87 @@ class ModelConfig:
     top_k: int = 2
     capacity_factor: float | None = None  # None: dropless
     aux_loss_coef: float = 0.01
+    # the block's options (the module doc): Llama's by default
+    norm: str = "rms"                # "rms" (RMSNorm) or "layer" (LayerNorm)
+    norm_bias: bool = False          # LayerNorm's bias (GPT-2, GPT-3, BLOOM: yes; MPT: no)
+    mlp: str = "swiglu"              # "swiglu" or "gelu" (GPT: w2(gelu(w1 x))); a mixture's experts alike
+    gelu_approximate: str = "tanh"   # "tanh" (GPT-2's gelu_new, BLOOM) or "none" (erf: MPT)
+    positions: str = "rope"          # "rope", "learned" (GPT-2, GPT-3) or "alibi" (MPT, BLOOM)
+    bias: bool = False               # biases on wq, wk, wv, wo and the MLP's linears (never the head, nor experts)
+    tie_embeddings: bool = False     # the head is the embedding's matrix (GPT-2, MPT, BLOOM)
+    embed_norm: bool = False         # a norm right after the embedding (BLOOM)
+    vocab_multiple: int = 1          # the embedding and head hold vocab_size rounded up to a multiple of this
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def padded_vocab(self) -> int:
+        """The embedding's and the head's rows: vocab_size rounded up to a multiple of vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
     def __post_init__(self):
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) "
                              f"and n_heads by n_kv_heads ({self.n_kv_heads})")
-        if self.head_dim % 2:
+        if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        choices = dict(norm=("rms", "layer"), mlp=("swiglu", "gelu"), gelu_approximate=("tanh", "none"),
+                       positions=("rope", "learned", "alibi"))
+        wrong = [f"{k}={getattr(self, k)!r} (choose from {v})" for k, v in choices.items() if getattr(self, k) not in v]
+        if self.norm_bias and self.norm != "layer":
+            wrong.append("norm_bias=True needs norm='layer' (RMSNorm has no bias)")
+        if self.vocab_multiple < 1:
+            wrong.append(f"vocab_multiple={self.vocab_multiple} must be >= 1")
+        if wrong:
+            raise ValueError("invalid model options: " + "; ".join(wrong))
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})")
 
 
+# GPT-2's block (Radford et al. 2019; transformers' GPT2LMHeadModel): LayerNorm with its bias, a 4h MLP of
+# tanh-approximated GELU, learned positions, biases on every linear but the head, the head tied to the
+# embedding — and its 50,257-token vocabulary padded to a multiple of 128 (50,304) so tp can split it.
+# GPT-3 (Brown et al. 2020, Table 2.1) is the same block, wider (its alternating sparse attention is left out).
+GPT2 = dict(norm="layer", norm_bias=True, mlp="gelu", gelu_approximate="tanh", positions="learned", bias=True,
+            tie_embeddings=True, vocab_multiple=128)
+# MPT-7B (MosaicML's config.json: no_bias, alibi, expansion_ratio 4): LayerNorm without a bias, exact GELU, ALiBi,
+# no biases anywhere, tied. BLOOM (BigScience 2022, arXiv:2211.05100 §3.5): ALiBi, a LayerNorm after the
+# embedding, biases, tanh GELU, tied.
+MPT = dict(norm="layer", mlp="gelu", gelu_approximate="none", positions="alibi", tie_embeddings=True)
+BLOOM = dict(norm="layer", norm_bias=True, mlp="gelu", gelu_approximate="tanh", positions="alibi", bias=True,
+             tie_embeddings=True, embed_norm=True)
+
 CONFIGS = {
     # for tests: heads 4 / kv 2 exercises GQA, and tp=4 the replicated-kv case
     "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64),
+    # for tests, GPT-family blocks at tiny's size: GPT-2's, its vocabulary odd like GPT-2's (257 rows, padded
+    # to 320 for tp); BLOOM's (ALiBi, the embedding's norm) with grouped kv heads, so tp=4 replicates them
+    # with their biases
+    "tiny-gpt2": ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=64,
+                             **dict(GPT2, vocab_multiple=64)),
+    "tiny-bloom": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64, **BLOOM),
     # ~10M parameters: CPU demos
     "small": ModelConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=256),
     # ~125M and ~1B: GPUs
     "medium": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, max_seq_len=1024),
     "large": ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=5632, max_seq_len=2048),
-    # real sizes, for train.py --plan (and GPUs): the shapes of GPT-2 XL (its GELU MLP of 4h as a SwiGLU of
-    # the same parameters, 2/3·4h; its 50,257-token vocabulary padded to a multiple of 64), Llama 2 7B and
-    # Llama 3 8B (the 8B shape of Qwen3-8B: 32 heads over 8 kv heads, a 14,336-wide SwiGLU)
-    "gpt2-xl": ModelConfig(vocab_size=50304, dim=1600, n_layers=48, n_heads=25, n_kv_heads=25, ffn_dim=4288,
-                           max_seq_len=1024),
+    # real sizes, for train.py --plan (and GPUs), each by its published config (parameters with the padding left
+    # out and the tied matrix once, checked against transformers' models in tests/test_model.py): GPT-2
+    # (124,439,808) and GPT-2 XL (1,557,611,200), GPT-3 175B (174,604,259,328 at GPT-2's vocabulary), MPT-7B
+    # (6,649,286,656), BLOOM (176,247,271,424); Llama 2 7B and Llama 3 8B (the 8B shape of Qwen3-8B: 32 heads
+    # over 8 kv heads, a 14,336-wide SwiGLU)
+    "gpt2": ModelConfig(vocab_size=50257, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072,
+                        max_seq_len=1024, **GPT2),
+    "gpt2-xl": ModelConfig(vocab_size=50257, dim=1600, n_layers=48, n_heads=25, n_kv_heads=25, ffn_dim=6400,
+                           max_seq_len=1024, **GPT2),
+    "gpt3-175b": ModelConfig(vocab_size=50257, dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_dim=49152,
+                             max_seq_len=2048, **GPT2),
+    "mpt-7b": ModelConfig(vocab_size=50432, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=16384,
+                          max_seq_len=2048, **MPT),
+    "bloom-176b": ModelConfig(vocab_size=250880, dim=14336, n_layers=70, n_heads=112, n_kv_heads=112,
+                              ffn_dim=57344, max_seq_len=2048, **BLOOM),
     "llama2-7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
                              max_seq_len=4096),
     "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
@@ -81,7 +143,8 @@ CONFIGS = {
     # +V·H parameters here. SmolLM2-135M loads as it is (--init-from its directory). Llama-3.2-1B scales its
     # rotary frequencies ('llama3' rope scaling), which the course does not compute: its shape is here for
     # planning, at its unscaled 8,192-token context, and config_from_hf refuses its checkpoint, saying so.
-    # (Qwen2.5-0.5B is not here: its q/k/v projections have biases, and the course's linears have none.)
+    # (Qwen2.5-0.5B is not here: its q/k/v projections have biases and its o projection none; the course's bias
+    # option puts them on all four, and on the MLP.)
     "smollm2-135m": ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
                                 max_seq_len=8192, rope_theta=100000.0),
     "llama3.2-1b": ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
@@ -110,6 +173,25 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
+class LayerNorm(nn.Module):
+    """(x − mean) / sqrt(var + eps) · weight (+ bias), normalised in at least fp32 as RMSNorm (GPT, MPT, BLOOM)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        out = F.layer_norm(xf, xf.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
+        return out if self.bias is None else out + self.bias
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm(cfg.dim, cfg.norm_eps) if cfg.norm == "rms" else LayerNorm(cfg.dim, cfg.norm_eps, cfg.norm_bias)
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin of shape [S, head_dim/2] for the given absolute positions [S]."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -133,37 +215,88 @@ class SDPA(nn.Module):
                                               enable_gqa=k.shape[1] != q.shape[1])
 
 
+def alibi_slopes(n_heads: int) -> list[float]:
+    """ALiBi's slope of each head (Press et al. 2022, §3): m_h = 2^(−8h/n), h = 1..n, for n a power of 2; else the
+    slopes of the largest power of 2 below n, then every other slope of twice that (the paper's code, BLOOM's)."""
+    def powers(n):
+        return [2 ** (-8 * h / n) for h in range(1, n + 1)]
+    p = 2 ** int(math.log2(n_heads))
+    return powers(p) + powers(2 * p)[0::2][:n_heads - p]
+
+
+class ALiBi(nn.Module):
+    """Causal attention whose score of query i against key j ≤ i gets m_h·(j − i) added (ALiBi), on [B, heads, S, D];
+    SDPA's place when cfg.positions == "alibi". Its heads are heads first.. of the model's n_heads (tensor parallel
+    holds a slice of them). The bias depends on j − i within the sequence it sees: context parallel, which cuts
+    the sequence, cannot run it (train.py refuses the pair)."""
+
+    def __init__(self, n_heads: int, first: int = 0):
+        super().__init__()
+        self.n_heads, self.first = n_heads, first
+
+    def forward(self, q, k, v):
+        sq, sk = q.shape[2], k.shape[2]
+        slopes = torch.tensor(alibi_slopes(self.n_heads)[self.first:self.first + q.shape[1]], device=q.device,
+                              dtype=torch.float64)
+        distance = (torch.arange(sk, device=q.device)[None, :] - torch.arange(sk - sq, sk, device=q.device)[:, None])
+        bias = (slopes[:, None, None] * distance).masked_fill(distance > 0, float("-inf"))   # [heads, Sq, Sk]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
-        self.sdpa = SDPA()
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.bias)
+        self.sdpa = ALiBi(cfg.n_heads) if cfg.positions == "alibi" else SDPA()
 
     def forward(self, x, cos, sin):
+        """x [B, S, H]; cos, sin the rotary angles of its positions, or None (learned or ALiBi positions)."""
         B, S, _ = x.shape
         # -1 heads: the local head count follows the projection's size (tensor parallel slices it).
         q = self.wq(x).view(B, S, -1, self.head_dim)   # [B, S, Hq, D]
         k = self.wk(x).view(B, S, -1, self.head_dim)   # [B, S, Hkv, D]
         v = self.wv(x).view(B, S, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, Hq, S, D]
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int):
+    def __init__(self, dim: int, ffn_dim: int, bias: bool = False):
         super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+        self.w1 = nn.Linear(dim, ffn_dim, bias=bias)  # gate
+        self.w3 = nn.Linear(dim, ffn_dim, bias=bias)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=bias)  # down
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GeluMLP(nn.Module):
+    """GPT's MLP: w2(gelu(w1 x)), w1 up [F, H], w2 down [H, F] (GPT-2's c_fc and c_proj)."""
+
+    def __init__(self, dim: int, ffn_dim: int, bias: bool = False, approximate: str = "tanh"):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=bias)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=bias)  # down
+        self.approximate = approximate
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x), approximate=self.approximate))
+
+
+def make_mlp(cfg: ModelConfig) -> nn.Module:
+    if cfg.n_experts:
+        return MoE(cfg)
+    if cfg.mlp == "swiglu":
+        return SwiGLU(cfg.dim, cfg.ffn_dim, cfg.bias)
+    return GeluMLP(cfg.dim, cfg.ffn_dim, cfg.bias, cfg.gelu_approximate)
 
 
 class MoE(nn.Module):
@@ -177,7 +310,8 @@ class MoE(nn.Module):
     (earlier tokens first) and drops the rest (their contribution is zero).
     Aux loss (Switch): coef * E * sum_i f_i * P_i, f_i = share of assignments routed to
     expert i, P_i = mean router probability of expert i; equals coef under uniform routing.
-    Expert weights are stacked [E, ...] so expert parallel slices them along dim 0.
+    Expert weights are stacked [E, ...] so expert parallel slices them along dim 0. With cfg.mlp "gelu" each
+    expert is GPT's MLP, w2(gelu(w1 x)): no w3.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -187,8 +321,9 @@ class MoE(nn.Module):
         self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
         self.router = nn.Linear(H, E, bias=False)
         self.w1 = nn.Parameter(torch.empty(E, F_, H))
-        self.w3 = nn.Parameter(torch.empty(E, F_, H))
+        self.w3 = nn.Parameter(torch.empty(E, F_, H)) if cfg.mlp == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(E, H, F_))
+        self.approximate = cfg.gelu_approximate  # (a GELU expert's)
         self.aux_loss = None          # set by forward
         self.tokens_per_expert = None  # [E] assignments kept, set by forward
         self.dropped = 0
@@ -208,12 +343,17 @@ class MoE(nn.Module):
         return math.ceil(n_tokens * self.top_k / self.n_experts * self.capacity_factor)
 
     def expert(self, e: int, x):
+        if self.w3 is None:
+            return F.gelu(x @ self.w1[e].T, approximate=self.approximate) @ self.w2[e].T
         return F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T) @ self.w2[e].T
 
     def experts(self, xs: list) -> list:
         """[expert e's output for xs[e]]: the experts' rows, one matmul chain each. The stacked weights are
         unbound once, so backward stacks each weight's gradient once — indexing w[e] per expert would make
         a zero-filled [E, ...] gradient per expert, E times the weights' bytes written and added."""
+        if self.w3 is None:
+            return [F.gelu(x @ a.T, approximate=self.approximate) @ b.T
+                    for x, a, b in zip(xs, self.w1.unbind(0), self.w2.unbind(0))]
         return [F.silu(x @ a.T) * (x @ c.T) @ b.T
                 for x, a, c, b in zip(xs, self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0))]
 
@@ -238,10 +378,10 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MoE(cfg) if cfg.n_experts else SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = make_mlp(cfg)
 
     def forward(self, h, cos, sin):
         h = h + self.attn(self.attn_norm(h), cos, sin)
@@ -275,13 +415,25 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, seed: int | None = 0):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = nn.Embedding(cfg.padded_vocab, cfg.dim)
+        if cfg.positions == "learned":
+            self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        if cfg.embed_norm:
+            self.embed_norm = make_norm(cfg)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.norm = make_norm(cfg)
+        self.output = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
+        self.tie_weights()
         self.loss_fn = CrossEntropy()
         if seed is not None and not any(p.is_meta for p in self.parameters()):
             self.init_weights(seed)
+
+    def tie_weights(self):
+        """cfg.tie_embeddings: the head holds the embedding's parameter itself (one matrix, used twice; its
+        gradient is the sum of both uses). Again after anything that makes new parameters (to_empty)."""
+        if self.cfg.tie_embeddings and getattr(self, "output", None) is not None \
+                and getattr(self, "tok_embeddings", None) is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens, targets=None, positions=None):
         """tokens [B, S] -> logits [B, S, V], or the loss if targets [B, S] are given.
@@ -291,21 +443,33 @@ class Transformer(nn.Module):
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.blocks(self.tok_embeddings(tokens), self.layers, positions)  # [B, S, H]
+        h = self.blocks(self.embed(tokens, positions), self.layers, positions)  # [B, S, H]
         out = self.head(h, targets)
         return out if targets is None else out + self.aux_loss()
 
+    def embed(self, tokens, positions):
+        """tokens [B, S] -> h [B, S, H]: their embedding rows, plus (learned positions) the rows of `positions`
+        [S], then (BLOOM) the embedding's norm. (A pipeline's first stage runs this too.)"""
+        h = self.tok_embeddings(tokens)
+        if self.cfg.positions == "learned":
+            h = h + self.pos_embeddings(positions)
+        return self.embed_norm(h) if self.cfg.embed_norm else h
+
     def blocks(self, h, layers, positions):
-        """h [B, S, H] through `layers`, with the rotary angles of `positions` [S] computed once.
-        (A pipeline stage runs its own layers through this, model.forward's middle.)"""
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        """h [B, S, H] through `layers`, with the rotary angles of `positions` [S] computed once (None for
+        learned or ALiBi positions). (A pipeline stage runs its own layers through this, model.forward's middle.)"""
+        cos, sin = (rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+                    if self.cfg.positions == "rope" else (None, None))
         for layer in layers:
             h = layer(h, cos, sin)
         return h
 
     def head(self, h, targets=None):
-        """h [B, S, H] -> logits [B, S, V] (final norm, output head), or their loss against targets."""
+        """h [B, S, H] -> logits [B, S, V] (final norm, output head), or their loss against targets. A padded
+        vocabulary's extra logits are cut off here (tensor parallel's loss masks those of its slice)."""
         logits = self.output(self.norm(h))
+        if self.cfg.padded_vocab != self.cfg.vocab_size:
+            logits = logits[..., :self.cfg.vocab_size]
         return logits if targets is None else self.loss_fn(logits, targets)
 
     def aux_loss(self):
@@ -326,6 +490,10 @@ def init_tensor(cfg: ModelConfig, name: str, shape: tuple, seed: int = 0) -> tor
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):  # linears' and LayerNorm's biases start at zero (GPT-2)
+        return torch.zeros(shape)
+    if cfg.tie_embeddings and name == "output.weight":  # a tied head is the embedding's matrix
+        name = "tok_embeddings.weight"
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     std = 0.02
     if name.endswith(("wo.weight", "w2.weight", ".w2")):  # residual outputs: GPT-2's 1/sqrt(2L)
@@ -345,29 +513,37 @@ def build_model(cfg: ModelConfig | str = "tiny", seed: int = 0, dtype=torch.floa
 # ---- sizes ---------------------------------------------------------------------------
 
 def num_params(cfg: ModelConfig, active: bool = False) -> int:
-    """Total parameters, computed from the config (tests check it against the model).
-    active=True counts only top_k of the experts (the parameters one token uses)."""
-    H, hd = cfg.dim, cfg.head_dim
-    attn = H * cfg.n_heads * hd * 2 + H * cfg.n_kv_heads * hd * 2
+    """Total parameters, computed from the config (tests check it against the model): a tied matrix once, a
+    padded vocabulary's rows included. active=True counts only top_k of the experts (the parameters one token
+    uses)."""
+    H, q, kv, F_, b = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim, int(cfg.bias)
+    attn = H * (q + 2 * kv) + q * H + b * (q + 2 * kv + H)
+    matrices = 3 if cfg.mlp == "swiglu" else 2
     if cfg.n_experts:
         experts = cfg.top_k if active else cfg.n_experts
-        mlp = H * cfg.n_experts + experts * 3 * H * cfg.ffn_dim
+        mlp = H * cfg.n_experts + experts * matrices * H * F_
     else:
-        mlp = 3 * H * cfg.ffn_dim
-    per_layer = attn + mlp + 2 * H
-    return cfg.vocab_size * H * 2 + cfg.n_layers * per_layer + H
+        mlp = matrices * H * F_ + b * ((matrices - 1) * F_ + H)
+    norm = H * (2 if cfg.norm_bias else 1)
+    per_layer = attn + mlp + 2 * norm
+    embedding = cfg.padded_vocab * H * (1 if cfg.tie_embeddings else 2)
+    positions = cfg.max_seq_len * H if cfg.positions == "learned" else 0
+    return embedding + positions + cfg.n_layers * per_layer + norm * (1 + cfg.embed_norm)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, 6N + 6·L·H·Q·T (PaLM, appendix B, causal).
 
-    N: parameters a token touches in matrix multiplies — all but the embedding table
-    (a lookup), counting only top_k experts. The second term is attention's
+    N: parameters a token touches in matrix multiplies — all but the embedding tables
+    (lookups: the tokens', and learned positions'), counting only top_k experts, and the head
+    even when it is the embedding's matrix (tied: a lookup and a matmul). The second term is attention's
     score and value products (L layers, H heads, Q head dim, T sequence length):
     PaLM's 12·L·H·Q·T counts every query against every key; the model's attention is
     causal, and its fused kernels compute only the half on and below the diagonal.
     """
-    n = num_params(cfg, active=True) - cfg.vocab_size * cfg.dim
+    lookups = cfg.padded_vocab * cfg.dim * (0 if cfg.tie_embeddings else 1)
+    lookups += cfg.max_seq_len * cfg.dim if cfg.positions == "learned" else 0
+    n = num_params(cfg, active=True) - lookups
     return 6 * n + 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 

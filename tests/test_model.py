@@ -147,3 +147,81 @@ def test_data_batches_deterministic_and_sliced_by_rank():
         get_batch(tokens, 0, 6, 32, dp_size=4)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_corpus("/no/such/file.txt")
+
+
+# ---- the GPT-family options ---------------------------------------------------------------------------
+
+LLAMA_NAMES = ["tok_embeddings.weight"] + [f"layers.{i}.{n}.weight" for i in range(2) for n in (
+    "attn_norm", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp_norm", "mlp.w1", "mlp.w3", "mlp.w2")] + [
+    "norm.weight", "output.weight"]
+
+
+def test_the_defaults_are_the_llama_model():
+    """The options' defaults leave the model as it was: the same parameters, in the same order, untied."""
+    model = build_model("tiny")
+    assert [n for n, _ in model.named_parameters()] == LLAMA_NAMES
+    assert model.output.weight is not model.tok_embeddings.weight and not hasattr(model, "pos_embeddings")
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-bloom"])
+def test_gpt_family_options_sizes_ties_and_meta(name):
+    """num_params is the model's (a tied matrix once, padded rows in); the tied head IS the embedding, on the meta
+    device too, and after to_empty + tie_weights + init the same values as built eagerly; a padded vocabulary's
+    logits are cut to vocab_size, and its padded rows get no gradient (no token uses them, no loss sees them)."""
+    for cfg in (get_config(name), get_config(name, n_experts=4), get_config(name, norm_bias=False, bias=False,
+                                                                            gelu_approximate="none")):
+        model = build_model(cfg)
+        assert num_params(cfg) == sum(p.numel() for p in model.parameters()), cfg
+        assert model.output.weight is model.tok_embeddings.weight
+    cfg = get_config(name)
+    meta = build_model(cfg, device="meta")
+    assert meta.output.weight is meta.tok_embeddings.weight
+    m = meta.to_empty(device="cpu")
+    m.tie_weights()
+    m.init_weights(seed=0)
+    for (n, p), q in zip(m.named_parameters(), build_model(cfg).parameters()):
+        assert torch.equal(p, q), n
+    model = build_model(cfg, dtype=torch.float64)
+    x = torch.randint(0, 256, (2, 16))
+    assert model(x).shape == (2, 16, cfg.vocab_size)
+    model(x, torch.roll(x, -1, 1)).backward()
+    grad = model.tok_embeddings.weight.grad
+    assert grad[cfg.vocab_size:].abs().sum() == 0 and grad[:cfg.vocab_size].abs().sum() > 0
+    assert (cfg.padded_vocab > cfg.vocab_size) == (name == "tiny-gpt2")
+    flops = 6 * (num_params(cfg) - cfg.max_seq_len * cfg.dim * (cfg.positions == "learned")) \
+        + 6 * cfg.n_layers * cfg.dim * 16   # tied: the head's matmul counts; the lookups do not
+    assert flops_per_token(cfg, 16) == flops
+
+
+def test_named_gpt_family_shapes_have_their_published_sizes():
+    """GPT-2, GPT-2 XL, GPT-3 175B (at GPT-2's vocabulary), MPT-7B and BLOOM: the course's count with the padded
+    rows left out is the published one, and transformers' own model of the same config (built on the meta device,
+    nothing downloaded) has exactly as many parameters; the course's model has num_params."""
+    import transformers
+    from dataclasses import replace
+    published = {"gpt2": (124_439_808, transformers.GPT2Config()),
+                 "gpt2-xl": (1_557_611_200, transformers.GPT2Config(n_embd=1600, n_layer=48, n_head=25)),
+                 "gpt3-175b": (174_604_259_328, transformers.GPT2Config(n_embd=12288, n_layer=96, n_head=96,
+                                                                         n_positions=2048)),
+                 "mpt-7b": (6_649_286_656, transformers.MptConfig(d_model=4096, n_heads=32, n_layers=32,
+                                                                  expansion_ratio=4, max_seq_len=2048,
+                                                                  vocab_size=50432, no_bias=True)),
+                 "bloom-176b": (176_247_271_424, transformers.BloomConfig(vocab_size=250880, hidden_size=14336,
+                                                                          n_layer=70, n_head=112))}
+    for name, (count, config) in published.items():
+        cfg = get_config(name)
+        assert num_params(replace(cfg, vocab_multiple=1)) == count, name
+        with torch.device("meta"):
+            theirs = transformers.AutoModelForCausalLM.from_config(config)
+        assert sum(p.numel() for p in theirs.parameters()) == count, name
+        assert sum(p.numel() for p in build_model(cfg, device="meta").parameters()) == num_params(cfg), name
+    assert get_config("gpt2").padded_vocab == 50304  # nanoGPT's, a multiple of 128: tp up to 128 splits it
+
+
+def test_option_errors():
+    for bad, word in ((dict(norm="batch"), "norm='batch'"), (dict(positions="sinusoidal"), "positions"),
+                      (dict(norm_bias=True), "norm_bias=True needs norm='layer'"), (dict(mlp="relu"), "mlp='relu'"),
+                      (dict(vocab_multiple=0), "vocab_multiple=0")):
+        with pytest.raises(ValueError, match=word):
+            get_config("tiny", **bad)
+    get_config("tiny", positions="alibi", dim=36, n_heads=4, n_kv_heads=2)  # head_dim 9: odd is fine without rope
