@@ -37,7 +37,8 @@ class Device:
     nccl         its collectives are NCCL's, which picks an algorithm per call by its cost model (NCCL_*: a ring,
                  or for an all-reduce a tree); gloo's are rings
     nvls         NVSwitches with NVLink SHARP (third generation, H100/H200 HGX boards): NCCL's NVLS algorithm, the
-                 switch reducing an all-reduce inside a node"""
+                 switch reducing an all-reduce inside a node
+    hopper       a Hopper GPU (H100, H200): the kernels written for it run (FlashAttention-3)"""
     name: str
     flops: dict
     hbm: float
@@ -61,6 +62,7 @@ class Device:
     agree: float = 0.0
     nccl: bool = False
     nvls: bool = False
+    hopper: bool = False
 
 
 # What a GPU reaches of its datasheet, each measured elsewhere and cited here (one profile per GPU type, the same
@@ -99,7 +101,7 @@ class Device:
 #       arXiv:2507.03114 (GPT and LLaMA layers on A100, H100, MI250, MI210)
 _GPU = dict(async_launch=True, op_overhead=5e-6, overlap_slowdown=0.189, nccl=True)
 _SETTLED = 708.5 / 841.9      # the H200's sustained (MSMF) over short-run (MAMF) bf16 matmul rate
-_FA2_H100 = dict(attention_efficiency=335 / 989 * _SETTLED, attention_backward=322 / 989 * _SETTLED)
+_FA2_H100 = dict(attention_efficiency=335 / 989 * _SETTLED, attention_backward=322 / 989 * _SETTLED, hopper=True)
 DEVICES = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense bf16 (1,979 with sparsity), 1,979 dense fp8, 67 TFLOPS fp32,
     # 3.35 TB/s HBM3, 80 GB; NVLink 4 at 900 GB/s both directions (450 each way); one 400 Gb/s ConnectX-7 NIC per
@@ -132,6 +134,13 @@ DEVICES = {
                    25e9, 80e9, 8, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide",
                    matmul_efficiency={"bfloat16": 256.5 / 312}, attention_efficiency=0.55,
                    hbm_efficiency=1.655 / 2.039, **_GPU),
+    # the A100 80GB nodes of Jean Zay (IDRIS), on which BLOOM trained: 8 A100 SXM4 on NVLink, 4 Omni-Path links of
+    # 100 Gb/s a node (BigScience's tr11-176B-ml README, "Hardware"; huggingface/blog bloom-megatron-deepspeed-
+    # technology.md): 6.25 GB/s per GPU between nodes; the rest the A100's
+    "a100-jz": Device("a100-jz", {"bfloat16": 312e12, "float32": 19.5e12, "float64": 9.7e12}, 2.04e12, 5e-6, 240e9,
+                      10e-6, 50e9 / 8, 80e9, 8, "the A100 profile; BigScience tr11-176B-ml README (Jean Zay's nodes)",
+                      matmul_efficiency={"bfloat16": 256.5 / 312}, attention_efficiency=0.55,
+                      hbm_efficiency=1.655 / 2.039, **_GPU),
     # this machine: gloo on loopback and one core per rank, measured by calibration_steps (predicted_vs_measured
     # measures it again; these are the numbers of the notebook's run here, 2 cores shared with other jobs)
     "cpu-gloo": Device("cpu-gloo", {"float32": 8.2e10, "float64": 4.1e10, "bfloat16": 8.2e9}, 2.9e10, 9.3e-4, 1.7e9,
@@ -166,3 +175,12 @@ NCCL_TREE_CORRECTION = (
     (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0, 1.0),
     (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0, 1.0),
     (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9))
+
+# Fused attention kernels measured side by side on one H100 SXM5 (Shah et al. 2024, FlashAttention-3,
+# arXiv:2407.08608, Fig. 5 causal forward and Fig. 6 backward: bf16, head dim 128, 16k tokens), TFLOP/s (forward,
+# backward): FlashAttention-2 (the kernels of PyTorch's SDPA flash backend), FlashAttention-3 (Hopper only),
+# Triton (the Triton tutorial's fused attention; Fig. 6 has no Triton backward: FlashAttention-2's stands in) and
+# standard attention (PyTorch's unfused QKᵀ, softmax and ·V: SDPA's math backend; at 8k, where it last fits). A
+# device's fused attention runs at its own FlashAttention-2 rates (Device.attention_efficiency,
+# attention_backward) times each kernel's ratio to FlashAttention-2's here (--assume attention_kernel=NAME).
+ATTENTION_KERNELS = {"fa2": (335, 322), "fa3": (616, 561), "triton": (378, 322), "sdpa_math": (35, 181)}

@@ -22,6 +22,16 @@ FRAMEWORKS = {
     # Megatron-Core today (its documentation: Transformer Engine's fused attention and kernels,
     # --tp-comm-overlap, --overlap-grad-reduce and --overlap-param-gather with the distributed optimizer)
     "megatron": dict(attention="fused", compile=1.0, pp_scatter=1.0, overlap=dict(tp=1.0, tp_b=1.0, step=1.0)),
+    # PyTorch's FSDP1 as llm-foundry runs it through Composer (FORCED_SYNC: every micro-batch's gradients reduced):
+    # its FlatParameter (views, as the course's: no copies around the collectives), each unit gathered in the next
+    # forward and its gradients reduce-scattered in each micro-batch's backward (fsdp1); the attention kernel is the
+    # run's (llm-foundry's attn_impl: --assume attention_kernel=triton)
+    "fsdp1": dict(fsdp1=1.0),
+    # Megatron-DeepSpeed as BLOOM ran it (BigScience's Megatron-DeepSpeed, DeepSpeed's pipeline engine and
+    # BF16_Optimizer): Megatron's fused kernels (bias-GeLU, scale-mask-softmax: attention as separate kernels), its
+    # reentrant checkpoint, DeepSpeed's pipeline sending whole boundaries, each micro-batch's bf16 gradients added
+    # into fp32 buffers (fp32_accumulation)
+    "deepspeed": dict(attention="unfused", compile=1.0, recompute_whole=1.0, fp32_accumulation=1.0),
 }
 # Each mechanism a GPU run adds to the course's code: its switch, what it changes in the step's breakdown, its
 # source, and its default — on cpu-gloo (the course's code as it runs here), on a GPU as the course's code runs
@@ -112,6 +122,21 @@ MECHANISMS = [
      "S slower beside it (NCCL's kernels hold SMs)",
      "Lee et al. 2025 (arXiv:2507.03114): 18.9% on average on A100, H100, MI250, MI210",
      "0 (one core per rank: nothing hides)", "0.189", "0.189"),
+    ("the attention kernel", "attention_kernel=fa2|fa3|triton|sdpa_math",
+     "attention: fused attention's forward and backward kernels at that kernel's rates, as measured beside "
+     "FlashAttention-2 on one H100 (ATTENTION_KERNELS): FlashAttention-3 1.8x and 1.7x, Triton 1.13x forward, "
+     "standard attention (SDPA's math) 0.10x and 0.56x",
+     "Shah et al. 2024 (FlashAttention-3, arXiv:2407.08608), Fig. 5-6", "fa2", "fa2", "the run's kernel"),
+    ("FSDP1's schedule", "fsdp1=0|1",
+     "dp: ZeRO-2 gathers each unit in every micro-batch's forward (prefetched, behind it) and ZeRO-2/3 "
+     "reduce-scatter in every micro-batch's backward, behind it, where the course's ZeRO-2 moves both at the step "
+     "and its ZeRO-3 defers the reduce-scatters",
+     "torch/distributed/fsdp/_runtime_utils.py (_pre_forward_unshard, _post_backward_reshard); Composer's "
+     "FORCED_SYNC for FSDP", "0", "0", "fsdp1: 1"),
+    ("DeepSpeed's fp32 gradient accumulation", "fp32_accumulation=0|1",
+     "fp32 accumulation: after every micro-batch's backward its bf16 gradients added into fp32 buffers, tensor by "
+     "tensor (FP32_ACCUMULATE_BYTES a parameter at the memory bandwidth), in the backward and so in the bubble",
+     "deepspeed/runtime/bf16_optimizer.py (update_hp_grads)", "0", "0", "deepspeed: 1"),
     ("micro-batch size", "--microbatches (and --global-batch-size)",
      "every term: tokens per micro-batch set each matmul's and collective's size, the calls per step (gathers, "
      "α), the bubble's share; a published run's comes from its own configuration (Megatron's "
@@ -135,3 +160,8 @@ TORCH_CP_STEP_BYTES = {"f": 46, "b": 54}
 # and writes (5), softmax's reads the probabilities and the gradient and writes (6), dS·K and dSᵀ·Q read it (4),
 # Pᵀ·dO reads the kept probabilities (2)
 UNFUSED_SCORE_BYTES = dict(f=13, b=19)
+
+# DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, update_hp_grads, under the pipeline engine after
+# every micro-batch's backward): per parameter, the bf16 gradient read and cast to a temporary fp32 tensor (2 read,
+# 4 written), added into the fp32 gradient (4 + 4 read, 4 written), then the bf16 gradient zeroed (2 written): 20
+FP32_ACCUMULATE_BYTES = 20

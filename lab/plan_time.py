@@ -58,10 +58,10 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 import pipeline
 import train
-from lab.devices import (DEVICES, NCCL_BASE_LATENCY, NCCL_LL_CROSSING, NCCL_NET_LATENCY, NCCL_NVLINK_LATENCY,
-                         NCCL_NVLS_EFFICIENCY, NCCL_PROTOCOLS, NCCL_RING_BANDWIDTH, NCCL_RING_PLATEAU,
+from lab.devices import (ATTENTION_KERNELS, DEVICES, NCCL_BASE_LATENCY, NCCL_LL_CROSSING, NCCL_NET_LATENCY,
+                         NCCL_NVLINK_LATENCY, NCCL_NVLS_EFFICIENCY, NCCL_PROTOCOLS, NCCL_RING_BANDWIDTH, NCCL_RING_PLATEAU,
                          NCCL_TREE_BANDWIDTH, NCCL_TREE_CORRECTION, Device)
-from lab.frameworks import FRAMEWORKS, MECHANISMS, TORCH_CP_STEP_BYTES, UNFUSED_SCORE_BYTES
+from lab.frameworks import FP32_ACCUMULATE_BYTES, FRAMEWORKS, MECHANISMS, TORCH_CP_STEP_BYTES, UNFUSED_SCORE_BYTES
 from lab.fsdp_demo import zero_comm_formula, zero_state_formula
 from lab.instruments import CommCounter, wire_bytes
 from lab.pipeline_demo import held_formula
@@ -114,7 +114,14 @@ class Assumptions:
                 tensors are views of the gathered buffer
     torch_cp    1: under attention=fused, context parallel as torch's context_parallel runs it around each ring
                 step's flash kernel (TORCH_CP_STEP_BYTES: the merges in fp32, the K/V and gradient concatenations);
-                0: a fused ring's own merges (12 bytes a query element a step forward, 24 backward)"""
+                0: a fused ring's own merges (12 bytes a query element a step forward, 24 backward)
+    attention_kernel  the fused attention kernel: fa2 (FlashAttention-2, SDPA's flash backend), fa3
+                (FlashAttention-3: Hopper), triton, sdpa_math (unfused, in one call): ATTENTION_KERNELS' rates
+    fsdp1       1: ZeRO-2 and ZeRO-3 as PyTorch's FSDP1 runs them with every micro-batch synchronised (llm-foundry
+                through Composer): each unit gathered in the next forward, prefetched behind the compute, and its
+                gradients reduce-scattered in each micro-batch's backward (fsdp1_exposed)
+    fp32_accumulation  1: each micro-batch's bf16 gradients added into fp32 buffers after its backward
+                (DeepSpeed's BF16_Optimizer under its pipeline engine: FP32_ACCUMULATE_BYTES a parameter)"""
     efficiency: float | None = None
     overlap: dict = field(default_factory=lambda: dict(zero3=1.0, ddp=1.0, zero2=1.0, tp=0.0, tp_b=0.0, cp=1.0,
                                                        pp=0.0, replicas=0.0, step=0.0))
@@ -135,10 +142,14 @@ class Assumptions:
     torch_cp: float = 0.0
     hbm_efficiency: float | None = None
     overlap_slowdown: float | None = None
+    attention_kernel: str = "fa2"
+    fsdp1: float = 0.0
+    fp32_accumulation: float = 0.0
 
 
-_TEXT = ("framework", "attention")
-_CHOICES = dict(framework=tuple(FRAMEWORKS), attention=("code", "fused", "unfused"))
+_TEXT = ("framework", "attention", "attention_kernel")
+_CHOICES = dict(framework=tuple(FRAMEWORKS), attention=("code", "fused", "unfused"),
+                attention_kernel=tuple(ATTENTION_KERNELS))
 
 
 def assumptions(pairs: list[str] = ()) -> Assumptions:
@@ -905,11 +916,25 @@ def kernel_rates(args, dev: Device, assume: Assumptions, float8: bool) -> dict:
         (lambda dt: dev.matmul_efficiency.get(dt, 1.0))
     peak, wide = dev.flops[args.dtype], "float64" if args.dtype == "float64" else "float32"
     mm = peak * eff(args.dtype)
+    kernel = attention_kernel_ratio(dev, assume)
     return dict(mm=mm, wide=dev.flops[wide] * eff(wide),
                 linear=dev.flops["float8"] * eff("float8") if float8 else mm,
-                attn_f=peak * (dev.attention_efficiency if assume.efficiency is None else assume.efficiency),
-                attn_b=peak * (dev.attention_backward or dev.attention_efficiency if assume.efficiency is None
-                               else assume.efficiency))
+                attn_f=peak * (dev.attention_efficiency * kernel[0] if assume.efficiency is None
+                               else assume.efficiency),
+                attn_b=peak * ((dev.attention_backward or dev.attention_efficiency) * kernel[1]
+                               if assume.efficiency is None else assume.efficiency))
+
+
+def attention_kernel_ratio(dev: Device, assume: Assumptions) -> tuple[float, float]:
+    """The attention kernel (Assumptions.attention_kernel): its forward and backward rates over FlashAttention-2's,
+    as measured side by side on an H100 (lab/devices.py, ATTENTION_KERNELS: the FlashAttention-3 paper's Fig. 5-6),
+    scaling the device's own FlashAttention-2 rates. FlashAttention-3 runs on Hopper GPUs only."""
+    name = assume.attention_kernel
+    if name == "fa3" and not dev.hopper:
+        raise ValueError(f"--assume attention_kernel=fa3: FlashAttention-3 runs on Hopper GPUs (h100, h200), not "
+                         f"{dev.name}")
+    (f, b), (f2, b2) = ATTENTION_KERNELS[name], ATTENTION_KERNELS["fa2"]
+    return f / f2, b / b2
 
 
 def recomputed_linears(args, assume: Assumptions, b: int, layers: int, p: str) -> float:
@@ -1114,6 +1139,9 @@ def dp_collectives(st: _Step, s: int, dp_bytes: dict | None) -> dict:
                  all_reduce=buckets + 1 if z == 0 else 1)   # (+ the used-flags' all-reduce, once a step)
     inter = ranks_per_node(st.sizes, ("dp_replicate", "dp_shard", "cp") if not z else ("dp_shard", "cp"), st.G)
     seconds = {op: collective_time(op, n, calls[op], group[op], st.dev, inter) for op, n in ops.items()}
+    if st.assume.fsdp1 and z >= 2 and pp == 1:   # FSDP1: each micro-batch reduce-scatters (and, ZeRO-2, gathers)
+        seconds = {op: t * (m if op == "reduce_scatter" or (op == "all_gather" and z == 2) else 1)
+                   for op, t in seconds.items()}
     replicas = 0.0
     if z and args.dp_replicate > 1:   # HSDP: the shard's all-reduce across replicas
         replicas = collective_time("all_reduce", ops.get("all_reduce", 0), len(units), args.dp_replicate, st.dev,
@@ -1131,6 +1159,8 @@ def dp_exposed(st: _Step, dpt: dict, compute: float, t_b: float) -> float:
     distributed optimizer)."""
     z, o = st.args.zero_stage, st.assume.overlap
     several = st.args.pp > 1 or st.args.microbatches > 1
+    if st.assume.fsdp1 and z >= 2 and st.args.pp == 1:
+        return fsdp1_exposed(st, dpt, compute, t_b)
     if z == 0:
         return max(0.0, dpt.get("all_reduce", 0) - o["ddp"] * t_b)
     if z == 3:
@@ -1144,6 +1174,39 @@ def dp_exposed(st: _Step, dpt: dict, compute: float, t_b: float) -> float:
     rs = dpt.get("reduce_scatter", 0)
     rs = max(0.0, rs - o["zero2"] * t_b) if z == 2 and not several else rs * (1 - o["step"])
     return rs + dpt.get("all_gather", 0) * (1 - o["step"]) + dpt.get("all_reduce", 0)
+
+
+def fsdp1_exposed(st: _Step, dpt: dict, compute: float, t_b: float) -> float:
+    """FSDP1's schedule (Assumptions.fsdp1; torch/distributed/fsdp/_runtime_utils.py, _pre_forward_unshard and
+    _post_backward_reshard), every micro-batch synchronised (llm-foundry through Composer: FORCED_SYNC), where the
+    course's ZeRO-2 moves its parameters and gradients at the step and its ZeRO-3 defers the reduce-scatters:
+      SHARD_GRAD_OP (ZeRO-2)  each unit gathered in each micro-batch's forward, just before it runs (the next unit's
+                   gather issued behind the current unit's compute: prefetched), kept through the backward, and its
+                   gradients reduce-scattered in that backward: m gathers hidden behind the m forwards, m
+                   reduce-scatters behind the m backwards
+      FULL_SHARD (ZeRO-3)  gathered again for the backward (its backward prefetch), reduce-scattered in each
+                   micro-batch's backward: the gathers and reduce-scatters on one group and link behind the step's
+                   compute, the reduce-scatters' part behind the backwards
+    dpt: the seconds of FSDP1's collectives (dp_collectives: m reduce-scatter sets; m gather sets at ZeRO-2)."""
+    o, m = st.assume.overlap, st.args.microbatches
+    ag, rs = dpt.get("all_gather", 0), dpt.get("reduce_scatter", 0)
+    backward = min(m * t_b, compute)
+    if st.args.zero_stage == 2:
+        out = max(0.0, ag - o["zero3"] * (compute - backward)) + max(0.0, rs - o["zero3"] * backward)
+    else:
+        out = max(0.0, ag + rs - o["zero3"] * compute, rs - o["zero3"] * backward)
+    return out + dpt.get("all_reduce", 0)
+
+
+def fp32_accumulation(st: _Step, psi: float) -> float:
+    """DeepSpeed's extra (Assumptions.fp32_accumulation): after each micro-batch's backward, its bf16 gradients are
+    added into fp32 buffers, one parameter tensor at a time (deepspeed/runtime/bf16_optimizer.py, update_hp_grads:
+    hp_grad.add_(lp.grad.to(fp32)); then the bf16 gradients zeroed: FP32_ACCUMULATE_BYTES a parameter) —
+    memory-bound, on the compute stream, in every micro-batch's backward (and so in the pipeline's bubble). Seconds a
+    micro-batch for this rank's psi parameters."""
+    if not st.assume.fp32_accumulation:
+        return 0.0
+    return st.assume.fp32_accumulation * psi * FP32_ACCUMULATE_BYTES / bandwidth(st.dev, st.assume)
 
 
 def fsdp2_copies(st: _Step, dp: dict) -> float:
@@ -1218,7 +1281,10 @@ def stage_time(st: _Step, s: int, layers: int, dp_bytes: dict | None) -> dict:
         per_phase = {p: per_phase[p] + ep[p] for p in "fb"}
         comm["ep"] = ep["f"] + ep["b"]
     t_f = work["f"]["seconds"] + per_phase["f"]
-    t_b = work["b"]["seconds"] + per_phase["b"]
+    accumulate = fp32_accumulation(st, _local_psi(args, s)[0] + _expert_psi(args, s)[0])
+    t_b = work["b"]["seconds"] + per_phase["b"] + accumulate
+    if accumulate:
+        comm["fp32 accumulation"] = accumulate
     if args.pp > 1:   # the boundary's sends, exposed unless overlap.pp says otherwise
         hop = pipeline_boundary(st)
         t_f, t_b = t_f + hop * (1 - o["pp"] + st.slow * o["pp"]), t_b + hop * (1 - o["pp"] + st.slow * o["pp"])

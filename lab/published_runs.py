@@ -15,6 +15,15 @@ def _gpt(h: int, layers: int, heads: int) -> dict:
                 num_key_value_heads=heads, intermediate_size=round(8 * h / 3 / 64) * 64, max_position_embeddings=2048)
 
 
+def _mpt(h: int, layers: int, heads: int) -> dict:
+    """MosaicML's MPT as llm-foundry's benchmarks configure it (scripts/train/yamls/pretrain/mpt-*.yaml: d_model,
+    n_heads, n_layers, expansion_ratio 4, learned positions, no biases, its 50,368-token vocabulary, tied), as the
+    course's model holds it: its GELU MLP of 4h as a SwiGLU of the same parameters and FLOPs (F = 8h/3, a multiple
+    of 64), RMSNorm for LayerNorm, rotary positions for learned ones, the head apart from the embedding."""
+    return dict(vocab_size=50368, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=heads, intermediate_size=round(8 * h / 3 / 64) * 64, max_position_embeddings=65536)
+
+
 def _llama31(h: int, layers: int, heads: int, ffn: int) -> dict:
     """Llama 3.1 as published (config.json: 128,256-token vocabulary, 8 kv heads, rope theta 500,000), without its
     'llama3' rotary scaling (the course computes default rotary: the same shapes and FLOPs) and with positions to
@@ -37,6 +46,8 @@ PUBLISHED_MODELS = {
     "gpt-18b": _gpt(6144, 40, 48), "gpt-39b": _gpt(8192, 48, 64), "gpt-76b": _gpt(10240, 60, 80),
     "gpt-145b": _gpt(12288, 80, 96), "gpt-310b": _gpt(16384, 96, 128), "gpt-530b": _gpt(20480, 105, 128),
     "gpt-1t": _gpt(25600, 128, 160),
+    "bloom-176b": dict(_gpt(14336, 70, 112), vocab_size=250880),
+    "mpt-1b": _mpt(2048, 24, 16), "mpt-3b": _mpt(2560, 32, 20), "mpt-7b": _mpt(4096, 32, 32), "mpt-13b": _mpt(5120, 40, 40), "mpt-30b": _mpt(7168, 48, 64),
 }
 
 
@@ -193,6 +204,69 @@ FURTHER = [replace(row, further=True) for row in (
     _titan(TT_405, "Llama 3.1 405B, FSDP 16 x TP 8, + float8 + async TP", "llama3.1-405b", 128,
            _fsdp(16, 2, 8192, "full", tp=8), 185, compile=True, float8=True, async_tp=True),
 )]
+
+
+LLM_FOUNDRY = ("llm-foundry scripts/train/benchmarking/README.md (061f2c7), MPT on 8 GPUs a node; sweep.sh at "
+               "v0.0.4, submit_benchmarks.py's attn_impl triton; FSDP1 FULL_SHARD, bf16, every micro-batch synchronised")
+LLM_FOUNDRY_SCALE = "llm-foundry scripts/train/benchmarking/README.md, its H100 table at 128-512 GPUs (a later version)"
+
+
+def _foundry(name, model, device, gpus, seq, mbs, accum, checkpointing, tokens, zero=3, source=LLM_FOUNDRY):
+    """An llm-foundry benchmark row: Composer's FSDP1 with FULL_SHARD (ZeRO-3 over every GPU; SHARD_GRAD_OP:
+    zero=2), micro-batches of `mbs` sequences, `accum` of them a step, full checkpointing or none, Triton's flash
+    attention."""
+    flags = ["--dp-shard", str(gpus), "--zero-stage", str(zero), "--seq-len", str(seq), "--global-batch-size",
+             str(gpus * mbs * accum), "--microbatches", str(accum), "--activation-checkpointing",
+             "full" if checkpointing else "none"]
+    return Published(source, name, model, device, gpus, tuple(flags),
+                     ("framework=fsdp1", "attention_kernel=triton"), tokens, further=True)
+
+
+FURTHER += [
+    _foundry("MPT-7B, FSDP1 8 H100s, 2k tokens, micro-batch 6, no checkpointing", "mpt-7b", "h100", 8, 2048, 6, 1,
+             False, 10643),
+    _foundry("MPT-7B, FSDP1 8 H100s, 8k tokens, micro-batch 8 x 2, full", "mpt-7b", "h100", 8, 8192, 8, 2, True,
+             6935),
+    _foundry("MPT-13B, FSDP1 64 H100s, 2k tokens, micro-batch 2, no checkpointing", "mpt-13b", "h100", 64, 2048, 2,
+             1, False, 4800),
+    _foundry("MPT-30B, FSDP1 32 H100s, 2k tokens, micro-batch 14 x 3, full", "mpt-30b", "h100", 32, 2048, 14, 3,
+             True, 2308),
+    _foundry("MPT-7B, FSDP1 8 A100s, 2k tokens, micro-batch 6 x 2, no checkpointing", "mpt-7b", "a100", 8, 2048, 6,
+             2, False, 4641),
+    _foundry("MPT-7B, FSDP1 8 A100s, 8k tokens, micro-batch 8 x 2, full", "mpt-7b", "a100", 8, 8192, 8, 2, True,
+             3206),
+    # the same file's later H100 table, 128 to 512 GPUs, SHARD_GRAD_OP for the 1B and 3B
+    _foundry("MPT-1B, FSDP1 SHARD_GRAD_OP 128 H100s, micro-batch 12", "mpt-1b", "h100", 128, 2048, 12, 1, False,
+             44123, zero=2, source=LLM_FOUNDRY_SCALE),
+    _foundry("MPT-1B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 12", "mpt-1b", "h100", 512, 2048, 12, 1, False,
+             39837, zero=2, source=LLM_FOUNDRY_SCALE),
+    _foundry("MPT-3B, FSDP1 SHARD_GRAD_OP 128 H100s, micro-batch 8", "mpt-3b", "h100", 128, 2048, 8, 1, False,
+             23422, zero=2, source=LLM_FOUNDRY_SCALE),
+    _foundry("MPT-3B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 8", "mpt-3b", "h100", 512, 2048, 8, 1, False,
+             21664, zero=2, source=LLM_FOUNDRY_SCALE),
+    _foundry("MPT-7B, FSDP1 512 H100s, micro-batch 6, no checkpointing", "mpt-7b", "h100", 512, 2048, 6, 1, False,
+             9670, source=LLM_FOUNDRY_SCALE),
+]
+
+
+def _bloom():
+    """BLOOM-176B's training (BigScience's tr11-176B-ml.slurm: tp 4 x pp 12 x dp 8 on 384 A100 80GB, micro-batch
+    2, global batch 2,048 x 2,048 tokens, bf16, ZeRO-1, activation checkpointing; Megatron-DeepSpeed) at 150 TFLOP/s
+    per GPU once the batch reached 2,048 (S. Bekman, Machine Learning Engineering, the batch-size ramp of BLOOM-176B:
+    "ramped up to GBS=2048 (150 TFLOPs)"), counted as Megatron-DeepSpeed counts it: 96·l·h²(1 + s/6h + V/16lh) FLOPs
+    a token. Its ALiBi and 4h GELU MLP held as _gpt holds GPT's."""
+    cfg = PUBLISHED_MODELS["bloom-176b"]
+    h, l, s, V = cfg["hidden_size"], cfg["num_hidden_layers"], 2048, cfg["vocab_size"]
+    per_token = 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    flags = ("--tp", "4", "--pp", "12", "--dp-shard", "8", "--zero-stage", "1", "--seq-len", "2048",
+             "--global-batch-size", "2048", "--microbatches", "128", "--activation-checkpointing", "full")
+    return Published("BigScience tr11-176B-ml (Megatron-DeepSpeed); Bekman, Machine Learning Engineering",
+                     "BLOOM 176B: tp 4 x pp 12 x dp 8, 384 A100s (Jean Zay), micro-batch 2, ZeRO-1", "bloom-176b",
+                     "a100-jz", 384, flags, ("framework=deepspeed",), 150e12 / per_token,
+                     f"150 TFLOP/s per GPU / {per_token / 1e9:.0f} GFLOP per token", further=True)
+
+
+FURTHER.append(_bloom())
 
 
 # the issue's target: every row within 0.8-1.25x of its published tokens/s, the median within 0.9-1.1x

@@ -542,7 +542,8 @@ def test_framework_bundles_set_their_mechanisms_and_pairs_override_them():
     with pytest.raises(ValueError, match="attention is one of"):
         T.assumptions(["attention=flash"])
     with pytest.raises(ValueError, match="framework is one of"):
-        T.assumptions(["framework=deepspeed"])
+        T.assumptions(["framework=colossalai"])
+    assert T.assumptions(["framework=deepspeed"]).fp32_accumulation == T.assumptions(["framework=fsdp1"]).fsdp1 == 1
     for name, switch, changes, source, cpu, gpu, frameworks in T.MECHANISMS:
         assert name and switch and changes and source and cpu and gpu and frameworks
 
@@ -621,7 +622,7 @@ def test_every_published_run_lands_in_the_band_and_the_median_in_the_target():
     import statistics
     table = {r.name: T.predict_published(r)["ratio"] for r in T.PUBLISHED}
     further = {r.name: T.predict_published(r)["ratio"] for r in T.FURTHER}
-    assert len(table) == 30 and len(further) == 13
+    assert len(table) == 30 and len(further) == 25
     for got in (table, further):
         assert all(T.TARGET_BAND[0] <= x <= T.TARGET_BAND[1] for x in got.values()), got
     assert 0.9 <= statistics.median(table.values()) <= 1.1
@@ -665,6 +666,57 @@ def test_flash_attention_runs_at_the_settled_clock_on_a_power_saturated_gpu():
         d = T.DEVICES[name]
         assert d.attention_efficiency == pytest.approx(335 / 989 * 708.5 / 841.9)
         assert d.attention_backward == pytest.approx(322 / 989 * 708.5 / 841.9)
+
+
+
+def test_the_attention_kernel_runs_at_its_own_measured_rates():
+    # each kernel's rates over FlashAttention-2's, as measured side by side on one H100 (the FlashAttention-3 paper,
+    # Fig. 5-6), scale the device's own FlashAttention-2 rates; FlashAttention-3 runs on Hopper GPUs alone
+    args = train.parse_args(["--model", "small", "--seq-len", "256", "--dtype", "bfloat16"])
+    rates = {k: T.kernel_rates(args, T.DEVICES["h100"], T.assumptions([f"attention_kernel={k}"]), False)
+             for k in ("fa2", "fa3", "triton", "sdpa_math")}
+    assert rates["fa3"]["attn_f"] / rates["fa2"]["attn_f"] == pytest.approx(616 / 335)
+    assert rates["fa3"]["attn_b"] / rates["fa2"]["attn_b"] == pytest.approx(561 / 322)
+    assert rates["sdpa_math"]["attn_f"] < rates["fa2"]["attn_f"] < rates["triton"]["attn_f"] < rates["fa3"]["attn_f"]
+    assert rates["fa2"]["attn_f"] == T.DEVICES["h100"].flops["bfloat16"] * T.DEVICES["h100"].attention_efficiency
+    fa2, fa3 = (_gpu("--dp-shard", "8", assume=[f"attention_kernel={k}"]) for k in ("fa2", "fa3"))
+    assert fa3["parts"]["attention"] < fa2["parts"]["attention"] and fa3["parts"]["matmul"] == fa2["parts"]["matmul"]
+    with pytest.raises(ValueError, match="Hopper"):
+        _gpu("--dp-shard", "8", assume=["attention_kernel=fa3"], device="a100")
+
+
+def test_fsdp1_gathers_each_unit_in_the_next_forward_not_at_the_step():
+    # FSDP1's SHARD_GRAD_OP gathers each unit in the next forward (prefetched, behind it) and reduce-scatters in each
+    # micro-batch's backward; the course's ZeRO-2 moves both at the step, exposed
+    flags = ("--dp-shard", "4", "--zero-stage", "2", "--microbatches", "2")
+    course, fsdp1 = _gpu(*flags), _gpu(*flags, assume=["framework=fsdp1"])
+    assert course["exposed"]["dp"] > 0 and "overlap" not in course["exposed"] and "dp" not in fsdp1["exposed"]
+    # its gradients reduce-scattered once a micro-batch, its parameters gathered once a micro-batch: twice the bytes
+    # of the course's one set a step here, all hidden, slowing the compute beside it
+    s = T.DEVICES["h100"].overlap_slowdown
+    assert fsdp1["exposed"]["overlap"] * (1 + s) / s == pytest.approx(2 * course["exposed"]["dp"], rel=1e-6)
+    # the published runs that found it: llm-foundry's MPT-1B and 3B on 512 H100s under SHARD_GRAD_OP, predicted
+    # at 0.84 and 0.83 of their published speed with the course's schedule, 0.99 and 1.00 with FSDP1's
+    for name in ("MPT-1B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 12", "MPT-3B, FSDP1 SHARD_GRAD_OP 512 H100s, "
+                                                                       "micro-batch 8"):
+        row = next(r for r in T.FURTHER if r.name == name)
+        course_ratio, ratio = (T.predict_published(r)["ratio"] for r in (dataclasses.replace(row, assume=()), row))
+        assert course_ratio < 0.86 and course_ratio + 0.1 < ratio and T.TARGET_BAND[0] <= ratio <= T.TARGET_BAND[1]
+
+
+def test_deepspeed_adds_each_micro_batch_s_gradients_into_fp32():
+    # DeepSpeed's BF16_Optimizer under its pipeline engine: after every micro-batch's backward, each bf16 gradient
+    # added into its fp32 buffer (20 bytes a parameter) -- in the backward, so in the bubble too
+    args = train.parse_args(["--model", "small", "--layers", "4", "--seq-len", "256", "--global-batch-size", "16",
+                             "--dtype", "bfloat16", "--pp", "2", "--dp-shard", "2", "--zero-stage", "1",
+                             "--microbatches", "4"])
+    on, off = (T.assumptions(["framework=deepspeed"] + extra) for extra in ([], ["fp32_accumulation=0"]))
+    with_, without = (T.step_time(args, T.device_named("a100", a), a, 8) for a in (on, off))
+    psi = max(T._local_psi(args, s)[0] for s in range(2))
+    per_micro_batch = psi * T.FP32_ACCUMULATE_BYTES / T.bandwidth(T.DEVICES["a100"])
+    assert with_["exposed"]["fp32 accumulation"] == pytest.approx(4 * per_micro_batch, rel=0.3)
+    assert "fp32 accumulation" not in without["exposed"]
+    assert with_["seconds"] - without["seconds"] >= with_["exposed"]["fp32 accumulation"] * 0.99
 
 
 # ---- every prediction the README and the tests show, pinned: a refactor that changes one fails here ----------
