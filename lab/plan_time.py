@@ -59,8 +59,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 import pipeline
 import train
 from lab.devices import (ATTENTION_KERNELS, DEVICES, NCCL_BASE_LATENCY, NCCL_LL_CROSSING, NCCL_NET_LATENCY,
-                         NCCL_NVLINK_LATENCY, NCCL_NVLS_EFFICIENCY, NCCL_PROTOCOLS, NCCL_RING_BANDWIDTH, NCCL_RING_PLATEAU,
-                         NCCL_TREE_BANDWIDTH, NCCL_TREE_CORRECTION, Device)
+                         NCCL_NVLINK_LATENCY, NCCL_NVLS_EFFICIENCY, NCCL_PROTOCOLS, NCCL_RING_BANDWIDTH,
+                         NCCL_RING_PLATEAU, NCCL_TREE_BANDWIDTH, NCCL_TREE_CORRECTION, Device)
 from lab.frameworks import FP32_ACCUMULATE_BYTES, FRAMEWORKS, MECHANISMS, TORCH_CP_STEP_BYTES, UNFUSED_SCORE_BYTES
 from lab.fsdp_demo import zero_comm_formula, zero_state_formula
 from lab.instruments import CommCounter, wire_bytes

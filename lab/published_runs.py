@@ -47,7 +47,8 @@ PUBLISHED_MODELS = {
     "gpt-145b": _gpt(12288, 80, 96), "gpt-310b": _gpt(16384, 96, 128), "gpt-530b": _gpt(20480, 105, 128),
     "gpt-1t": _gpt(25600, 128, 160),
     "bloom-176b": dict(_gpt(14336, 70, 112), vocab_size=250880),
-    "mpt-1b": _mpt(2048, 24, 16), "mpt-3b": _mpt(2560, 32, 20), "mpt-7b": _mpt(4096, 32, 32), "mpt-13b": _mpt(5120, 40, 40), "mpt-30b": _mpt(7168, 48, 64),
+    "mpt-1b": _mpt(2048, 24, 16), "mpt-3b": _mpt(2560, 32, 20), "mpt-7b": _mpt(4096, 32, 32),
+    "mpt-13b": _mpt(5120, 40, 40), "mpt-30b": _mpt(7168, 48, 64),
 }
 
 
@@ -207,7 +208,8 @@ FURTHER = [replace(row, further=True) for row in (
 
 
 LLM_FOUNDRY = ("llm-foundry scripts/train/benchmarking/README.md (061f2c7), MPT on 8 GPUs a node; sweep.sh at "
-               "v0.0.4, submit_benchmarks.py's attn_impl triton; FSDP1 FULL_SHARD, bf16, every micro-batch synchronised")
+               "v0.0.4, submit_benchmarks.py's attn_impl triton; FSDP1 FULL_SHARD, bf16, every micro-batch "
+               "synchronised")
 LLM_FOUNDRY_SCALE = "llm-foundry scripts/train/benchmarking/README.md, its H100 table at 128-512 GPUs (a later version)"
 
 
