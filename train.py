@@ -569,10 +569,11 @@ def layout_of(args) -> dict:
                                                      "sequence_parallel", "virtual_stages")}, "model": model_name(args)}
 
 
-def model_shapes(args) -> dict:
+def model_shapes(args, tied_twice: bool = False) -> dict:
     """{name: shape} of every parameter of the whole model, the names of lab/model.py's unsharded model
-    (from the meta device: no memory)."""
-    return {n: list(p.shape) for n, p in build_model(config_of(args), device="meta").named_parameters()}
+    (from the meta device: no memory); tied_twice: a tied matrix under both its names, as a state dict holds it."""
+    model = build_model(config_of(args), device="meta")
+    return {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=not tied_twice)}
 
 
 def resume_path(args) -> str | None:
@@ -675,12 +676,14 @@ def check_args(args, world_size: int) -> None:
         problems.append(f"--resume {args.resume!r} holds no complete checkpoint (a step_N directory with "
                         f"meta.json): give one, or a directory of them, or --resume auto")
     if args.init_from is not None and resume is None and not checkpoint.is_hf_directory(args.init_from):
-        problems += checkpoint.state_dict_problems(args.init_from, model_shapes(args))
+        problems += checkpoint.state_dict_problems(args.init_from, model_shapes(args, tied_twice=True))
     if args.export is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
         problems.append(f"--export {args.export!r}: its directory does not exist")
     elif args.export is not None and args.export_format == "hf" and os.path.exists(args.export):
         problems.append(f"--export {args.export!r} --export-format hf writes a new directory, and this one exists: "
                         f"give a new path (an export never writes over a directory)")
+    if args.export is not None and args.export_format == "hf":
+        lesson(hf.family, cfg, prefix="--export-format hf: ", hint=" (--export-format torch writes any model)")
     if args.compare and (pp > 1 or cp > 1 or cfg.n_experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
         problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
                         "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")

@@ -445,6 +445,7 @@ INVALID = [
     (["--steps", "0"], 1, "--steps 0 must be >= 1"),
     (["--pad-share", "1.5"], 1, "--pad-share 1.5 must be in"),
     (["--model", "tiny-bloom", "--cp", "2"], 2, "--cp with ALiBi positions"),
+    (["--model", "tiny-bloom", "--export", "bloom", "--export-format", "hf"], 1, "only as Llama, Mixtral or GPT-2"),
 ]
 
 
