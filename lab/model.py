@@ -242,11 +242,12 @@ class ALiBi(nn.Module):
 
 @functools.lru_cache(maxsize=8)  # one tensor for every layer (autograd saves it once) and every step
 def alibi_bias(n_heads: int, first: int, heads: int, sq: int, sk: int, device, dtype) -> torch.Tensor:
-    """[heads, sq, sk]: m_h·(j − i) for the queries i = sk − sq .. sk − 1 and keys j ≤ i, −inf above (causal)."""
+    """[1, heads, sq, sk]: m_h·(j − i) for the queries i = sk − sq .. sk − 1 and keys j ≤ i, −inf above (causal).
+    (4-D: SDPA then takes its fused kernel, which keeps no sq × sk scores for the backward.)"""
     with torch.inference_mode(False):  # (kept: a tensor made in inference mode could never be saved for backward)
         slopes = torch.tensor(alibi_slopes(n_heads)[first:first + heads], device=device, dtype=torch.float64)
         distance = torch.arange(sk, device=device)[None, :] - torch.arange(sk - sq, sk, device=device)[:, None]
-        return (slopes[:, None, None] * distance).masked_fill(distance > 0, float("-inf")).to(dtype)
+        return (slopes[:, None, None] * distance).masked_fill(distance > 0, float("-inf")).to(dtype)[None]
 
 
 class Attention(nn.Module):
