@@ -684,9 +684,12 @@ def check_args(args, world_size: int) -> None:
                         f"give a new path (an export never writes over a directory)")
     if args.export is not None and args.export_format == "hf":
         lesson(hf.family, cfg, prefix="--export-format hf: ", hint=" (--export-format torch writes any model)")
-    if args.compare and (pp > 1 or cp > 1 or cfg.n_experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
+    gpt = (cfg.norm, cfg.mlp, cfg.positions, cfg.bias, cfg.tie_embeddings, cfg.embed_norm, cfg.padded_vocab) != \
+        ("rms", "swiglu", "rope", False, False, False, cfg.vocab_size)   # (torchtitan's tp plan is Llama's)
+    if args.compare and (pp > 1 or cp > 1 or cfg.n_experts or dp > 1 and args.zero_stage != 3 or args.pad_share or gpt):
         problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
-                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
+                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense Llama-shaped model (none of "
+                        "lab/model.py's GPT-family options) without padding")
     problems += plan_problems(args)
     if problems:
         raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))

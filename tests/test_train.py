@@ -446,6 +446,7 @@ INVALID = [
     (["--pad-share", "1.5"], 1, "--pad-share 1.5 must be in"),
     (["--model", "tiny-bloom", "--cp", "2"], 2, "--cp with ALiBi positions"),
     (["--model", "tiny-bloom", "--export", "bloom", "--export-format", "hf"], 1, "only as Llama, Mixtral or GPT-2"),
+    (["--model", "tiny-gpt2", "--tp", "2", "--compare"], 2, "none of lab/model.py's GPT-family options"),
 ]
 
 
