@@ -117,8 +117,8 @@ def config_from_hf(hf) -> ModelConfig:
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
     refuse = [f"{name}={getattr(hf, name)!r} (the course's {what})" for name, ok, what in [
-        ("attention_bias", False, "linears have no bias"),
-        ("mlp_bias", False, "linears have no bias"),
+        ("attention_bias", False, "Llama has no biases (its bias option is GPT-2's)"),
+        ("mlp_bias", False, "Llama has no biases (its bias option is GPT-2's)"),
         ("hidden_act", "silu", "MLP is SwiGLU: silu"),
         ("head_dim", hf.hidden_size // hf.num_attention_heads, "head_dim is hidden_size / num_attention_heads"),
         ("sliding_window", None, "attention is fully causal, no sliding window"),
