@@ -102,7 +102,9 @@ class ExpertParallelMoE(MoE):
         self.first = rank * self.n_local                     # my experts: first .. first + E/ep - 1
         self.router = moe.router                             # replicated on every rank
         sl = slice(self.first, self.first + self.n_local)
-        self.w1, self.w3, self.w2 = (nn.Parameter(w.detach()[sl].clone()) for w in (moe.w1, moe.w3, moe.w2))
+        self.w1, self.w3, self.w2 = (None if w is None else nn.Parameter(w.detach()[sl].clone())
+                                     for w in (moe.w1, moe.w3, moe.w2))   # (GELU experts: no w3)
+        self.approximate = moe.approximate
         for p in self.expert_parameters():  # [E/ep, F, H], [E/ep, F, H], [E/ep, H, F]: my rows of the full
             p.ep_slice = (0, sl.start, sl.stop)  # [E, ...] stacks (to materialise a meta model's slice by name)
         self.aux_loss, self.tokens_per_expert, self.dropped = None, None, 0
@@ -152,7 +154,7 @@ class ExpertParallelMoE(MoE):
         return out
 
     def expert_parameters(self):
-        return [self.w1, self.w3, self.w2]
+        return [w for w in (self.w1, self.w3, self.w2) if w is not None]
 
     def compose(self, aux_group=None, grad_divisor=None, tp_group=None, sequence_parallel: bool = False,
                 aux_weight: float | None = None) -> None:

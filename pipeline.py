@@ -15,6 +15,7 @@ passes (W) is the *schedule*. In the order of this file:
   5. The runner, `pipeline_step`: one step of any schedule on the ranks.
   6. Zero bubble's split of the backward, for real in autograd: B, the input gradient dL/dx the stage
      before waits for, and W, the weight gradient dL/dW = dL/dy^T x nobody waits for (Qi et al. 2024).
+  7. For the capstone: a head tied to the embedding, held by the first and the last stage, its gradient summed.
 
 Per micro-batch, t_f forward, t_b input-gradient backward, t_w weight-gradient backward on one stage
 (1:1:1 by the usual count of matmuls: Qi et al. 2024). Idle time of each stage per step:
@@ -134,11 +135,16 @@ class Stage(Transformer):
         self.chunks = [list(split_layers(cfg.n_layers, p * v)[c * p + r]) for c in range(v)]  # layer ids
         with torch.device("meta"):                                                          # shapes only
             full = Transformer(cfg, seed=None)
-        self.tok_embeddings = full.tok_embeddings if self.is_first else None
+        # a tied head is the embedding's matrix: the last stage holds a copy under the same name (section 7)
+        self.tok_embeddings = full.tok_embeddings if self.is_first or self.is_last and cfg.tie_embeddings else None
+        for name in ("pos_embeddings", "embed_norm"):  # learned positions, BLOOM's embedding norm
+            if self.is_first and hasattr(full, name):
+                setattr(self, name, getattr(full, name))
         self.layers = nn.ModuleDict({str(i): full.layers[i] for ids in self.chunks for i in ids})
         if self.is_last:
             self.norm, self.output, self.loss_fn = full.norm, full.output, full.loss_fn
         self.to_empty(device=device or "cpu")
+        self.tie_weights()  # (to_empty made new parameters)
         if torch.device(device or "cpu").type != "meta":  # (meta: shapes only, for a memory plan)
             with torch.no_grad():
                 for name, prm in self.named_parameters():
@@ -149,8 +155,11 @@ class Stage(Transformer):
     def forward(self, x, targets=None, positions=None, chunk: int = 0):
         """tokens [b, S] (chunk 0 of rank 0) or activations [b, S, H] -> [b, S, H]; the last chunk of
         the last rank returns logits [b, S, V], or the mean loss if targets are given."""
-        h = self.tok_embeddings(x) if self.is_first and chunk == 0 else x
         pos = positions if positions is not None else self.positions
+        if self.is_first and chunk == 0:
+            h = self.embed(x, pos if pos is not None else torch.arange(x.shape[1], device=x.device))
+        else:
+            h = x
         pos = pos if pos is not None else torch.arange(h.shape[1], device=h.device)
         h = self.blocks(h, [self.layers[str(i)] for i in self.chunks[chunk]], pos)
         return self.head(h, targets) if self.is_last and chunk == self.v - 1 else h
@@ -601,6 +610,37 @@ def weight_grads(deferred: list) -> None:
     del pairs, linears   # (only the nodes hold each linear's x and dL/dy now, until theirs is computed)
     if roots:
         torch.autograd.backward(roots)
+
+
+# ---- 7. for the capstone (train.py): a tied embedding on the first and the last stage ------------------
+#
+# A head tied to the embedding (lab/model.py's tie_embeddings: GPT-2, MPT, BLOOM) is used on the first stage (the
+# lookup) and on the last (the head). Each holds a copy, made from the same values (the same name), and before the
+# optimizer steps their gradients are summed between the two, so both copies take the same step and stay one
+# matrix (Megatron-LM's embedding group). Per step: one all-reduce of V·H/t elements between two ranks.
+
+def tied_embedding_groups(pp_groups: list[list[int]]):
+    """For each pipeline (its global ranks, in stage order), a group of its first and last ranks. new_group is a
+    collective over the whole world: every rank calls this with the same lists. Returns this rank's group (None
+    for a rank between them)."""
+    mine = None
+    for ranks in pp_groups:
+        group = dist.new_group([ranks[0], ranks[-1]])
+        mine = group if dist.get_rank() in (ranks[0], ranks[-1]) else mine
+    return mine
+
+
+@torch.no_grad()
+def sync_tied_embedding(stage, group) -> None:
+    """After the step's backwards, before the optimizer: the tied matrix's gradient summed over the first and last
+    stage (`group`, from tied_embedding_groups; None: nothing to do). Data parallel's reduction of it may come
+    before or after: the two sums commute."""
+    if group is None:
+        return
+    w = stage.tok_embeddings.weight
+    if w.grad is None:
+        w.grad = torch.zeros_like(w)
+    dist.all_reduce(w.grad, group=group)
 
 
 if __name__ == "__main__":  # the demo (timelines, bubble, memory, PyTorch's schedules) is in the package

@@ -14,6 +14,11 @@ Sequence parallel (Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2): between t
 activations (norms, residuals) as [B, S/t, H] instead of whole [B, S, H] on every rank: f becomes an
 all-gather over S (backward reduce-scatter), g a reduce-scatter (backward all-gather); the norm weights
 then see S/t tokens and their gradients are partial too. finish_grads sums partial gradients over tp.
+GPT-family options (lab/model.py): a column-parallel linear's bias is cut with its rows (each rank adds its F/t);
+a row-parallel one's is whole on every rank and added once, after the sum (under SP to my S/t tokens: partial,
+like the norms' weights and LayerNorm's biases); GPT's GELU MLP is a pair like SwiGLU's; ALiBi's slopes follow my
+query heads; learned positions stay whole (under SP each rank adds the rows of its S/t tokens: partial); a tied
+head takes the embedding's slice itself (the same rows); a padded vocabulary's extra logits are masked in the loss.
 
 One step, L layers, b bytes per element (API bytes handed to the collectives; [ring wire bytes per rank]):
     TP   4L + 2 all-reduces of B·S·H·b                             [2(t-1)/t of each]
@@ -33,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mesh import all_gather_single, all_reduce_flat, reduce_scatter_single, resolve_group
-from lab.model import IGNORE, Attention, RMSNorm, SwiGLU
+from lab.model import IGNORE, ALiBi, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU
 
 
 # ---- the conjugate operators f and g --------------------------------------------------------------
@@ -136,6 +141,45 @@ class RowParallelLinear(nn.Module):
         return exit_tp(self.linear(x, self.weight), self.group, self.sp)   # [B, S, H] or [B, S/t, H]
 
 
+# ---- biases, for the GPT-family options: around the pair, never inside it --------------------------
+
+class ColumnParallelLinearWithBias(ColumnParallelLinear):
+    """ColumnParallelLinear plus my F/t rows of the bias, cut like the weight's rows."""
+
+    def __init__(self, weight, bias, group, rows: tuple[int, int], input_op="copy"):
+        super().__init__(weight, group, rows, input_op)
+        self.bias = _shard(bias, 0, *rows)                                   # [F/t]
+
+    def forward(self, x):
+        return super().forward(x) + self.bias
+
+
+class RowParallelLinearWithBias(RowParallelLinear):
+    """RowParallelLinear plus the whole bias, added once after the sum (added before it, t ranks would add it t
+    times). Every rank holds it; its gradient is whole on every rank, or under SP partial (my S/t tokens)."""
+
+    def __init__(self, weight, bias, group, cols: tuple[int, int], sequence_parallel=False):
+        super().__init__(weight, group, cols, sequence_parallel)
+        self.bias = nn.Parameter(bias.detach().clone())                      # [H]
+
+    def forward(self, x):
+        return super().forward(x) + self.bias
+
+
+def column_parallel(linear: nn.Linear, group, rows, input_op="copy"):
+    """An nn.Linear (its bias, if any, too) as a ColumnParallelLinear of my rows."""
+    if linear.bias is None:
+        return ColumnParallelLinear(linear.weight, group, rows, input_op)
+    return ColumnParallelLinearWithBias(linear.weight, linear.bias, group, rows, input_op)
+
+
+def row_parallel(linear: nn.Linear, group, cols, sequence_parallel=False):
+    """An nn.Linear (its bias, if any, too) as a RowParallelLinear of my columns."""
+    if linear.bias is None:
+        return RowParallelLinear(linear.weight, group, cols, sequence_parallel)
+    return RowParallelLinearWithBias(linear.weight, linear.bias, group, cols, sequence_parallel)
+
+
 # ---- the model's layers, made parallel -----------------------------------------------------------
 
 class VocabParallelEmbedding(nn.Module):
@@ -171,13 +215,15 @@ class ParallelAttention(Attention):
         q_rows, kv_rows = (r * hq * hd, (r + 1) * hq * hd), (j * hd, (j + hkv) * hd)
         self.kv_slot = (j, cfg.n_kv_heads) if t > cfg.n_kv_heads else None
         # input_op=None: forward enters the pair ONCE for q, k and v (one all-reduce in backward, not 3)
-        self.wq, self.wk, self.wv = (ColumnParallelLinear(w.weight, group, rows, input_op=None)
+        self.wq, self.wk, self.wv = (column_parallel(w, group, rows, input_op=None)
                                      for w, rows in ((attn.wq, q_rows), (attn.wk, kv_rows), (attn.wv, kv_rows)))
-        self.wo = RowParallelLinear(attn.wo.weight, group, q_rows, sequence_parallel=sp)
+        self.wo = row_parallel(attn.wo, group, q_rows, sequence_parallel=sp)
+        if isinstance(attn.sdpa, ALiBi):  # my query heads' slopes
+            self.sdpa = ALiBi(attn.sdpa.n_heads, attn.sdpa.first + r * hq)
 
     def forward(self, x, cos, sin):                            # x [B, S, H] or [B, S/t, H] (SP)
         S = x.shape[1] * (dist.get_world_size(self.group) if self.sp else 1)
-        if cos.shape[0] != S:  # shapes every rank shares: all raise, before the all-gather
+        if cos is not None and cos.shape[0] != S:  # shapes every rank shares: all raise, before the all-gather
             raise ValueError(f"rotary positions cover {cos.shape[0]} tokens but attention sees {S}: under "
                              f"sequence parallel a pipeline stage's input holds S/tp tokens; give the stage "
                              f"the positions of all S (stage.positions = torch.arange(S))")
@@ -198,6 +244,34 @@ class ParallelSwiGLU(SwiGLU):
 
     def forward(self, x):
         return super().forward(enter_tp(x, self.group, self.sp))
+
+
+class ParallelGeluMLP(GeluMLP):
+    """GPT's w2(gelu(w1 x)) with w1 column-parallel and w2 row-parallel (biases with them): gelu is elementwise."""
+
+    def __init__(self, mlp: GeluMLP, group, sp: bool):
+        nn.Module.__init__(self)
+        f, r = mlp.w1.weight.shape[0] // dist.get_world_size(group), dist.get_rank(group)
+        self.w1 = column_parallel(mlp.w1, group, (r * f, r * f + f), input_op=None)
+        self.w2 = row_parallel(mlp.w2, group, (r * f, r * f + f), sequence_parallel=sp)
+        self.approximate, self.group, self.sp = mlp.approximate, group, sp
+
+    def forward(self, x):
+        return super().forward(enter_tp(x, self.group, self.sp))
+
+
+class SequenceParallelPositions(nn.Module):
+    """Learned positions under sequence parallel: the whole table on every rank, each rank looking up the rows of
+    its S/t tokens (the sequence's t-th part it holds after the embedding's reduce-scatter); its gradient is then
+    partial. positions: those of all the S tokens this rank's sequence holds (a cp shard's)."""
+
+    def __init__(self, weight, group):
+        super().__init__()
+        self.weight, self.group = weight, group
+
+    def forward(self, positions):                                        # [S] -> [S/t, H]
+        return F.embedding(positions.tensor_split(dist.get_world_size(self.group))[dist.get_rank(self.group)],
+                           self.weight)
 
 
 class VocabParallelCE(torch.autograd.Function):
@@ -238,11 +312,15 @@ class VocabParallelCE(torch.autograd.Function):
 class VocabParallelCrossEntropy(nn.Module):
     """In place of model.CrossEntropy: logits [B, S, V/t], targets [B, S]; divide_by as there."""
 
-    def __init__(self, vocab_start: int, group):
+    def __init__(self, vocab_start: int, group, vocab_size: int | None = None):
         super().__init__()
         self.vocab_start, self.group, self.divide_by = vocab_start, group, None
+        self.vocab_size = vocab_size  # a padded vocabulary's true size: the columns from it on are masked
 
     def forward(self, logits, targets):
+        if self.vocab_size is not None and self.vocab_start + logits.shape[-1] > self.vocab_size:
+            padded = torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_size - self.vocab_start
+            logits = logits.masked_fill(padded, float("-inf"))  # softmax 0, gradient 0: as if the rows were not there
         return VocabParallelCE.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start, self.group,
                                      self.divide_by)
 
@@ -252,14 +330,17 @@ class VocabParallelCrossEntropy(nn.Module):
 def check_divisible(cfg, t: int) -> None:
     """Raise ONE clear ValueError naming every size tp cannot split (arithmetic only: on every rank, before
     any collective). A mixture of experts' MLP is not split (expert parallel dispatches its tokens)."""
-    sizes = [("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size)]
+    vocab = ("vocab_size", cfg.vocab_size) if cfg.padded_vocab == cfg.vocab_size else \
+        (f"vocabulary padded to vocab_multiple={cfg.vocab_multiple}", cfg.padded_vocab)
+    sizes = [("n_heads", cfg.n_heads), vocab]
     sizes += [] if cfg.n_experts else [("ffn_dim (MLP width)", cfg.ffn_dim)]
     problems = []
     for what, n in sizes:
         if n % t:  # (the hidden size n_heads·head_dim divides whenever n_heads does)
             ok = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
-            problems.append(f"tp={t} does not divide the model's {what}={n}: choose tp from {ok} or change "
-                            f"{what.split()[0]}")
+            fix = ("pad it: vocab_multiple a multiple of tp (Megatron's --make-vocab-size-divisible-by)"
+                   if what.startswith("vocab") else f"change {what.split()[0]}")
+            problems.append(f"tp={t} does not divide the model's {what}={n}: choose tp from {ok} or {fix}")
     if cfg.n_kv_heads % t and t % cfg.n_kv_heads:
         problems.append(f"tp={t} and n_kv_heads={cfg.n_kv_heads}: one must divide the other "
                         f"(split the kv heads, or replicate each on tp/n_kv ranks)")
@@ -277,22 +358,34 @@ def apply_tensor_parallel(model, mesh_or_group=None, sequence_parallel: bool = F
     check_divisible(cfg, t)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, group, sp)
+    if sp and getattr(model, "pos_embeddings", None) is not None:
+        model.pos_embeddings = SequenceParallelPositions(model.pos_embeddings.weight, group)
     for block in (model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers):
         block.attn = ParallelAttention(block.attn, cfg, group, sp)
         if isinstance(block.mlp, SwiGLU):  # a MoE stays whole: expert parallel splits its tokens instead
             block.mlp = ParallelSwiGLU(block.mlp, group, sp)
+        elif isinstance(block.mlp, GeluMLP):
+            block.mlp = ParallelGeluMLP(block.mlp, group, sp)
     if getattr(model, "output", None) is not None:   # the head: logits stay split by vocabulary
-        r, V = dist.get_rank(group), cfg.vocab_size
+        r, V = dist.get_rank(group), cfg.padded_vocab
         model.output = ColumnParallelLinear(model.output.weight, group, (r * V // t, (r + 1) * V // t),
                                             input_op="gather" if sp else "copy")
-        model.loss_fn = VocabParallelCrossEntropy(r * V // t, group)
+        model.loss_fn = VocabParallelCrossEntropy(r * V // t, group, cfg.vocab_size if V != cfg.vocab_size else None)
+        if cfg.tie_embeddings and getattr(model, "tok_embeddings", None) is not None:
+            model.output.weight = model.tok_embeddings.weight   # the same rows of the same matrix: one parameter
     model.tp_group, model.sequence_parallel, model.tp_partial_grads = group, sp, {}
     for name, mod in model.named_modules():
         if isinstance(mod, ParallelAttention) and mod.kv_slot is not None:
-            mark_partial(model, f"{name}.wk.weight", *mod.kv_slot)
-            mark_partial(model, f"{name}.wv.weight", *mod.kv_slot)
-        elif sp and isinstance(mod, RMSNorm):
-            mark_partial(model, f"{name}.weight")
+            for w in ("wk", "wv"):
+                for p, _ in getattr(mod, w).named_parameters():
+                    mark_partial(model, f"{name}.{w}.{p}", *mod.kv_slot)
+        elif sp:  # what each rank applied to its S/t tokens alone: the norms, row-parallel biases, positions
+            partial = ("weight", "bias") if isinstance(mod, (RMSNorm, LayerNorm)) else \
+                ("bias",) if isinstance(mod, RowParallelLinearWithBias) else \
+                ("weight",) if isinstance(mod, SequenceParallelPositions) else ()
+            for p in partial:
+                if getattr(mod, p, None) is not None:
+                    mark_partial(model, f"{name}.{p}")
     return model
 
 

@@ -118,7 +118,12 @@ class Trainer:
         self.dp, self.cp, self.tp = mesh.size("dp"), mesh.size("cp"), mesh.size("tp")
         sp = args.sequence_parallel and self.tp > 1
         model, self.pipe, self.actions = split_pipeline(args, mesh, self.cfg)                      # 1
-        blocks, full_shapes = layers_of(model), {n: tuple(p.shape) for n, p in model.named_parameters()}
+        # (a tied head under both its names: the whole model's shapes of every name a parameter has here)
+        blocks = layers_of(model)
+        full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+        # a head tied to the embedding on the first and the last stage: their gradients summed (pipeline.py, 7.)
+        self.tied = (pipeline.tied_embedding_groups(mesh.groups_along(("pp",)))
+                     if self.pipe is not None and self.cfg.tie_embeddings else None)
         if args.compile and not shapes_only:                                                          # 2
             compile_blocks(blocks, args.compile_backend)
         if self.tp > 1:                                                                               # 3
@@ -134,7 +139,7 @@ class Trainer:
         #  parameter this rank holds sits in the whole model's — a tp slice, my experts, or all of it)
         self.copies = {n: self._copies(model, n, p, experts) for n, p in model.named_parameters()}
         self.places = {n: (full_shapes[n], getattr(p, "tp_slice", None) or getattr(p, "ep_slice", None))
-                       for n, p in model.named_parameters()}
+                       for n, p in model.named_parameters(remove_duplicate=False)}
         self.opt, self.ddp = shard(model, args, mesh, full_shapes, experts, self.pipe is not None, shapes_only)  # 8
         self.model, self.loss_fn = model, getattr(model, "loss_fn", None)  # a pipeline: its last stage only
         self.grad_norm = None
@@ -171,6 +176,7 @@ class Trainer:
                     loss += lm.detach().double() / m
         if dp is not None:
             dp.synchronize()          # (nothing left, unless no gradient reached a hook in the last backward)
+        pipeline.sync_tied_embedding(model, self.tied)   # (a tied head: first + last stage; None: nothing)
         self.opt.reduce_gradients()   # (tp partial sums first, unit by unit: before_reduce)
         if a.grad_clip:
             self.grad_norm = self.opt.clip_grad_norm_(a.grad_clip, group=dist.group.WORLD,
@@ -210,7 +216,8 @@ class Trainer:
             data = self.mesh.size("edp_cp") if self.args.zero_stage == 0 else 1
         else:
             data = self.mesh.size("dp_cp") if self.args.zero_stage == 0 else self.mesh.size("dp_replicate")
-        return tp * data
+        tied = 2 if self.tied is not None and name == "tok_embeddings.weight" else 1  # the first and last stage's
+        return tp * data * tied
 
     # ---- checkpoints (lab/checkpoint.py: the pieces any layout can load, and the files) ----------
     def where(self, name):
@@ -407,9 +414,10 @@ def _checkpointed(block, how: str):
 
 
 def _pipeline_units(stage):
-    """In a pipeline every module with parameters is a ZeRO unit (blocks, embedding, norm, head)."""
-    return list(stage.layers.values()) + [m for m in (stage.tok_embeddings, getattr(stage, "norm", None),
-                                                      getattr(stage, "output", None)) if m is not None]
+    """In a pipeline every module with parameters is a ZeRO unit (blocks, embedding, positions, norms, head; a tied
+    matrix, in two of them, joins the root unit)."""
+    return list(stage.layers.values()) + [m for m in (getattr(stage, n, None) for n in (
+        "tok_embeddings", "pos_embeddings", "embed_norm", "norm", "output")) if m is not None]
 
 
 # ---- the command line ------------------------------------------------------------------------------------
@@ -561,10 +569,11 @@ def layout_of(args) -> dict:
                                                      "sequence_parallel", "virtual_stages")}, "model": model_name(args)}
 
 
-def model_shapes(args) -> dict:
+def model_shapes(args, tied_twice: bool = False) -> dict:
     """{name: shape} of every parameter of the whole model, the names of lab/model.py's unsharded model
-    (from the meta device: no memory)."""
-    return {n: list(p.shape) for n, p in build_model(config_of(args), device="meta").named_parameters()}
+    (from the meta device: no memory); tied_twice: a tied matrix under both its names, as a state dict holds it."""
+    model = build_model(config_of(args), device="meta")
+    return {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=not tied_twice)}
 
 
 def resume_path(args) -> str | None:
@@ -622,6 +631,10 @@ def check_args(args, world_size: int) -> None:
     if args.sequence_parallel and tp > 1 and (args.seq_len // cp) % tp:
         problems.append(f"--sequence-parallel splits each rank's {args.seq_len // cp} tokens over tp={tp}: "
                         f"use a --seq-len that is a multiple of {tp * cp * (2 if cp > 1 else 1)}")
+    if cp > 1 and cfg.positions == "alibi":
+        problems.append("--cp with ALiBi positions: ALiBi adds m·(j − i) to each score, which needs every block's "
+                        "query and key offsets, and ring attention and Ulysses here compute plain causal attention "
+                        "without it: train an ALiBi model without --cp (every other dimension works)")
     if args.ep > 1 and not cfg.n_experts:
         problems.append("--ep > 1 needs a mixture-of-experts model: give --experts E")
     if cfg.n_experts:
@@ -663,15 +676,20 @@ def check_args(args, world_size: int) -> None:
         problems.append(f"--resume {args.resume!r} holds no complete checkpoint (a step_N directory with "
                         f"meta.json): give one, or a directory of them, or --resume auto")
     if args.init_from is not None and resume is None and not checkpoint.is_hf_directory(args.init_from):
-        problems += checkpoint.state_dict_problems(args.init_from, model_shapes(args))
+        problems += checkpoint.state_dict_problems(args.init_from, model_shapes(args, tied_twice=True))
     if args.export is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
         problems.append(f"--export {args.export!r}: its directory does not exist")
     elif args.export is not None and args.export_format == "hf" and os.path.exists(args.export):
         problems.append(f"--export {args.export!r} --export-format hf writes a new directory, and this one exists: "
                         f"give a new path (an export never writes over a directory)")
-    if args.compare and (pp > 1 or cp > 1 or cfg.n_experts or dp > 1 and args.zero_stage != 3 or args.pad_share):
+    if args.export is not None and args.export_format == "hf":
+        lesson(hf.family, cfg, prefix="--export-format hf: ", hint=" (--export-format torch writes any model)")
+    gpt = (cfg.norm, cfg.mlp, cfg.positions, cfg.bias, cfg.tie_embeddings, cfg.embed_norm, cfg.padded_vocab) != \
+        ("rms", "swiglu", "rope", False, False, False, cfg.vocab_size)   # (torchtitan's tp plan is Llama's)
+    if args.compare and (pp > 1 or cp > 1 or cfg.n_experts or dp > 1 and args.zero_stage != 3 or args.pad_share or gpt):
         problems.append("--compare runs PyTorch's FSDP2 (ZeRO-3) + DTensor tensor parallel: use only "
-                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense model without padding")
+                        "--dp-replicate, --dp-shard (zero stage 3) and --tp, on a dense Llama-shaped model (none of "
+                        "lab/model.py's GPT-family options) without padding")
     problems += plan_problems(args)
     if problems:
         raise ValueError("invalid training layout:\n  - " + "\n  - ".join(problems))

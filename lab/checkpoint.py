@@ -433,8 +433,11 @@ def whole_model(path: str) -> dict:
     if not os.path.isdir(path):
         return torch.load(path, map_location="cpu", weights_only=True)
     source = HFDirectory(path)
-    shapes = {n: tuple(p.shape) for n, p in build_model(source.cfg, device="meta").named_parameters()}
-    return {n: source.read((n, s, None, 0, math.prod(s))).view(s).clone() for n, s in shapes.items()}
+    model = build_model(source.cfg, device="meta")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    out = {n: source.read((n, s, None, 0, math.prod(s))).view(s).clone() for n, s in shapes.items()}
+    first = {id(p): n for n, p in model.named_parameters()}   # a tied matrix under each of its state-dict names
+    return {n: out[first[id(p)]] for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 # ---- Hugging Face model directories ----------------------------------------------------------------------
@@ -499,7 +502,7 @@ def hf_problems(path: str, weights: bool = True) -> list[str]:
     if missing:
         problems.append(f"--init-from {path!r} lacks {len(missing)} of the tensors its config.json's model has "
                         f"(first {missing[0]}): the weights do not belong to this config.json")
-    extra = sorted(n for n in set(files) - set(shapes) if not n.endswith("rotary_emb.inv_freq"))
+    extra = sorted(n for n in set(files) - set(shapes) if not hf.ignorable(n, cfg))
     if extra:
         problems.append(f"--init-from {path!r} holds {len(extra)} tensors the course's model has no place for "
                         f"(first {extra[0]}): not a model the course can train as it is")
@@ -555,6 +558,8 @@ class HFDirectory:
         self.path, self.cfg, self.files = path, hf.read_config(path), _tensor_files(path)
         self.parts, self.shapes = hf.disk_map(self.cfg, set(self.files))
         self.opened, self.bytes_read = {}, 0
+        names = {v: k for k, v in SAFETENSORS_DTYPES.items()}   # (a padded row's zeros: in the files' dtype)
+        self.dtype = names.get(self._slice(next(iter(self.shapes))).get_dtype(), torch.float32)
 
     def _slice(self, tensor: str):
         from safetensors import safe_open
@@ -568,15 +573,19 @@ class HFDirectory:
         """Rows [a, b) of the course's whole tensor `name` (columns `cols`), read from the blocks that hold them:
         [b - a, columns]."""
         out, first = [], 0
-        for tensor, index, row, n in self.parts[name]:
+        for tensor, index, row, n, transposed in self.parts[name]:
             lo, hi = max(a, first), min(b, first + n)
             if lo < hi:
-                rows, sl = slice(row + lo - first, row + hi - first), self._slice(tensor)
-                if len(self.shapes[tensor]) == 1:  # a vector: one element a row
-                    block = sl[rows][:, None]
+                rows = slice(row + lo - first, row + hi - first)
+                if tensor is None:  # a padded vocabulary's rows: in no file
+                    block = torch.zeros(hi - lo, cols.stop - cols.start, dtype=self.dtype)
+                elif transposed:  # (GPT-2's Conv1D: my rows are the file tensor's columns, my columns its rows)
+                    block = self._slice(tensor)[cols, rows].T
+                elif len(self.shapes[tensor]) == 1:  # a vector: one element a row
+                    block = self._slice(tensor)[rows][:, None]
                 else:  # (index: this block's expert of a stacked tensor)
-                    block = sl[(*(slice(i, i + 1) for i in index), rows, cols)].reshape(hi - lo, -1)
-                self.bytes_read += block.numel() * block.element_size()
+                    block = self._slice(tensor)[(*(slice(i, i + 1) for i in index), rows, cols)].reshape(hi - lo, -1)
+                self.bytes_read += block.numel() * block.element_size() if tensor is not None else 0
                 out.append(block)
             first += n
         return torch.cat(out)
@@ -618,44 +627,64 @@ def _safetensors_header(tensors: list, dtype) -> bytes:
 @torch.no_grad()
 def export_hf(opt, where, path: str, *, cfg, shapes: dict, dtype, device, copy_from: str | None = None) -> dict:
     """Write the model as a Hugging Face directory that transformers' from_pretrained loads: config.json
-    (hf.hf_config: Llama, or Mixtral with experts; untied) and the weights under save_pretrained's names (Mixtral
-    per expert), in model.safetensors — or, above SHARD_BYTES, in shards named by model.safetensors.index.json.
-    Every file's header is known before any weight moves (the shapes are), so rank 0 writes each tensor as it
-    arrives (_whole_tensors): one whole tensor at a time beyond its own part. The tokenizer files of `copy_from`
-    go along. Atomic: written under path + '.partial', renamed when complete. Returns {file tensor: file}."""
-    parts, disk_shapes = hf.disk_map(cfg, {"lm_head.weight"})  # untied, per expert: save_pretrained's layout
+    (hf.hf_config: Llama, Mixtral with experts, or GPT-2) and the weights under save_pretrained's names (Mixtral per
+    expert; GPT-2's Conv1D weights transposed, its q, k, v one c_attn; a tied head once; a padded vocabulary's extra
+    rows left out), in model.safetensors — or, above SHARD_BYTES, in shards named by model.safetensors.index.json.
+    Every file's header is known before any weight moves (the shapes are), so rank 0 writes each file tensor as soon
+    as the course tensors it is made of have arrived (_whole_tensors): one whole tensor at a time beyond its own part
+    (GPT-2's c_attn: q, k and v, until the three are there). The tokenizer files of `copy_from` go along. Atomic:
+    written under path + '.partial', renamed when complete. Returns {file tensor: file}."""
+    parts, disk_shapes = hf.disk_map(cfg, {"lm_head.weight"})  # untied (unless cfg ties), per expert: as saved
+    blocks = {}  # file tensor -> [(course name, block)]: what it is made of
+    for name in shapes:
+        for part in (p for p in parts[name] if p[0] is not None):
+            blocks.setdefault(part[0], []).append((name, part))
+    complete_at, arrived, listed = {}, set(), set()  # course name -> the file tensors complete once it arrives
+    for name in shapes:
+        arrived.add(name)
+        complete_at[name] = [t for t in dict.fromkeys(p[0] for p in parts[name] if p[0] is not None)
+                             if t not in listed and all(n in arrived for n, _ in blocks[t])]
+        listed.update(complete_at[name])
     size = torch.empty((), dtype=dtype).element_size()
-    groups, held = [[]], 0  # the course tensors of each file, in the order they arrive
-    for name, shape in shapes.items():
-        if groups[-1] and held + math.prod(shape) * size > SHARD_BYTES:
+    groups, held = [[]], 0  # the file tensors of each file, in the order they are written
+    for t in (t for name in shapes for t in complete_at[name]):
+        if groups[-1] and held + math.prod(disk_shapes[t]) * size > SHARD_BYTES:
             groups.append([])
             held = 0
-        groups[-1].append(name)
-        held += math.prod(shape) * size
+        groups[-1].append(t)
+        held += math.prod(disk_shapes[t]) * size
     file_names = [WEIGHTS] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
                                                      for i in range(len(groups))]
-    file_of = {name: f for f, group in zip(file_names, groups) for name in group}
-    weight_map = {t: file_of[name] for name in shapes for t, _, _, _ in parts[name]}
+    weight_map = {t: f for f, group in zip(file_names, groups) for t in group}
     rank, partial = dist.get_rank(), path + ".partial"
-    out = None
+    out, filling = None, {}  # filling: file tensors made of several course tensors, being put together
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what an export that died left behind
         os.makedirs(partial)
         config = hf.hf_config(cfg)
-        config.dtype, config.architectures = dtype, [type(config).__name__.replace("Config", "ForCausalLM")]
+        config.dtype, config.architectures = dtype, [hf.architecture(config)]
         config.save_pretrained(partial)
     for name, full in _whole_tensors(opt, where, shapes, dtype, device):
         if rank != 0:
             continue
-        if out is None or out.name != os.path.join(partial, file_of[name]):  # the next file: its header first
-            _close(out)
-            out = open(os.path.join(partial, file_of[name]), "wb")
-            group = groups[file_names.index(file_of[name])]
-            out.write(_safetensors_header([(t, disk_shapes[t]) for n in group for t, _, _, _ in parts[n]], dtype))
-        rows, first = full.reshape(hf._rows(full.shape), -1), 0
-        for _, _, _, n in parts[name]:  # each file tensor: the next n rows of the course's tensor
-            out.write(rows[first:first + n].contiguous().view(torch.uint8).numpy().tobytes())
-            first += n
+        rows, first, whole = full.reshape(hf._rows(full.shape), -1), 0, {}
+        for part in parts[name]:  # each block: the next part[3] rows of the course's tensor
+            t, block = part[0], rows[first:first + part[3]]
+            first += part[3]
+            if t is not None and len(blocks[t]) == 1:  # the whole file tensor (GPT-2's Conv1D: transposed)
+                whole[t] = block.T if part[4] else block
+            elif t is not None:  # (a padded vocabulary's rows, t None: not exported)
+                if t not in filling:
+                    filling[t] = torch.empty(disk_shapes[t], dtype=dtype)
+                hf.write_rows(filling, part, block)
+        for t in complete_at[name]:
+            if out is None or out.name != os.path.join(partial, weight_map[t]):  # the next file: its header first
+                _close(out)
+                out = open(os.path.join(partial, weight_map[t]), "wb")
+                group = groups[file_names.index(weight_map[t])]
+                out.write(_safetensors_header([(u, disk_shapes[u]) for u in group], dtype))
+            data = whole.pop(t) if t in whole else filling.pop(t)
+            out.write(data.contiguous().view(torch.uint8).numpy().tobytes())
     if rank == 0:
         _close(out)
         if len(file_names) > 1:

@@ -28,6 +28,7 @@ so a sharded lesson can materialise exactly its slice of the same model.
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass, replace
@@ -235,12 +236,18 @@ class ALiBi(nn.Module):
         self.n_heads, self.first = n_heads, first
 
     def forward(self, q, k, v):
-        sq, sk = q.shape[2], k.shape[2]
-        slopes = torch.tensor(alibi_slopes(self.n_heads)[self.first:self.first + q.shape[1]], device=q.device,
-                              dtype=torch.float64)
-        distance = (torch.arange(sk, device=q.device)[None, :] - torch.arange(sk - sq, sk, device=q.device)[:, None])
-        bias = (slopes[:, None, None] * distance).masked_fill(distance > 0, float("-inf"))   # [heads, Sq, Sk]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), enable_gqa=k.shape[1] != q.shape[1])
+        bias = alibi_bias(self.n_heads, self.first, q.shape[1], q.shape[2], k.shape[2], q.device, q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@functools.lru_cache(maxsize=8)  # one tensor for every layer (autograd saves it once) and every step
+def alibi_bias(n_heads: int, first: int, heads: int, sq: int, sk: int, device, dtype) -> torch.Tensor:
+    """[1, heads, sq, sk]: m_h·(j − i) for the queries i = sk − sq .. sk − 1 and keys j ≤ i, −inf above (causal).
+    (4-D: SDPA then takes its fused kernel, which keeps no sq × sk scores for the backward.)"""
+    with torch.inference_mode(False):  # (kept: a tensor made in inference mode could never be saved for backward)
+        slopes = torch.tensor(alibi_slopes(n_heads)[first:first + heads], device=device, dtype=torch.float64)
+        distance = torch.arange(sk, device=device)[None, :] - torch.arange(sk - sq, sk, device=device)[:, None]
+        return (slopes[:, None, None] * distance).masked_fill(distance > 0, float("-inf")).to(dtype)[None]
 
 
 class Attention(nn.Module):

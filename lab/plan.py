@@ -45,20 +45,22 @@ from mesh import DIMS, Mesh
 
 def activation_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False) -> float:
     """Bytes per token (of the B·S the layer sees) that one block of lab/model.py keeps for its backward,
-    beyond its input — computing in b bytes per element, statistics (RMSNorm's, SDPA's) in w = max(b, 4),
+    beyond its input — computing in b bytes per element, statistics (the norms', SDPA's) in w = max(b, 4),
     fp32 for 16-bit compute — counted from what
     autograd saves, op by op (the README's checkpointing section walks through it). H = dim, a = n_heads,
     F = ffn_dim, t = tp, K = the kv width a tp rank keeps, max(n_kv_heads·head_dim/t, head_dim);
     H' = H/t and t' = t under sequence parallel (the norms see S/t tokens), else H and 1.
-      none       per norm     w/t' (1/rms) + b·H' (x/rms, for the weight's gradient) + b·H (its output as the
-                              matmuls read it: whole, all-gathered under sequence parallel)
+      none       per norm     w/t' (1/rms; LayerNorm: 2w/t', its mean too) + b·H' (x/rms, for the weight's
+                              gradient) + b·H (its output as the matmuls read it: whole, all-gathered under SP)
                  their inputs w·H' with b = w (the residual between attention and MLP is the MLP norm's
                               input) or 2w·H' with b < 4 (each norm keeps an fp32 copy of its input)
                  attention    b(H/t + 2K + H/t): q, k, v after rotary and SDPA's output; w·a/t its log-sum-exp
-                 SwiGLU       4bF/t: w1 x, silu(w1 x), w3 x and their product
+                 SwiGLU       4bF/t: w1 x, silu(w1 x), w3 x and their product; GPT's GELU MLP 2bF/t: w1 x, gelu
       selective  what train.SAVED_BY_SELECTIVE's ops return: the q, k, v, w1, w3 projections and SDPA's output
-                 b(H/t + 2K + H/t + 2F/t) and its log-sum-exp w·a/t, and wo's and w2's outputs b·2H (partial
-                 sums of the whole width under tp, before their all-reduce)
+                 b(H/t + 2K + H/t + 2F/t) (GELU MLP: w1 alone, F/t) and its log-sum-exp w·a/t, and wo's and w2's
+                 outputs b·2H (partial sums of the whole width under tp, before their all-reduce)
+    Biases, learned positions and ALiBi keep nothing per token in a block (ALiBi's bias, [a/t, S, S], is one tensor
+    every layer shares, outside the formula: S·a/t·b bytes per sequence once)
       full       nothing: checkpointing keeps only the block's input (b·H', the previous block's output)
     Korthikanti et al. 2022 count sbh(34 + 5as/h) bytes (16-bit) for a GPT layer: a GELU MLP of 4h (19sbh),
     dropout masks, and the s×s attention scores (5as²b); here SDPA keeps a per-row log-sum-exp instead of
@@ -69,10 +71,11 @@ def activation_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False) -> 
     H_norm = H / t_norm
     if how == "full":
         return 0.0
+    gated, stats = cfg.mlp == "swiglu", 1 if cfg.norm == "rms" else 2   # (LayerNorm keeps mean and 1/std)
     if how == "selective":
-        return b * (H / tp + 2 * K + H / tp + 2 * F / tp + 2 * H) + w * a / tp
-    norms = 2 * (w / t_norm + b * H_norm + b * H) + (w * H_norm if b == w else 2 * w * H_norm)
-    return norms + b * (2 * H / tp + 2 * K) + w * a / tp + 4 * b * F / tp
+        return b * (H / tp + 2 * K + H / tp + (2 if gated else 1) * F / tp + 2 * H) + w * a / tp
+    norms = 2 * (stats * w / t_norm + b * H_norm + b * H) + (w * H_norm if b == w else 2 * w * H_norm)
+    return norms + b * (2 * H / tp + 2 * K) + w * a / tp + (4 if gated else 2) * b * F / tp
 
 
 def layer_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False, cp: str | None = None) -> float:
@@ -92,11 +95,21 @@ def layer_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False, cp: str 
 
 
 def rest_formula(cfg, b: int, tp: int = 1, sp: bool = False) -> float:
-    """Bytes per token the last stage keeps beyond its blocks: the final norm's input in fp32 (w·H), 1/rms (w)
-    and x/rms (b·H), /tp under sequence parallel; the head's input b·H (whole: all-gathered); the loss's fp32
-    log-probabilities 4·V/tp (vocabulary parallel). (Measured on meta: within 40 bytes of it.)"""
+    """Bytes per token the last stage keeps beyond its blocks: the final norm's input in fp32 (w·H), 1/rms (w;
+    LayerNorm 2w) and x/rms (b·H), /tp under sequence parallel; the head's input b·H (whole: all-gathered); the
+    loss's fp32 log-probabilities 4·V/tp (vocabulary parallel; V padded under tp). (Measured on meta: within 40
+    bytes of it.)"""
+    w, t_norm, stats = max(b, 4), tp if sp else 1, 1 if cfg.norm == "rms" else 2
+    vocab = cfg.padded_vocab if tp > 1 else cfg.vocab_size
+    return (w * cfg.dim + stats * w + b * cfg.dim) / t_norm + b * cfg.dim + 4 * vocab / tp
+
+
+def first_formula(cfg, b: int, tp: int = 1, sp: bool = False) -> float:
+    """Bytes per token the first stage keeps before its blocks: with BLOOM's embedding norm (a LayerNorm) its fp32
+    input w·H, mean and 1/std 2w and x/std b·H, /tp under sequence parallel; else nothing (the lookups and learned
+    positions' add keep nothing but the token ids)."""
     w, t_norm = max(b, 4), tp if sp else 1
-    return (w * cfg.dim + w + b * cfg.dim) / t_norm + b * cfg.dim + 4 * cfg.vocab_size / tp
+    return (w * cfg.dim + 2 * w + b * cfg.dim) / t_norm if cfg.embed_norm else 0.0
 
 
 @contextmanager
@@ -104,12 +117,14 @@ def _fused_attention_on_meta():
     """On the meta device SDPA would take its math fallback, which keeps the S×S scores; a real run takes a
     fused kernel (flash on GPUs, its CPU twin here), which keeps the output and a log-sum-exp per row. Plan
     for the fused kernel: while inside, F.scaled_dot_product_attention on meta tensors without a mask calls it
-    (every caller — the model's attention, Ulysses' — in the forward and in checkpointing's recompute alike)."""
+    (every caller — the model's attention, Ulysses' — in the forward and in checkpointing's recompute alike), and
+    with ALiBi's 4-D float bias too (GPUs' memory-efficient kernel takes it, and keeps it for its backward)."""
     sdpa, fused = F.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
     def planned(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if q.is_meta and attn_mask is None and dropout_p == 0.0:   # (the fused kernel takes GQA's k, v as they are)
-            return fused(q, k, v, 0.0, is_causal, scale=scale)[0]
+        bias = attn_mask is not None and attn_mask.dim() == 4 and attn_mask.is_floating_point()
+        if q.is_meta and (attn_mask is None or bias) and dropout_p == 0.0:   # (the fused kernel takes GQA's k, v)
+            return fused(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
     F.scaled_dot_product_attention = planned
@@ -198,6 +213,8 @@ def _read(args, trainer, mesh, measured=None) -> dict:
     per_token = layers * layer_formula(cfg, args.activation_checkpointing, b_c, t, sp, cp)
     if trainer.pipe is None or trainer.pipe.r == args.pp - 1:
         per_token += rest_formula(cfg, b_c, t, sp)   # the final norm, the head's input, the loss
+    if trainer.pipe is None or trainer.pipe.r == 0:
+        per_token += first_formula(cfg, b_c, t, sp)  # the embedding's norm (BLOOM)
     formula_activations = None if cfg.n_experts else per_token * tokens * held
     activations = formula_activations if measured is None else measured * held
     buffers = _buffers(opt.units, z, b_p, keep_gathered=trainer.pipe is not None)

@@ -399,7 +399,7 @@ def activation_profile(model_name: str = "tiny", hows=("none", "selective", "ful
     the median time of a whole model's forward + backward. tp = the world size (1: no tensor parallel)."""
     import tensor_parallel
     from lab.instruments import SavedBytes, time_steps
-    from lab.model import get_config, rope_cos_sin
+    from lab.model import alibi_bias, get_config, rope_cos_sin
     cfg, t = get_config(model_name), dist.get_world_size()
     tokens = load_corpus()
     x, y = get_batch(tokens, 0, batch, seq)
@@ -412,13 +412,17 @@ def activation_profile(model_name: str = "tiny", hows=("none", "selective", "ful
             for block in model.layers:
                 train._checkpointed(block, how)
         block, s_local = model.layers[0], seq // t if sp else seq
-        cos, sin = rope_cos_sin(torch.arange(seq), cfg.head_dim, cfg.rope_theta, dtype)
+        cos, sin = (rope_cos_sin(torch.arange(seq), cfg.head_dim, cfg.rope_theta, dtype)
+                    if cfg.positions == "rope" else (None, None))
         h = torch.randn(batch, s_local, cfg.dim, dtype=dtype, requires_grad=True) * 1.0  # a block's input
         with SavedBytes() as saved:
             o = block(h, cos, sin)
         # what autograd keeps for the backward, but for the block's input (the previous block's output, which
-        # the formula leaves out), its output (the next block's input), the rotary tables and the parameters
-        kept = saved.held(exclude=[o, h, cos, sin, *model.parameters()]) / (batch * seq)
+        # the formula leaves out), its output (the next block's input), the rotary tables or ALiBi's bias (every
+        # layer's) and the parameters
+        shared = [cos, sin] if cos is not None else [alibi_bias(cfg.n_heads, block.attn.sdpa.first, cfg.n_heads // t,
+                                                                seq, seq, h.device, dtype)] if cfg.positions == "alibi" else []
+        kept = saved.held(exclude=[o, h, *shared, *model.parameters()]) / (batch * seq)
         o.float().sum().backward()
         step = lambda: model(x, y).backward()  # noqa: E731
         out[how] = dict(bytes_per_token=kept, seconds=time_steps(step, repeats),

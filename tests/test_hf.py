@@ -123,7 +123,7 @@ def _compare(hf, course, cfg, tied, x, y):
         logits[name] = out.logits if name == "hf" else out
         F.cross_entropy(logits[name].flatten(0, 1), y.flatten()).backward()
     grads = {n: p.grad for n, p in course.named_parameters()}
-    if tied:  # one HF matrix used twice: its gradient is the sum of the course's two
+    if tied and "output.weight" in grads:  # one HF matrix used twice: the sum of the course's two (Llama's copies)
         grads["tok_embeddings.weight"] = grads["tok_embeddings.weight"] + grads.pop("output.weight")
         grads["output.weight"] = torch.zeros_like(grads["tok_embeddings.weight"])  # no HF parameter of its own
     expect = to_hf(grads, cfg)
@@ -256,5 +256,120 @@ def test_config_from_hf_refuses_what_the_course_cannot_express():
         assert name in str(err.value), name
     with pytest.raises(ValueError, match="sliding_window"):
         config_from_hf(transformers.MixtralConfig(hidden_size=32, num_attention_heads=4, sliding_window=16))
-    with pytest.raises(ValueError, match="not 'gpt2'"):
-        config_from_hf(transformers.GPT2Config())
+    with pytest.raises(ValueError, match="not 'bloom'"):
+        config_from_hf(transformers.BloomConfig())
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx.*activation_function"):
+        config_from_hf(transformers.GPT2Config(scale_attn_by_inverse_layer_idx=True, activation_function="relu"))
+
+
+# ---- GPT-2, and the GPT-family options against MPT's and BLOOM's blocks -------------------------------------------
+
+def gpt2_config(tied=True, vocab=257, act="gelu_new"):
+    """GPT-2 at tiny's size; an odd vocabulary like GPT-2's (the course pads it to 384 rows)."""
+    return transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                   tie_word_embeddings=tied, activation_function=act, bos_token_id=None,
+                                   eos_token_id=None)
+
+
+def gpt2_model(config, seed=0):
+    """A float64 GPT2LMHeadModel with random weights (norms not 1, biases not 0), in eval mode: no dropout."""
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "ln" in name and name.endswith("weight") else
+                    torch.randn_like(p) / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.1 * torch.randn_like(p))
+    return model.to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("tied, act", [(True, "gelu_new"), (False, "gelu")])
+def test_gpt2_same_logits_gradients_round_trips_and_save_pretrained(tied, act, tmp_path):
+    """GPT-2 (tied, tanh GELU; untied, exact GELU) is the course's model with GPT-2's options: the same logits and
+    gradients in float64 to 1e-10 — transformers computes GPT-2 in the model's dtype throughout, no island to lift.
+    A tied checkpoint loads tied (one matrix, its gradient the sum of both uses); the padded vocabulary's rows (257
+    -> 384) get no gradient and never reach the Hugging Face side. course -> HF -> course is the identity; from_pretrained
+    of what save_pretrained wrote from to_hf's state dict gives the course's logits; to_course reads the files."""
+    from safetensors.torch import load_file
+    config = gpt2_config(tied, act=act)
+    hf, cfg = gpt2_model(config), config_from_hf(config)
+    assert (cfg.tie_embeddings, cfg.padded_vocab, cfg.gelu_approximate) == (tied, 384, "tanh" if tied else "none")
+    course = course_model(cfg, to_course(hf.state_dict(), cfg))
+    assert (course.output.weight is course.tok_embeddings.weight) == tied
+    x, y = tokens(config.vocab_size)
+    logit_diff, grad_diff = _compare(hf, course, cfg, tied, x, y)
+    assert logit_diff < EXACT and grad_diff < EXACT, (logit_diff, grad_diff)
+    assert course.tok_embeddings.weight.grad[257:].abs().sum() == 0
+
+    state = build_model(cfg, seed=3, dtype=torch.float64).state_dict()
+    hf_state = to_hf(state, cfg)
+    assert set(hf_state) == set(hf.state_dict()) and hf_state["transformer.wte.weight"].shape == (257, 32)
+    back = to_course(hf_state, cfg)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k][:257], state[k][:257]) for k in state) and not back["tok_embeddings.weight"][257:].any()
+    made = transformers.GPT2LMHeadModel(hf_config(cfg)).to(torch.float64).eval()
+    made.load_state_dict(hf_state, strict=True)
+    made.save_pretrained(tmp_path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float64)
+    assert config_from_hf(loaded.config) == cfg
+    mine = course_model(cfg, state)
+    with torch.no_grad():
+        assert (loaded(x).logits - mine(x)).abs().max().item() < EXACT
+    files = load_file(tmp_path / "model.safetensors")
+    assert ("lm_head.weight" in files) != tied
+    saved = to_course(files, cfg)
+    assert all(torch.equal(saved[k][:257], state[k][:257]) for k in state)
+
+
+def _mpt_or_bloom_state(hf, kind, L, H, heads):
+    """A transformers MPT or BLOOM model's weights under the course's names (their fused q, k, v split: MPT's Wqkv
+    q, k, v one after another, BLOOM's query_key_value head by head)."""
+    sd, out, hd = hf.state_dict(), {}, H // heads
+    if kind == "mpt":
+        out.update({"tok_embeddings.weight": sd["transformer.wte.weight"], "norm.weight": sd["transformer.norm_f.weight"]})
+        names = dict(attn_norm="norm_1", mlp_norm="norm_2", **{"attn.wo": "attn.out_proj", "mlp.w1": "ffn.up_proj",
+                                                              "mlp.w2": "ffn.down_proj"})
+        for i in range(L):
+            p = f"transformer.blocks.{i}."
+            out.update({f"layers.{i}.{k}.weight": sd[p + v + ".weight"] for k, v in names.items()})
+            out.update(zip((f"layers.{i}.attn.w{n}.weight" for n in "qkv"), sd[p + "attn.Wqkv.weight"].chunk(3)))
+    else:
+        out.update({"tok_embeddings.weight": sd["transformer.word_embeddings.weight"]})
+        names = dict(embed_norm="transformer.word_embeddings_layernorm", norm="transformer.ln_f")
+        for i in range(L):
+            p = f"transformer.h.{i}."
+            names.update({f"layers.{i}.attn_norm": p + "input_layernorm", f"layers.{i}.mlp_norm": p + "post_attention_layernorm",
+                          f"layers.{i}.attn.wo": p + "self_attention.dense", f"layers.{i}.mlp.w1": p + "mlp.dense_h_to_4h",
+                          f"layers.{i}.mlp.w2": p + "mlp.dense_4h_to_h"})
+            for kind_ in ("weight", "bias"):
+                qkv = sd[p + f"self_attention.query_key_value.{kind_}"].view(heads, 3, hd, -1)
+                out.update({f"layers.{i}.attn.w{n}.{kind_}": qkv[:, j].reshape(H, -1).squeeze(-1) for j, n in enumerate("qkv")})
+        out.update({f"{k}.{b}": sd[f"{v}.{b}"] for k, v in names.items() for b in ("weight", "bias")})
+    out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mpt", "bloom"])
+def test_alibi_layernorm_and_gelu_options_are_mpts_and_blooms_blocks(kind):
+    """MPT (ALiBi, LayerNorm without bias, exact GELU, no biases) and BLOOM (ALiBi, the embedding's LayerNorm,
+    biases, tanh GELU) from transformers, 6 heads (ALiBi's slopes for a head count not a power of 2): the course's
+    model with the same options and weights gives their logits within BAND (transformers makes ALiBi's slopes in
+    float32)."""
+    from lab.model import BLOOM, MPT, ModelConfig
+    L, H, heads, V = 2, 48, 6, 96
+    config = (transformers.MptConfig(d_model=H, n_heads=heads, n_layers=L, expansion_ratio=4, max_seq_len=64,
+                                     vocab_size=V, no_bias=True) if kind == "mpt" else
+              transformers.BloomConfig(vocab_size=V, hidden_size=H, n_layer=L, n_head=heads))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name and name.endswith("weight") else
+                    torch.randn_like(p) / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.1 * torch.randn_like(p))
+    hf = hf.to(torch.float64).eval()
+    cfg = ModelConfig(vocab_size=V, dim=H, n_layers=L, n_heads=heads, n_kv_heads=heads, ffn_dim=4 * H, max_seq_len=64,
+                      **(MPT if kind == "mpt" else BLOOM))
+    course = course_model(cfg, _mpt_or_bloom_state(hf, kind, L, H, heads))
+    x, _ = tokens(V)
+    with torch.no_grad():
+        diff = (hf(x).logits - course(x)).abs().max().item()
+    assert diff < BAND, diff

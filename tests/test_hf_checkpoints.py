@@ -47,20 +47,39 @@ def mixtral_config():
     return test_hf.mixtral_config(vocab=256)
 
 
-CAUSAL_LM = test_hf.CAUSAL_LM
+CAUSAL_LM = dict(test_hf.CAUSAL_LM, gpt2=transformers.GPT2LMHeadModel)
+
+
+def gpt2_config(vocab=256):
+    return test_hf.gpt2_config(vocab=vocab)   # (256: a multiple of 128, no padded rows; 257: padded to 384)
 
 
 def saved(path, config, seed=0, **save_kw):
     """A float64 Hugging Face model with random weights (norms not 1), written by save_pretrained to `path`;
     returns the course's state dict of the same weights (lab.hf.to_course of the model's own state dict)."""
-    torch.manual_seed(seed)
-    model = CAUSAL_LM[config.model_type](config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model = model.to(torch.float64)
+    if config.model_type == "gpt2":
+        model = test_hf.gpt2_model(config, seed)
+    else:
+        torch.manual_seed(seed)
+        model = CAUSAL_LM[config.model_type](config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+        model = model.to(torch.float64)
     model.save_pretrained(path, **save_kw)
     return {k: v.clone() for k, v in to_course(model.state_dict(), config_from_hf(config)).items()}
+
+
+def as_on_the_hub(path):
+    """Rewrite a saved GPT-2 as the hub's own checkpoint holds it: names without "transformer.", and each layer's
+    causal-mask buffers (attn.bias, attn.masked_bias) beside the weights."""
+    from safetensors.torch import load_file
+    files = load_file(os.path.join(path, "model.safetensors"))
+    hub = {k.removeprefix("transformer."): v for k, v in files.items()}
+    for i in range(2):
+        hub[f"h.{i}.attn.bias"] = torch.ones(64, 64, dtype=torch.float64).tril()[None, None]
+        hub[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4, dtype=torch.float64)
+    save_file(hub, os.path.join(path, "model.safetensors"))
 
 
 def from_pretrained(path, kind):
@@ -125,8 +144,12 @@ def _rank_work(layouts, exports, refusals, shard_bytes):
 
 
 # (flags, family) on 4 ranks: tp (4 > 2 kv heads: replicated), pp x ZeRO-3, ZeRO-3, cp x tp, tp x pp, tp x ZeRO-3
-# read by rank 0, ep x ZeRO-3 and ep x tp; a tied checkpoint, a sharded one (13 files) and a stacked Mixtral
-LAYOUTS = [(["--tp", "4"], "llama"),
+# read by rank 0, ep x ZeRO-3 and ep x tp; a tied checkpoint, a sharded one (13 files) and a stacked Mixtral; GPT-2
+# (Conv1D weights read transposed, c_attn split, learned positions, the tied matrix on the first and last stage)
+# on tp, pp x ZeRO-3 (as the hub holds it) and cp x tp with SP
+LAYOUTS = [(["--tp", "4"], "gpt2"), (["--pp", "2", "--dp-shard", "2"], "gpt2-hub"),
+           (["--cp", "2", "--tp", "2", "--sequence-parallel"], "gpt2"),
+           (["--tp", "4"], "llama"),
            (["--pp", "2", "--dp-shard", "2"], "llama-sharded"),
            (["--dp-shard", "4"], "llama-tied"),
            (["--cp", "2", "--tp", "2"], "llama"),
@@ -154,17 +177,25 @@ def models(tmp_path_factory):
     config.save_pretrained(stacked)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(stacked / "model.safetensors"))
     out["mixtral-stacked"] = (str(stacked), to_course(model.state_dict(), config_from_hf(config)))
+    for family in ("gpt2", "gpt2-hub"):
+        out[family] = (str(root / family), saved(root / family, gpt2_config(), seed=2))
+    as_on_the_hub(out["gpt2-hub"][0])
     return out
 
 
 def test_the_reader_gives_transformers_weights_in_one_process(models):
     """checkpoint.whole_model (every course tensor read whole through the lazy reader) is to_course of the
-    model's own state dict, on every kind of directory: tied, sharded, Mixtral per expert and stacked."""
+    model's own state dict, on every kind of directory: tied, sharded, Mixtral per expert and stacked, GPT-2 as
+    save_pretrained writes it and as the hub holds it (which transformers loads too)."""
     for family, (path, expected) in models.items():
         got = checkpoint.whole_model(path)
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), family
         assert checkpoint.hf_problems(path) == [], family
     assert len([f for f in os.listdir(models["llama-sharded"][0]) if f.endswith(".safetensors")]) > 3
+    x = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hub, saved_ = (from_pretrained(models[f][0], "gpt2")(x).logits for f in ("gpt2-hub", "gpt2"))
+    assert torch.equal(hub, saved_)
 
 
 def _case(models, flags, family):
@@ -243,15 +274,20 @@ def _exports(models, root):
     expected_tok = saved(tokdir, llama_config(vocab=32))
     tok = word_tokenizer(tokdir, WORDS)
     (root / "words.txt").write_text(text())
-    out = {k: str(root / k) for k in ("plain.pt", "llama", "mixtral", "tokenized")}
+    out = {k: str(root / k) for k in ("plain.pt", "llama", "mixtral", "tokenized", "gpt2.pt", "gpt2")}
     llama = ["--init-from", models["llama"][0]]
+    odd = root / "gpt2-odd"   # GPT-2's odd vocabulary: 257 rows, padded to 384 in the course, 257 again on export
+    expected_odd = saved(odd, gpt2_config(vocab=257), seed=4)
+    gpt2 = COMMON + SHARDED + ["--init-from", str(odd)]
     cases = [(COMMON + SHARDED + llama + ["--export", out["plain.pt"]], models["llama"][1]),
              (COMMON + SHARDED + llama + ["--export", out["llama"], "--export-format", "hf"], models["llama"][1]),
              (COMMON + ["--dp-shard", "4", "--ep", "2", "--init-from", models["mixtral"][0], "--export",
                         out["mixtral"], "--export-format", "hf"], models["mixtral"][1]),
              ([f for f in COMMON if f != "--quiet"] + ["--dp-shard", "4", "--init-from", str(tokdir), "--data",
                                                        str(root / "words.txt"), "--export", out["tokenized"],
-                                                       "--export-format", "hf", "--check"], expected_tok)]
+                                                       "--export-format", "hf", "--check"], expected_tok),
+             (gpt2 + ["--export", out["gpt2.pt"]], expected_odd),
+             (gpt2 + ["--export", out["gpt2"], "--export-format", "hf"], expected_odd)]
     return cases, dict(out, tokenizer=tok, words=str(root / "words.txt"), expected_tok=expected_tok)
 
 
@@ -275,7 +311,9 @@ def _refusal_cases(models, root):
         return d
 
     case("no-config", "holds no config.json", tensors=hf_state)
-    case("gpt2", "not 'gpt2'", config=transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4))
+    case("bloom", "not 'bloom'", config=transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4))
+    case("gpt2-scaled", "scale_attn_by_inverse_layer_idx", config=transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, scale_attn_by_inverse_layer_idx=True))
     case("qwen2", "biases", config=transformers.Qwen2Config(hidden_size=32, num_attention_heads=4,
                                                              num_key_value_heads=2))
     llama32 = llama_config()
@@ -350,6 +388,32 @@ def test_export_after_training_on_a_sharded_layout_loads_in_transformers(four, m
     assert not torch.equal(moe.layers[0].mlp.w1, models["mixtral"][1]["layers.0.mlp.w1"])  # trained
     with torch.no_grad():
         diff = (from_pretrained(out["mixtral"], "mixtral")(x).logits - moe(x)).abs().max().item()
+    assert diff < EXACT, diff
+
+
+def test_gpt2_fine_tuned_on_a_sharded_layout_exports_to_transformers(four):
+    """GPT-2 with GPT-2's odd vocabulary (257 rows, padded to 384 so tp splits them): trained 2 steps on ZeRO-3 x tp
+    from its directory (every rank starting from exactly its values; the one-process losses), exported plain and as
+    a Hugging Face directory: that holds exactly the trained weights, tied (no lm_head.weight on disk), the padded
+    rows left out, and from_pretrained gives the course model's logits to 1e-10."""
+    res, out = [r["exports"] for r in four["results"]], four["paths"]
+    for i in (4, 5):
+        flags = four["exports"][i][0]
+        assert all(r[i]["diff"] == 0.0 for r in res), flags
+        want = reference_losses(parse_args(flags))
+        assert all(max(abs(a - b) for a, b in zip(r[i]["losses"], want)) < TOL64 for r in res), flags
+    trained = torch.load(out["gpt2.pt"], weights_only=True)
+    cfg = config_from_hf(transformers.AutoConfig.from_pretrained(out["gpt2"]))
+    assert cfg.tie_embeddings and trained["tok_embeddings.weight"].shape == (cfg.padded_vocab, 32) == (384, 32)
+    on_disk, want = _read_safetensors(out["gpt2"]), to_hf(trained, cfg)
+    del want["lm_head.weight"]   # (tied: save_pretrained writes the matrix once)
+    assert on_disk.keys() == want.keys() and on_disk["transformer.wte.weight"].shape == (257, 32)
+    assert all(torch.equal(on_disk[k], v) for k, v in want.items())   # the trained weights, exactly
+    course = build_model(cfg, dtype=torch.float64)
+    course.load_state_dict(trained, strict=True)
+    x = torch.randint(257, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (from_pretrained(out["gpt2"], "gpt2")(x).logits - course(x)).abs().max().item()
     assert diff < EXACT, diff
 
 

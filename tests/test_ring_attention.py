@@ -90,12 +90,15 @@ def _rank(cases, train_configs):
             except ValueError as e:
                 errors.append((str(e), c.calls()))
     batches = global_batches(3, 2, 32, seed=0)
-    trained = [cp_demo.train_cp("tiny", batches, world, method, layout, dtype=F64) for method, layout in train_configs]
+    trained = [cp_demo.train_cp(model, batches, world, method, layout, dtype=F64)
+               for model, method, layout in train_configs]
     return results, errors, memory, [(losses, {n: p.detach() for n, p in m.named_parameters()})
                                      for losses, m in trained]
 
 
-TRAIN = [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag")]
+# (tiny-gpt2: learned positions, at each rank's true positions in the contiguous layout too — train.py's is zigzag)
+TRAIN = [("tiny", "ring", "contiguous"), ("tiny", "ring", "zigzag"), ("tiny", "ulysses", "zigzag"),
+         ("tiny-gpt2", "ring", "contiguous")]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -152,9 +155,9 @@ def test_attention_equals_sdpa_bytes_flops_memory_errors(cp):
         assert max(m[layout] for m in memory) < memory[0]["one rank"] / cp, memory
     assert len({m["zigzag"] for m in memory}) == 1 and memory[0]["contiguous"] < memory[-1]["contiguous"], memory
     if cp == 2:   # the shared model trained with cp = 2 gives the one-process losses and parameters (in float64:
-        one = single_process(build_model("tiny", dtype=F64), global_batches(3, 2, 32, seed=0))  # lab/baseline.py)
-        params = dict(one["model"].named_parameters())
         for i, config in enumerate(TRAIN):
+            one = single_process(build_model(config[0], dtype=F64), global_batches(3, 2, 32, seed=0))  # lab/baseline.py)
+            params = dict(one["model"].named_parameters())
             for losses, trained in (r[3][i] for r in per_rank):
                 assert losses == pytest.approx(one["losses"], rel=1e-12, abs=1e-12), config
                 for n, p in trained.items():

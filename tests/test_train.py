@@ -99,15 +99,15 @@ def two_ranks(tmp_path_factory):
     """Every 2-rank layout of this module's tests (see each test for what it checks)."""
     resume_dir = tmp_path_factory.mktemp("resume")
     return dict(_spawned(2, dict(alone=TWO + [MOE + lay for lay in TWO_MOE], zero0=ZERO0_TWO, pad=PAD,
-                                 dtypes=F32 + BF16, resume=_resume_layouts(resume_dir)), timeout=1200),
+                                 dtypes=F32 + BF16, resume=_resume_layouts(resume_dir), gpt=GPT_TWO), timeout=1200),
                 resume_dir=resume_dir)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
     """Every 4-rank layout of this module's tests."""
-    return _spawned(4, dict(combinations=FOUR + [MOE + lay for lay in FOUR_MOE] + [META], zero0=ZERO0_FOUR),
-                    timeout=900)
+    return _spawned(4, dict(combinations=FOUR + [MOE + lay for lay in FOUR_MOE] + [META], zero0=ZERO0_FOUR,
+                            gpt=GPT_FOUR), timeout=900)
 
 
 def test_world_1_and_every_dimension_alone_on_2_ranks(two_ranks):
@@ -241,6 +241,40 @@ def _check_composed_bytes(by):
         for k in ("parameters", "gradients"):
             assert mem[k] == sum(f[k] for f in form), (z, k, mem, form)
         assert 0 <= mem["optimizer"] - sum(f["optimizer"] for f in form) <= 8 * 40, (z, mem, form)  # + step counters
+
+
+# The GPT-family options (lab/model.py) on every strategy. tiny-gpt2: LayerNorm with biases, a GELU MLP, learned
+# positions, biases on the linears, the head tied to the embedding, a padded vocabulary (257 rows -> 320);
+# tiny-bloom: ALiBi, the embedding's norm, grouped kv heads with biases (tp 4 replicates them). 4 steps each: every
+# one of tiny-gpt2's clips, two of tiny-bloom's at --grad-clip 1.3.
+GPT = ["--model", "tiny-gpt2", "--steps", "4"]
+BLOOM = ["--model", "tiny-bloom", "--steps", "4", "--grad-clip", "1.3"]
+GPT_TWO = [GPT + ["--dp-replicate", "2"], GPT + ["--dp-shard", "2", "--zero-stage", "3"],
+           GPT + ["--tp", "2", "--sequence-parallel"], GPT + ["--cp", "2"],
+           GPT + ["--pp", "2", "--schedule", "zb", "--microbatches", "2"], BLOOM + ["--tp", "2"],
+           GPT + ["--experts", "4", "--dp-shard", "2", "--ep", "2", "--zero-stage", "1"]]
+GPT_FOUR = [GPT + ["--dp-replicate", "2", "--dp-shard", "2"],
+            GPT + ["--pp", "2", "--tp", "2", "--sequence-parallel", "--microbatches", "2"],
+            GPT + ["--cp", "2", "--tp", "2", "--sequence-parallel"], BLOOM + ["--tp", "4"],
+            BLOOM + ["--pp", "2", "--dp-shard", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                     "--layers", "4", "--microbatches", "2"],
+            GPT + ["--experts", "4", "--dp-shard", "2", "--ep", "2", "--tp", "2"]]
+
+
+def test_gpt_family_options_on_every_strategy(two_ranks, four_ranks):
+    """Data parallel, ZeRO-3 (the tied matrix used in two units), HSDP, tp with and without sequence parallel (biases
+    cut with a column-parallel linear's rows, added once after a row-parallel one's sum; LayerNorm's and positions'
+    gradients partial under SP; ALiBi's slopes per tp rank's heads; a padded vocabulary's logits masked), cp (learned
+    positions at each rank's zigzag positions, with SP too), pp with every tied-embedding case (zero bubble,
+    interleaved, with tp) and ep (GELU experts, with tp): the single-process losses on every rank. In a pipeline the
+    first and last stage all-reduce the tied matrix's gradient once a step: V·H elements, nothing else that size."""
+    from lab.model import get_config
+    _check(two_ranks["gpt"], TOL64, "GPT options, 2 ranks")
+    _check(four_ranks["gpt"], TOL64, "GPT options, 4 ranks")
+    cfg = get_config("tiny-gpt2")
+    for lay in (rank[4] for rank in two_ranks["gpt"]):
+        tied = [b for op, _, b in lay["comm_events"] if op == "all_reduce" and b == cfg.padded_vocab * cfg.dim * 8]
+        assert len(tied) == 1, lay["comm_events"]
 
 
 SMALL_BUCKETS = ["--bucket-mb", "0.02"]  # tiny's 273 KiB of fp64 gradients in several buckets
@@ -410,6 +444,9 @@ INVALID = [
     (["--seq-len", "-3"], 1, "--seq-len -3 must be >= 1"),
     (["--steps", "0"], 1, "--steps 0 must be >= 1"),
     (["--pad-share", "1.5"], 1, "--pad-share 1.5 must be in"),
+    (["--model", "tiny-bloom", "--cp", "2"], 2, "--cp with ALiBi positions"),
+    (["--model", "tiny-bloom", "--export", "bloom", "--export-format", "hf"], 1, "only as Llama, Mixtral or GPT-2"),
+    (["--model", "tiny-gpt2", "--tp", "2", "--compare"], 2, "none of lab/model.py's GPT-family options"),
 ]
 
 
