@@ -730,16 +730,23 @@ def _schedule(schedule: str, p: int, m: int, v: int):
 
 def _local_psi(args, stage: int) -> tuple[float, float]:
     """(this stage's dense parameters on one tp rank, its largest unit) from the model's shapes: a block's
-    parameters /tp (an MoE block: its attention /tp, its router whole); the embedding on the first stage, the
-    norm and head on the last, /tp (vocab parallel). The experts: _expert_psi."""
+    parameters /tp (an MoE block: its attention /tp, its router whole; a GELU MLP's two matrices, a SwiGLU's three;
+    biases of column-parallel linears /tp, of row-parallel ones whole; LayerNorm's biases); the embedding (and
+    learned positions, BLOOM's embedding norm) on the first stage, the norm and head on the last, /tp (vocab
+    parallel) — a tied head is the embedding's matrix, held once without a pipeline. The experts: _expert_psi."""
     cfg = _config(args)
-    H, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
-    mlp = H * cfg.n_experts * args.tp if cfg.n_experts else 3 * H * F   # (the router: whole on every tp rank)
-    block = (2 * H * H + 2 * H * cfg.n_kv_heads * hd + mlp) / args.tp + 2 * H
-    emb = cfg.vocab_size * H / args.tp
+    H, F, hd, kv, tp = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, args.tp
+    gated = cfg.mlp == "swiglu"
+    mlp = H * cfg.n_experts * tp if cfg.n_experts else (3 if gated else 2) * H * F   # (router: whole on every rank)
+    norm = H * (2 if cfg.norm_bias else 1)
+    bias = ((H + 2 * kv + (0 if cfg.n_experts else (2 if gated else 1) * F)) / tp + 2 * H) if cfg.bias else 0
+    block = (2 * H * H + 2 * H * kv + mlp) / tp + 2 * norm + bias
+    emb = cfg.padded_vocab * H / tp
+    first = emb + (cfg.max_seq_len * H if cfg.positions == "learned" else 0) + (norm if cfg.embed_norm else 0)
+    head = 0 if cfg.tie_embeddings and args.pp == 1 else emb
     layers = _stage_layers(args)[stage]
-    psi = layers * block + (emb if stage == 0 else 0) + (emb + H if stage == args.pp - 1 else 0)
-    unit = max(block, emb, _expert_psi(args, stage)[1])
+    psi = layers * block + (first if stage == 0 else 0) + (head + norm if stage == args.pp - 1 else 0)
+    unit = max(block, first, _expert_psi(args, stage)[1])
     return psi, unit
 
 
@@ -756,11 +763,18 @@ def _expert_psi(args, stage: int) -> tuple[float, int]:
 
 def _unit_tensors(args, stage: int) -> list[int]:
     """The parameter tensors of each ZeRO unit of a stage (train.py's units): a block each (2 norms, 4 attention
-    projections, 3 MLP weights — an MoE's are 3 stacked expert weights and a router), the embedding, and the
-    final norm with the head (one unit; a pipeline's last stage: two)."""
-    block = 9 + (1 if _config(args).n_experts else 0)
-    units = [block] * _stage_layers(args)[stage] + ([1] if stage == 0 else [])
-    return units + (([1, 1] if args.pp > 1 else [2]) if stage == args.pp - 1 else [])
+    projections, 3 MLP weights — a GELU MLP's 2, an MoE's 3 stacked expert weights and a router; LayerNorm's and
+    the linears' biases), the embedding (with learned positions and BLOOM's norm), and the final norm with the head
+    (one unit; a pipeline's last stage: two; a tied head is the embedding's)."""
+    cfg = _config(args)
+    matrices = 3 if cfg.mlp == "swiglu" else 2
+    norms = 2 * (2 if cfg.norm_bias else 1)
+    block = norms + 4 + matrices + (1 if cfg.n_experts else 0) + ((4 + matrices) if cfg.bias else 0)
+    first = 1 + (cfg.positions == "learned") + (norms // 2 if cfg.embed_norm else 0)
+    last = [norms // 2, 0 if cfg.tie_embeddings else 1] if args.pp > 1 else \
+        [norms // 2 + (0 if cfg.tie_embeddings else 1)]
+    units = [block] * _stage_layers(args)[stage] + ([first] if stage == 0 else [])
+    return units + ([t for t in last if t] if stage == args.pp - 1 else [])
 
 
 @lru_cache(maxsize=None)
@@ -838,9 +852,10 @@ COMPUTE_PARTS = ("matmul", "attention", "memory", "launch")   # compute's breakd
 
 def _linear_flops(cfg, tp: int) -> list[float]:
     """FLOPs per token of a block's linears on one tp rank, in the order the forward runs them (wq, wk, wv, wo,
-    w1, w3, w2): 2 per multiply-add of the rank's slice (kv heads shared by tp ranks: one head's width each)."""
+    w1, w3, w2; a GELU MLP w1, w2): 2 per multiply-add of the rank's slice (kv heads shared by tp ranks: one head's width each)."""
     H, F, kv = cfg.dim, cfg.ffn_dim, max(cfg.n_kv_heads * cfg.head_dim // tp, cfg.head_dim)
-    return [2 * H * w for w in (H / tp, kv, kv, H / tp)] + ([] if cfg.n_experts else [2 * H * F / tp] * 3)
+    mlp = [] if cfg.n_experts else [2 * H * F / tp] * (3 if cfg.mlp == "swiglu" else 2)   # (GELU: w1, w2)
+    return [2 * H * w for w in (H / tp, kv, kv, H / tp)] + mlp
 
 
 def compute_time(args, dev: Device, assume: Assumptions, pr: dict, b: int, layers: int, last: bool, moe) -> dict:
@@ -994,7 +1009,7 @@ def float8_casts(args, b: int, layers: int, p: str, compiled: bool, recompute: b
     per_byte = (b_el + 1) if compiled else (2 * b_el + 1)
     H = cfg.dim
     sizes = [(H, n / 2 / H) for n in _linear_flops(cfg, args.tp)]     # (in, out) of each linear on this rank
-    sizes = [(i, o) if j != 3 and j != 6 else (o, i) for j, (i, o) in enumerate(sizes)]
+    sizes = [(i, o) if j != 3 and j != len(sizes) - 1 else (o, i) for j, (i, o) in enumerate(sizes)]   # wo, w2
     nbytes = 0.0
     if p == "f" or recompute:
         nbytes += layers * sum(T * i + i * o for i, o in sizes) * per_byte
@@ -1375,15 +1390,10 @@ def _dp_formula(args, psi: float, shard: int) -> dict:
 
 
 def model_flops(args) -> float:
-    """The model's FLOPs per step, for MFU: 6 per parameter a token passes through (forward 2, backward 4) plus
-    attention's 12·layers·H·S per token (causal: half of it), no recompute — Chowdhery et al. 2022 (PaLM), App. B."""
-    from lab.model import num_params
-    cfg = _config(args)
-    n = num_params(cfg) - cfg.vocab_size * cfg.dim    # the embedding lookup costs no matmul
-    if cfg.n_experts:
-        n -= cfg.n_layers * 3 * cfg.dim * cfg.ffn_dim * (cfg.n_experts - cfg.top_k)
-    tokens = args.global_batch_size * args.seq_len
-    return tokens * (6 * n + 6 * cfg.n_layers * cfg.dim * args.seq_len)
+    """The model's FLOPs per step, for MFU: lab.model.flops_per_token (6 per parameter a token passes through,
+    attention's causal half of 12·layers·H·S, no recompute: Chowdhery et al. 2022, PaLM, App. B) per token."""
+    from lab.model import flops_per_token
+    return args.global_batch_size * args.seq_len * flops_per_token(_config(args), args.seq_len)
 
 
 # ---- memory from the formulas (to prune before any meta step) ---------------------------------------------
@@ -1403,7 +1413,7 @@ def memory_parts(args) -> dict:
     last stage's norm, head and loss, × the micro-batches a pipeline rank holds), the step's transient buffers
     (one unit's packed gradient; ZeRO-3 a unit gathered twice, the next prefetched; a pipeline keeps its units
     gathered): {state, activations, buffers, total}."""
-    from lab.plan import layer_formula, rest_formula
+    from lab.plan import first_formula, layer_formula, rest_formula
     cfg, z = _config(args), args.zero_stage
     b_p, bf16 = _elem(args), args.dtype == "bfloat16"
     b_m = 4 if bf16 else b_p
@@ -1427,6 +1437,8 @@ def memory_parts(args) -> dict:
         per_token = layers * layer_formula(cfg, args.activation_checkpointing, b_p, args.tp, sp, cp)
         if s == args.pp - 1:
             per_token += rest_formula(cfg, b_p, args.tp, sp)
+        if s == 0:
+            per_token += first_formula(cfg, b_p, args.tp, sp)
         buffers = b_m * unit if z < 2 else (b_p + b_m) * unit if z == 2 else \
             (b_p * psi + b_m * unit if args.pp > 1 else 3 * b_p * unit + b_m * unit)
         if z == 0 and bf16 and args.dp_replicate * args.dp_shard * args.cp > 1:
