@@ -852,7 +852,8 @@ COMPUTE_PARTS = ("matmul", "attention", "memory", "launch")   # compute's breakd
 
 def _linear_flops(cfg, tp: int) -> list[float]:
     """FLOPs per token of a block's linears on one tp rank, in the order the forward runs them (wq, wk, wv, wo,
-    w1, w3, w2; a GELU MLP w1, w2): 2 per multiply-add of the rank's slice (kv heads shared by tp ranks: one head's width each)."""
+    w1, w3, w2; a GELU MLP w1, w2): 2 per multiply-add of the rank's slice (kv heads shared by tp ranks: one
+    head's width each)."""
     H, F, kv = cfg.dim, cfg.ffn_dim, max(cfg.n_kv_heads * cfg.head_dim // tp, cfg.head_dim)
     mlp = [] if cfg.n_experts else [2 * H * F / tp] * (3 if cfg.mlp == "swiglu" else 2)   # (GELU: w1, w2)
     return [2 * H * w for w in (H / tp, kv, kv, H / tp)] + mlp
@@ -1894,9 +1895,10 @@ def model_dir(name: str) -> str:
     """A Hugging Face directory holding PUBLISHED_MODELS[name]'s config.json alone (no weights: --plan reads the
     shape), written once under cache_dir() (else a temporary directory): --init-from it."""
     path = os.path.join(cache_dir() or tempfile.gettempdir(), "models", name)
-    want = dict(dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
-                     rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
-                **PUBLISHED_MODELS[name])
+    shape = PUBLISHED_MODELS[name]
+    want = shape if "model_type" in shape else \
+        dict(dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False), **shape)
     file = os.path.join(path, "config.json")
     if not os.path.exists(file) or json.load(open(file)) != want:
         _write_json(file, want)
@@ -1904,9 +1906,11 @@ def model_dir(name: str) -> str:
 
 
 def published_args(row: Published):
-    """The row's train.py arguments, checked as train.py checks a plan's (--plan: config.json alone)."""
-    args = train.parse_args(["--init-from", model_dir(row.model), "--dtype", "bfloat16", "--plan", "--device",
-                             row.device, *row.flags])
+    """The row's train.py arguments, checked as train.py checks a plan's (--plan: config.json alone; a shape
+    lab.model names, by its name)."""
+    from lab.model import CONFIGS
+    model = ["--model", row.model] if row.model in CONFIGS else ["--init-from", model_dir(row.model)]
+    args = train.parse_args([*model, "--dtype", "bfloat16", "--plan", "--device", row.device, *row.flags])
     train.check_args(args, row.gpus)
     return args
 

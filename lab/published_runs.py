@@ -7,18 +7,18 @@ from dataclasses import dataclass, replace
 
 
 def _gpt(h: int, layers: int, heads: int) -> dict:
-    """Megatron-LM's GPT as the course's model can hold it: the same widths, layers, heads, 51,200-token
-    vocabulary and 2,048 positions; its GELU MLP of 4h as a SwiGLU of the same parameters and FLOPs, 3·h·F =
-    8h² with F = 8h/3 (rounded to a multiple of 64), RMSNorm for LayerNorm, rotary positions for learned ones,
-    no biases, no dropout, the head apart from the embedding (Megatron ties them: memory only)."""
-    return dict(vocab_size=51200, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=heads, intermediate_size=round(8 * h / 3 / 64) * 64, max_position_embeddings=2048)
+    """Megatron-LM's GPT as GPT-2's config.json holds it (the course's GPT-family block: LayerNorm with its bias,
+    learned positions, a 4h MLP of tanh GELU, biases on every linear, the head tied to the embedding), at Megatron's
+    widths, layers and heads, its 51,200-token vocabulary and 2,048 positions; no dropout."""
+    return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=51200, n_embd=h, n_layer=layers,
+                n_head=heads, n_inner=4 * h, n_positions=2048, activation_function="gelu_new",
+                layer_norm_epsilon=1e-5, tie_word_embeddings=True)
 
 
 def _mpt(h: int, layers: int, heads: int) -> dict:
     """MosaicML's MPT as llm-foundry's benchmarks configure it (scripts/train/yamls/pretrain/mpt-*.yaml: d_model,
-    n_heads, n_layers, expansion_ratio 4, learned positions, no biases, its 50,368-token vocabulary, tied), as the
-    course's model holds it: its GELU MLP of 4h as a SwiGLU of the same parameters and FLOPs (F = 8h/3, a multiple
+    n_heads, n_layers, expansion_ratio 4, learned positions, no biases, its 50,368-token vocabulary, tied) as a Llama
+    block of the same widths: its GELU MLP of 4h as a SwiGLU of the same parameters and FLOPs (F = 8h/3, a multiple
     of 64), RMSNorm for LayerNorm, rotary positions for learned ones, the head apart from the embedding."""
     return dict(vocab_size=50368, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=heads, intermediate_size=round(8 * h / 3 / 64) * 64, max_position_embeddings=65536)
@@ -46,9 +46,8 @@ PUBLISHED_MODELS = {
     "gpt-18b": _gpt(6144, 40, 48), "gpt-39b": _gpt(8192, 48, 64), "gpt-76b": _gpt(10240, 60, 80),
     "gpt-145b": _gpt(12288, 80, 96), "gpt-310b": _gpt(16384, 96, 128), "gpt-530b": _gpt(20480, 105, 128),
     "gpt-1t": _gpt(25600, 128, 160),
-    "bloom-176b": dict(_gpt(14336, 70, 112), vocab_size=250880),
-    "mpt-1b": _mpt(2048, 24, 16), "mpt-3b": _mpt(2560, 32, 20), "mpt-7b": _mpt(4096, 32, 32),
-    "mpt-13b": _mpt(5120, 40, 40), "mpt-30b": _mpt(7168, 48, 64),
+    "lf-mpt-1b": _mpt(2048, 24, 16), "lf-mpt-3b": _mpt(2560, 32, 20), "lf-mpt-7b": _mpt(4096, 32, 32),
+    "lf-mpt-13b": _mpt(5120, 40, 40), "lf-mpt-30b": _mpt(7168, 48, 64),
 }
 
 
@@ -75,7 +74,7 @@ def _megatron(params, model, tflops, tp, pp, gpus, batch, mbs, v=1):
     for pp > 1): A100 80GB (Selene, 8 a node), fp16, full recomputation, sequence 2,048. Tokens/s per GPU from the
     table's teraFLOP/s per GPU and the paper's FLOPs per token with recomputation, 96·l·h²(1 + s/6h + V/16lh)."""
     cfg = PUBLISHED_MODELS[model]
-    h, l, s, V = cfg["hidden_size"], cfg["num_hidden_layers"], 2048, 51200
+    h, l, s, V = cfg["n_embd"], cfg["n_layer"], 2048, 51200
     per_token = 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     dp = gpus // (tp * pp)
     flags = ["--tp", str(tp), "--pp", str(pp), "--dp-shard", str(dp), "--zero-stage", "0", "--seq-len", "2048",
@@ -225,28 +224,28 @@ def _foundry(name, model, device, gpus, seq, mbs, accum, checkpointing, tokens, 
 
 
 FURTHER += [
-    _foundry("MPT-7B, FSDP1 8 H100s, 2k tokens, micro-batch 6, no checkpointing", "mpt-7b", "h100", 8, 2048, 6, 1,
+    _foundry("MPT-7B, FSDP1 8 H100s, 2k tokens, micro-batch 6, no checkpointing", "lf-mpt-7b", "h100", 8, 2048, 6, 1,
              False, 10643),
-    _foundry("MPT-7B, FSDP1 8 H100s, 8k tokens, micro-batch 8 x 2, full", "mpt-7b", "h100", 8, 8192, 8, 2, True,
+    _foundry("MPT-7B, FSDP1 8 H100s, 8k tokens, micro-batch 8 x 2, full", "lf-mpt-7b", "h100", 8, 8192, 8, 2, True,
              6935),
-    _foundry("MPT-13B, FSDP1 64 H100s, 2k tokens, micro-batch 2, no checkpointing", "mpt-13b", "h100", 64, 2048, 2,
+    _foundry("MPT-13B, FSDP1 64 H100s, 2k tokens, micro-batch 2, no checkpointing", "lf-mpt-13b", "h100", 64, 2048, 2,
              1, False, 4800),
-    _foundry("MPT-30B, FSDP1 32 H100s, 2k tokens, micro-batch 14 x 3, full", "mpt-30b", "h100", 32, 2048, 14, 3,
+    _foundry("MPT-30B, FSDP1 32 H100s, 2k tokens, micro-batch 14 x 3, full", "lf-mpt-30b", "h100", 32, 2048, 14, 3,
              True, 2308),
-    _foundry("MPT-7B, FSDP1 8 A100s, 2k tokens, micro-batch 6 x 2, no checkpointing", "mpt-7b", "a100", 8, 2048, 6,
+    _foundry("MPT-7B, FSDP1 8 A100s, 2k tokens, micro-batch 6 x 2, no checkpointing", "lf-mpt-7b", "a100", 8, 2048, 6,
              2, False, 4641),
-    _foundry("MPT-7B, FSDP1 8 A100s, 8k tokens, micro-batch 8 x 2, full", "mpt-7b", "a100", 8, 8192, 8, 2, True,
+    _foundry("MPT-7B, FSDP1 8 A100s, 8k tokens, micro-batch 8 x 2, full", "lf-mpt-7b", "a100", 8, 8192, 8, 2, True,
              3206),
     # the same file's later H100 table, 128 to 512 GPUs, SHARD_GRAD_OP for the 1B and 3B
-    _foundry("MPT-1B, FSDP1 SHARD_GRAD_OP 128 H100s, micro-batch 12", "mpt-1b", "h100", 128, 2048, 12, 1, False,
+    _foundry("MPT-1B, FSDP1 SHARD_GRAD_OP 128 H100s, micro-batch 12", "lf-mpt-1b", "h100", 128, 2048, 12, 1, False,
              44123, zero=2, source=LLM_FOUNDRY_SCALE),
-    _foundry("MPT-1B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 12", "mpt-1b", "h100", 512, 2048, 12, 1, False,
+    _foundry("MPT-1B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 12", "lf-mpt-1b", "h100", 512, 2048, 12, 1, False,
              39837, zero=2, source=LLM_FOUNDRY_SCALE),
-    _foundry("MPT-3B, FSDP1 SHARD_GRAD_OP 128 H100s, micro-batch 8", "mpt-3b", "h100", 128, 2048, 8, 1, False,
+    _foundry("MPT-3B, FSDP1 SHARD_GRAD_OP 128 H100s, micro-batch 8", "lf-mpt-3b", "h100", 128, 2048, 8, 1, False,
              23422, zero=2, source=LLM_FOUNDRY_SCALE),
-    _foundry("MPT-3B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 8", "mpt-3b", "h100", 512, 2048, 8, 1, False,
+    _foundry("MPT-3B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 8", "lf-mpt-3b", "h100", 512, 2048, 8, 1, False,
              21664, zero=2, source=LLM_FOUNDRY_SCALE),
-    _foundry("MPT-7B, FSDP1 512 H100s, micro-batch 6, no checkpointing", "mpt-7b", "h100", 512, 2048, 6, 1, False,
+    _foundry("MPT-7B, FSDP1 512 H100s, micro-batch 6, no checkpointing", "lf-mpt-7b", "h100", 512, 2048, 6, 1, False,
              9670, source=LLM_FOUNDRY_SCALE),
 ]
 
@@ -256,9 +255,10 @@ def _bloom():
     2, global batch 2,048 x 2,048 tokens, bf16, ZeRO-1, activation checkpointing; Megatron-DeepSpeed) at 150 TFLOP/s
     per GPU once the batch reached 2,048 (S. Bekman, Machine Learning Engineering, the batch-size ramp of BLOOM-176B:
     "ramped up to GBS=2048 (150 TFLOPs)"), counted as Megatron-DeepSpeed counts it: 96·l·h²(1 + s/6h + V/16lh) FLOPs
-    a token. Its ALiBi and 4h GELU MLP held as _gpt holds GPT's."""
-    cfg = PUBLISHED_MODELS["bloom-176b"]
-    h, l, s, V = cfg["hidden_size"], cfg["num_hidden_layers"], 2048, cfg["vocab_size"]
+    a token. Its shape: lab.model's bloom-176b (ALiBi, the embedding's LayerNorm, biases, tied)."""
+    from lab.model import get_config
+    cfg = get_config("bloom-176b")
+    h, l, s, V = cfg.dim, cfg.n_layers, 2048, cfg.vocab_size
     per_token = 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     flags = ("--tp", "4", "--pp", "12", "--dp-shard", "8", "--zero-stage", "1", "--seq-len", "2048",
              "--global-batch-size", "2048", "--microbatches", "128", "--activation-checkpointing", "full")

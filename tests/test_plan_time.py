@@ -720,6 +720,19 @@ def test_deepspeed_adds_each_micro_batch_s_gradients_into_fp32():
     assert with_["seconds"] - without["seconds"] >= with_["exposed"]["fp32 accumulation"] * 0.99
 
 
+
+@pytest.mark.parametrize("model", ["gpt2", "tiny-bloom", "tiny"])
+def test_a_gpt_family_block_is_counted_as_its_own_parameters(model):
+    # the planner's own count of a stage's parameters (ZeRO's bytes, the optimizer's work) is the model's: a GELU
+    # MLP's two matrices, biases, LayerNorm's biases, learned positions, BLOOM's embedding norm, a tied head once
+    from lab.model import num_params
+    args = train.parse_args(["--model", model, "--seq-len", "64", "--global-batch-size", "8"])
+    assert T._local_psi(args, 0)[0] == num_params(train.config_of(args))
+    # and Megatron's GPT rows are planned as GPT's block (GPT-2's config.json), not a SwiGLU stand-in
+    cfg = train.config_of(T.published_args(next(r for r in T.PUBLISHED if r.name.startswith("GPT 1.7B"))))
+    assert (cfg.mlp, cfg.norm, cfg.positions, cfg.bias, cfg.tie_embeddings) == ("gelu", "layer", "learned", True, True)
+
+
 # ---- every prediction the README and the tests show, pinned: a refactor that changes one fails here ----------
 
 PINNED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_time_pinned.json")
