@@ -71,6 +71,8 @@ def data_scales(P: int) -> list:
 
 
 def slice_pattern(got, want, before, n, P, rank) -> str:
+    """A flat buffer of P slices of n elements (rank r owns [r·n, (r+1)·n)) after a step, on rank `rank`: each slice
+    read on its update (got − before against want − before) — right, stale, another slice's update, or a pattern."""
     dg, dw = got - before, want - before
     moves = [bool(dw[j * n:(j + 1) * n].abs().max() > 0) for j in range(P)]
     parts = []

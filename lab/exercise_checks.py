@@ -315,15 +315,6 @@ def run_dp_groups(P):
     return res
 
 
-def _dp_candidates(res, step_grads_world=None):
-    def cands(r, name):
-        c = [("this rank's own gradient, not averaged: no all-reduce reached it", res[r]["local"][name])]
-        if step_grads_world is not None:
-            c.append(step_grads_world(name))
-        return c
-    return cands
-
-
 def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients"):
     lines = []
     seed_of = (lambda r: 0) if seeds is None else seeds

@@ -12,14 +12,12 @@ right one, compare, and the refusals.
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
 
-from harness import ROOT, _copy_repository, run_command
+from harness import _copy_repository, run_command
 from lab import grader
 from lab import workbook as exercises
 from lab.exercise_checks import BUGS
