@@ -43,6 +43,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import json
+import os
 import sys
 import time
 
@@ -54,7 +55,7 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather_single", "all_gather_into_
 _ORIGINAL: dict[str, object] = {}
 _PG_ORIGINAL: dict[str, object] = {}   # ProcessGroup.send / .recv: where every transfer is posted
 _S = dict(check=0, seq={}, posted={}, pending=[], n=0, patience=10.0, events=[], probe=None, broken=None, works={},
-          on_drop=None, calls=0, spent=0.0, unusable={})
+          on_drop=None, dropped=[], calls=0, spent=0.0, unusable={})
 events: list[dict] = _S["events"]
 
 
@@ -161,7 +162,8 @@ def _describe(name, a) -> dict:
     if op == "all_reduce":
         t = a["tensor"]
         red = str(a["op"]).split(".")[-1].lower()
-        rec.update(numel=t.numel(), dtype=_dt(t), bytes=_nb(t), line=f"all_reduce ({red}) of {t.numel():,} {_dt(t)} elements")
+        rec.update(numel=t.numel(), dtype=_dt(t), bytes=_nb(t),
+                   line=f"all_reduce ({red}) of {t.numel():,} {_dt(t)} elements")
     elif op == "broadcast":
         t = a["tensor"]
         rec.update(numel=t.numel(), dtype=_dt(t), bytes=_nb(t),
@@ -386,15 +388,37 @@ def _match(op, store) -> None:
     op["matched"] = True
 
 
+def _site() -> list:
+    """Where the caller is: [(file, line, function, ''), ...] innermost last, torch's and the watch's frames left out
+    (cheap: no source read)."""
+    out, f, torch_dir = [], sys._getframe(2), os.path.dirname(torch.__file__)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if fn != __file__ and not fn.startswith(torch_dir):
+            out.append((fn, f.f_lineno, f.f_code.co_name, ""))
+        f = f.f_back
+    return out[::-1]
+
+
+def _what(op) -> str:
+    """'all_gather of 2,048 float64 elements per rank into 8,192 over ranks [0, 1]', 'send of 512 float64 elements
+    (2, 8, 32) to rank 1 (send #3 from 0 to 1)'."""
+    if "kind" not in op:
+        return f"{op['line']} over ranks {op['group']}"
+    send = op["kind"] == "send"
+    return (f"{'send' if send else 'receive'} of {op['what']} {'to' if send else 'from'} rank {op['peer']} "
+            f"({_short(op)})")
+
+
 class _Work(dist.Work):
     """The work of a watched transfer or asynchronous collective: wait() first waits for the transfer's other side
-    (the watch's wait: a deadlock or a missing peer named), then for gloo, bounded."""
+    (the watch's wait: a deadlock or a missing peer named), then for gloo, bounded. Until it is waited it is in
+    flight (in_flight); dropped unwaited, it is noted (unwaited, and the drop hook)."""
 
     def __init__(self, work, op):
         super().__init__()
         self._work, self._op, self._waited = work, op, False
-        if "kind" not in op:   # an asynchronous collective: in flight until waited
-            _S["works"][id(self)] = op
+        _S["works"][id(self)] = dict(what=_what(op), site=_site(), dropped=False)
 
     def wait(self, timeout=datetime.timedelta(0)):
         op = self._op
@@ -415,45 +439,36 @@ class _Work(dist.Work):
             _S["pending"].remove(op)
         return done
 
-    def is_completed(self):
-        return self._work.is_completed()
-
-    def is_success(self):
-        return self._work.is_success()
-
-    def exception(self):
-        return self._work.exception()
-
-    def source_rank(self):
-        return self._work.source_rank()
-
-    def result(self):
-        return self._work.result()
-
-    def synchronize(self):
-        return self._work.synchronize()
-
-    def get_future(self):
-        return self._work.get_future()
-
     def __del__(self):
-        if self._waited or "kind" in self._op:
+        rec = _S["works"].pop(id(self), None)
+        if self._waited or rec is None:
             return
-        _S["works"].pop(id(self), None)
-        if not self._work.is_completed():   # dropped in flight: gloo may still write into its tensors
-            self._op["dropped"] = True
-            if _S["on_drop"] is not None:
-                _S["on_drop"](self._op)
+        rec.update(dropped=True, completed=self._work.is_completed())
+        _S["dropped"].append(rec)
+        if _S["on_drop"] is not None:   # before gloo may write into its freed tensors (and the process crash)
+            _S["on_drop"](rec)
+
+
+for _name in ("is_completed", "is_success", "exception", "source_rank", "result", "synchronize", "get_future"):
+    # everything else a work does is gloo's own
+    setattr(_Work, _name, lambda self, *a, _name=_name, **k: getattr(self._work, _name)(*a, **k))
 
 
 def in_flight() -> list[dict]:
-    """The events of this rank's asynchronous collectives launched and not yet waited (their works still held)."""
-    return list(_S["works"].values())
+    """This rank's asynchronous collectives and transfers posted and not yet waited, their works still held:
+    [{what, site}] (site: where it was posted, innermost frame last)."""
+    return [dict(rec) for rec in _S["works"].values()]
+
+
+def unwaited() -> list[dict]:
+    """Those of this scope never waited: in flight still, or dropped ({what, site, dropped, completed}). Every work
+    must be waited before its tensors are used or freed: gloo writes into them in the background."""
+    return [dict(rec) for rec in _S["dropped"]] + in_flight()
 
 
 def set_drop_hook(fn) -> None:
-    """fn(event) when an asynchronous collective's work is dropped before it completed and was never waited: its
-    tensors may be freed while gloo still writes into them (the likeliest cause if the process then crashes)."""
+    """fn({what, site, completed}) when a work is dropped unwaited: its tensors may be freed while gloo still writes
+    into them (the likeliest cause if the process then crashes)."""
     _S["on_drop"] = fn
 
 
@@ -557,8 +572,8 @@ def _wait(keys, ranks, where, last_of, op=None) -> None:
             raise CollectiveMismatch(msg)
         seen = cycle
         if time.monotonic() - start > _S["patience"]:
-            who = "; ".join(f"rank {r} never reached it (its last: {last_of(r)}; it is not waiting at a collective "
-                            f"or transfer: still computing, or in an endless loop?)" for r, _ in missing)
+            who = "; ".join(f"rank {r} never reached it (its last: {last_of(r)}; it is not waiting at a watched "
+                            f"collective or transfer: still computing, or in an endless loop?)" for r, _ in missing)
             raise CollectiveMismatch(f"rank {me} {_strip(where)}, but {who} within {_S['patience']:.0f} s")
     if blocked:
         store.set(_key("s", me), json.dumps(dict(state="running", where=where, n=_S["n"], waits=[])))
@@ -608,7 +623,7 @@ def _deadlock(me):
 def begin_check() -> None:
     """Before a scope (a grading check; a training step), on every rank alike: fresh keys, counters and events."""
     _S["check"] += 1
-    _S["seq"].clear(), _S["posted"].clear(), _S["pending"].clear(), _S["works"].clear()
+    _S["seq"].clear(), _S["posted"].clear(), _S["pending"].clear(), _S["works"].clear(), _S["dropped"].clear()
     _S["broken"] = None
     events.clear()
     _S["probe"] = None
