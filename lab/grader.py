@@ -11,7 +11,11 @@ reference's — every name bound to the reference function in the course's modul
 method (so subclasses use it too: fsdp's FlatUnit, expert_parallel's layer) — its checks run, and it is taken out
 again. Each check's run is guarded on every rank: an error, a collective mismatch, a deadlock or an endless loop
 (CHECK_SECONDS) becomes one line naming the rank and the learner's line, and every rank stays in step for the next
-check. The grading process then judges each check from every rank's results, or reports the first failed run.
+check. A wait inside gloo gives up after PATIENCE + 5 s (gloo's timeout while grading). Each run's result is kept in
+a file as soon as it is done; a rank that dies (a signal, an exit) fails the check it was in, named with how and the
+likely cause (an asynchronous collective dropped in flight, with its line; the crash's Python stack), and a fresh
+group of ranks grades the jobs after it — as after a check in which gloo itself failed. The grading process then
+judges each check from every rank's results, or reports the first failed run.
 
 What each exercise is graded on — its runs, judges, checks and seeded bugs — is lab/exercise_checks.py's, one block
 per exercise; this module reads its CHECKS and holds nothing of any exercise.
@@ -20,16 +24,24 @@ Imports: lab/diagnosis.py <- lab/exercise_checks.py <- this module <- lab/exerci
 from __future__ import annotations
 
 import contextlib
+import datetime
+import faulthandler
 import importlib
 import importlib.util
+import io
+import json
+import linecache
 import os
+import re
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from lab import collective_watch as watch
@@ -54,21 +66,13 @@ def load(path: str, lesson: str):
     return mod
 
 
-def _course_modules():
-    return [m for n, m in list(sys.modules.items()) if m is not None and (n in _LESSONS or n.startswith("lab."))]
-
-
 _LESSONS = ("mesh", "ddp", "fsdp", "hsdp", "tensor_parallel", "pipeline", "ring_attention", "expert_parallel", "train")
 
 
-@contextlib.contextmanager
-def patched(ex: Exercise, path: str | None):
-    """The learner's cores of `ex` (from the file at `path`) in place of the reference's while inside; None: the
-    reference itself. Cores of the lesson's OTHER exercises still blank in that file are taken from the reference, so
-    only this exercise is graded."""
-    if path is None:
-        yield
-        return
+def learner_module(ex: Exercise, path: str):
+    """The learner's file loaded, its cores of `ex` present; cores of the lesson's OTHER exercises still blank in it
+    are taken from the reference, so only this exercise is graded. Raises what loading raised (the file does not
+    load)."""
     ref = importlib.import_module(ex.lesson)
     with open(path) as f:
         text = f.read()
@@ -78,6 +82,22 @@ def patched(ex: Exercise, path: str | None):
             for q in other.cores:
                 if "." not in q and is_blank(text, other, q):
                     setattr(mine, q, getattr(ref, q))
+    for q in ex.cores:
+        cls_name, _, attr = q.rpartition(".")
+        if not hasattr(mine, cls_name or attr) or cls_name and attr not in vars(getattr(mine, cls_name)):
+            raise LookupError(f"it has no {q}")
+    return mine
+
+
+@contextlib.contextmanager
+def patched(ex: Exercise, mine):
+    """The learner's cores of `ex` (from the module `mine`, learner_module's) in place of the reference's while
+    inside: every name bound to the reference function in the course's modules, or the class attribute of a method;
+    None: the reference itself."""
+    if mine is None:
+        yield
+        return
+    ref = importlib.import_module(ex.lesson)
     undo = []
     try:
         for q in ex.cores:
@@ -89,7 +109,7 @@ def patched(ex: Exercise, path: str | None):
                 undo.append((cls, attr, old))
             else:
                 old, new = getattr(ref, q), getattr(mine, q)
-                for m in _course_modules():
+                for m in watch.course_modules():
                     for k, v in list(vars(m).items()):
                         if v is old:
                             setattr(m, k, new)
@@ -107,38 +127,47 @@ class CheckTimeout(BaseException):
 
 
 def _alarm(*_):
-    raise CheckTimeout(f"the check ran longer than {CHECK_SECONDS:.0f} s: an endless loop?")
+    raise CheckTimeout(f"the check ran longer than {_NOW['check']:.0f} s: an endless loop?")
 
 
-def _where(tb) -> str:
-    """The innermost frame of the learner's file, else of a lesson: 'yours/ddp.py line 74, in f: <code>'."""
-    frames = traceback.extract_tb(tb)
-    for want in ("yours_", WORKSPACE + os.sep, None):
-        for fr in reversed(frames):
-            fn = fr.filename
-            if want is None and os.path.basename(fn)[:-3] in _LESSONS or want and want in fn:
-                rel = os.path.relpath(fn, ROOT) if fn.startswith(ROOT) else fn
-                return f" (at {rel} line {fr.lineno}, in {fr.name}: {fr.line})"
+def _rel(fn: str) -> str:
+    return os.path.relpath(fn, ROOT) if fn.startswith(ROOT) else fn
+
+
+def _where(frames, path: str | None = None) -> str:
+    """' (at yours/ddp.py line 74, in f: <code>)': the innermost frame of the learner's file (`path`, or any in
+    yours/), else of a lesson. frames: a traceback, or a list of (file, line, function, code) innermost last."""
+    if frames is None or not isinstance(frames, list):
+        frames = traceback.extract_tb(frames)
+    mine = os.path.abspath(path) if path else None
+    for want in ("path", "yours", "lesson"):
+        for fn, line, func, code in reversed([tuple(f) for f in frames]):
+            if (want == "path" and mine and os.path.abspath(fn) == mine
+                    or want == "yours" and ("yours_" in fn or WORKSPACE + os.sep in fn)
+                    or want == "lesson" and os.path.basename(fn)[:-3] in _LESSONS):
+                code = code or linecache.getline(fn, line).strip()
+                return f" (at {_rel(fn)} line {line}, in {func}: {code})"
     return ""
 
 
-def _timed_out(e: CheckTimeout) -> str:
-    """Where the alarm found this rank: waiting for a peer in a collective or a transfer (the watch's wait), or
-    anywhere else -- looping."""
+def _timed_out(e: CheckTimeout, path: str | None) -> str:
+    """Where the alarm found this rank: waiting for a peer in a collective or a transfer (in the watch, or in gloo
+    after it), or anywhere else -- looping."""
     frames = traceback.extract_tb(e.__traceback__)
-    waiting = next((f for f in frames if f.name == watch._wait.__name__ and f.filename == watch.__file__), None)
+    waiting = next((f for f in frames if f.filename == watch.__file__), None)
     if waiting is None:
-        return f"{e}{_where(e.__traceback__)}"
+        return f"{e}{_where(frames, path)}"
     call = next((f for f in reversed(frames[:frames.index(waiting)]) if f.filename != watch.__file__), None)
-    fn = "" if call is None else os.path.relpath(call.filename, ROOT) if call.filename.startswith(ROOT) else call.filename
-    at = "" if call is None else f" at {fn} line {call.lineno}: {call.line}"
-    return f"the check ran longer than {CHECK_SECONDS:.0f} s, waiting for a peer{at}{_where(e.__traceback__)}"
+    at = "" if call is None else f" at {_rel(call.filename)} line {call.lineno}: {call.line}"
+    return f"the check ran longer than {_NOW['check']:.0f} s, waiting for a peer{at}{_where(frames, path)}"
 
 
-def _guarded(run, P: int) -> dict:
+def _guarded(run, P: int, path: str | None = None) -> dict:
+    """One check's run on this rank: its result, or the error in words (kind: blank, mismatch, timeout, error, gloo,
+    peer), agreed with every rank (end_check), and whether it left the process group unusable (dirty)."""
     watch.begin_check()
     old = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, CHECK_SECONDS)
+    signal.setitimer(signal.ITIMER_REAL, _NOW["check"])
     out, error, kind, t0 = None, None, None, time.perf_counter()
     try:
         out = run(P)
@@ -149,52 +178,166 @@ def _guarded(run, P: int) -> dict:
     except watch.CollectiveMismatch as e:
         error, kind = str(e), "mismatch"
     except CheckTimeout as e:
-        error, kind = _timed_out(e), "timeout"
+        error, kind = _timed_out(e, path), "timeout"
+    except SystemExit as e:
+        error, kind = (f"the core ended the process (sys.exit({e.code!r})): a core returns, it never exits"
+                       f"{_where(e.__traceback__, path)}"), "error"
     except Exception as e:  # noqa: BLE001 - the learner's error, named with where it happened
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        error, kind = f"{type(e).__name__}: {first}{_where(e.__traceback__)}", "error"
+        if watch.is_gloo_error(e):   # gloo's or the store's: said in words, and the group is not used again
+            error, kind = f"{watch.explain(e)}{_where(e.__traceback__, path)}", "gloo"
+        else:
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            error, kind = f"{type(e).__name__}: {first}{_where(e.__traceback__, path)}", "error"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    errors = watch.end_check(error, wait=CHECK_SECONDS + 5)   # a rank in an endless loop is stopped by its alarm
+    never = _unwaited(path) if kind is None else None   # (after an error: the works it left behind as it unwound)
+    if never:   # the cause of wrong values, or of right ones by luck
+        error, kind = never, "error"
+    try:   # a rank in an endless loop is stopped by its alarm
+        errors = watch.end_check(error, wait=_NOW["check"] + 5, broken=error if kind == "gloo" else None)
+        dirty = watch.unusable()
+    except Exception as e:  # noqa: BLE001 - the job's store is gone with rank 0: the group is done for
+        errors, dirty = {dist.get_rank(): error}, {dist.get_rank(): watch.explain(e)}
     failed = [(r, e) for r, e in sorted(errors.items()) if e]
     if failed and not error:
-        error, kind = f"another rank failed: rank {failed[0][0]}: {failed[0][1]}", "peer"
+        error, kind = f"another rank failed: rank {failed[0][0]}: {failed[0][1]}", "elsewhere"
     stuck = any(e.startswith(("the check ran longer", "never finished")) for _, e in failed)
-    return dict(out=out, error=error, kind=kind, seconds=time.perf_counter() - t0, stuck=stuck)
+    return dict(out=out, error=error, kind=kind, seconds=time.perf_counter() - t0, stuck=stuck, dirty=dirty)
 
 
-def rank_main(jobs, patience: float = PATIENCE) -> list[dict]:
-    """On every rank: for each (exercise name, path or None) the learner's cores in place, every check's run for this
-    world size; [{run name: {out, error, kind}}] in the order of jobs."""
+def runs_of(name: str, P: int) -> list:
+    """The distinct runs of exercise `name`'s checks on P ranks, in order (two checks of one run share its result)."""
+    return list(dict.fromkeys(c.run for c in CHECKS[name] if c.run is not None and P in c.worlds))
+
+
+_NOW: dict = {}   # what this rank is grading: outdir, rank, check (its seconds), job, run, path
+
+
+def _file(*parts) -> str:
+    return os.path.join(_NOW["outdir"], ".".join(str(p) for p in parts))
+
+
+def _write(name: str, data: bytes) -> None:
+    """Whole or not at all: the grading process may read it after this rank was killed."""
+    with open(name + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(name + ".tmp", name)
+
+
+def _progress(job: int, run: int | None) -> None:
+    _NOW.update(job=job, run=run)
+    _write(_file("now", _NOW["rank"]), json.dumps(dict(job=job, run=run)).encode())
+
+
+def _save(job: int, k: int, res: dict) -> None:
+    buf = io.BytesIO()
+    try:
+        torch.save(res, buf)
+    except Exception as e:  # noqa: BLE001 - e.g. the core returned something that cannot be pickled
+        buf = io.BytesIO()
+        torch.save(dict(out=None, kind="error", error=f"its result could not be kept: {type(e).__name__}: {e}"), buf)
+    _write(_file(job, k, _NOW["rank"], "pt"), buf.getvalue())
+
+
+def _dropped(rec: dict) -> None:
+    """The watch's drop hook: a work dropped unwaited, noted at once (the rank may crash soon after, when gloo writes
+    into its freed tensors)."""
+    with open(_file("dropped", _NOW["rank"]), "a") as f:
+        f.write(json.dumps(dict(job=_NOW.get("job"), run=_NOW.get("run"), what=rec["what"],
+                                where=_where(rec["site"], _NOW.get("path")))) + "\n")
+
+
+def _unwaited(path: str | None) -> str | None:
+    """A work this check posted and never waited, said with where it was posted; None if every one was waited."""
+    never = watch.unwaited()
+    if not never:
+        return None
+    rec = never[0]
+    how = "dropped unwaited" if rec["dropped"] else "never waited"
+    more = f" (and {len(never) - 1} more)" if len(never) > 1 else ""
+    return (f"an asynchronous {rec['what']} was {how}{_where(rec['site'], path)}{more}: its result may be read before "
+            f"it arrives, and its tensors freed while gloo still writes into them — keep each work and wait() on it "
+            f"before using or freeing its tensors")
+
+
+def _grade_job(j: int, name: str, path: str | None, P: int) -> bool:
+    """Every run of exercise `name` for one version, on this rank, each result saved; False when a run left the
+    process group unusable (the grading process starts a fresh one for the next job)."""
+    runs, ex = runs_of(name, P), BY_NAME[name]
+    _progress(j, None)
+    _NOW["path"] = path
+    try:
+        mine = None if path is None else learner_module(ex, path)
+    except Exception as e:  # noqa: BLE001 - the learner's file does not load
+        err = f"{_rel(path)} does not load: {type(e).__name__}: {e}{_where(e.__traceback__, path)}"
+        for k in range(len(runs)):
+            _save(j, k, dict(out=None, error=err, kind="load"))
+        return True
+    skip, usable = None, True
+    with patched(ex, mine):
+        for k, run in enumerate(runs):
+            _progress(j, k)
+            res = dict(out=None, kind="skipped", error=skip) if skip else _guarded(run, P, path)
+            _save(j, k, res)
+            if res.get("dirty"):   # (the same on every rank: end_check's)
+                why = sorted(res["dirty"].items())[0]
+                skip, usable = (f"not run: an earlier check of this exercise left the ranks unable to go on (rank "
+                                f"{why[0]}: {why[1]}); fix that one first"), False
+            elif res.get("stuck") and not skip:
+                skip = (f"not run: an earlier check of this exercise ran longer than {_NOW['check']:.0f} s on a rank "
+                        f"(an endless loop?)")
+    return usable
+
+
+def rank_main(jobs, patience: float | None = None, outdir: str | None = None,
+              check_seconds: float | None = None) -> int:
+    """On every rank: for each (exercise name, path or None) the learner's cores in place, every run for this world
+    size, each result saved in `outdir` as <job>.<run>.<rank>.pt (what the rank is at: now.<rank>; a crash's stacks:
+    crash.<rank>; its stderr: stderr.<rank>). Returns how many jobs it graded: fewer than all when a check left the
+    group unusable. patience, check_seconds: PATIENCE and CHECK_SECONDS as this rank's environment says, if None."""
+    me, P = dist.get_rank(), dist.get_world_size()
+    patience = PATIENCE if patience is None else patience
+    _NOW.update(outdir=outdir or tempfile.mkdtemp(prefix="course-grade-"), rank=me,
+                check=CHECK_SECONDS if check_seconds is None else check_seconds)
     watch.install(patience)
+    # a wait the watch let through has every side posted: gloo may give up soon after (the groups checks build too)
+    c10d, bound = dist.distributed_c10d, datetime.timedelta(seconds=patience + 5)
+    c10d._set_pg_timeout(bound)
+    c10d.default_pg_timeout = bound
+    watch.set_drop_hook(_dropped)
+    crash = open(_file("crash", me), "w")
+    faulthandler.enable(crash, all_threads=True)
+    real_exit = os._exit
+
+    def _exit(code):   # a core that ends its process: where, for the grading process (it cannot say it otherwise)
+        faulthandler.dump_traceback(crash, all_threads=False)
+        crash.flush()
+        real_exit(code)
+    os._exit = _exit
+    # gloo's and the store's C++ warnings when a peer dies, and their stack dumps: kept out of the grade's output
+    # (read back for a rank that died)
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    os.dup2(os.open(_file("stderr", me), os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
     # the watch checks every collective; the lessons' own announcements (mesh.agree, lesson 2) would wait on the store
     # outside it, where a mismatch the watch stops on one rank would keep a peer waiting the full collective timeout
     os.environ["COURSE_CHECK_COLLECTIVES"] = "0"
-    P = dist.get_world_size()
     # stage 3's hooks on the embedding, whose inputs need no gradient: PyTorch says when its backward hook fires
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     try:
         for lesson in _LESSONS[:-1]:
             importlib.import_module(lesson)   # after install: the names they bind are the watched ones
-        results = []
-        for name, path in jobs:
-            runs = {c.run.__name__: c.run for c in CHECKS[name] if c.run is not None and P in c.worlds}
-            try:
-                with patched(BY_NAME[name], path):
-                    res = {}
-                    for k, run in runs.items():
-                        if any(r.get("stuck") for r in res.values()):   # (the same on every rank: end_check's)
-                            res[k] = dict(out=None, kind="timeout", error=f"not run: an earlier check of this "
-                                          f"exercise ran longer than {CHECK_SECONDS:.0f} s on a rank (an endless loop?)")
-                            continue
-                        res[k] = _guarded(run, P)
-                    results.append(res)
-            except Exception as e:  # noqa: BLE001 - the learner's file does not load
-                err = f"{os.path.relpath(path, ROOT)} does not load: {type(e).__name__}: {e}"
-                results.append({k: dict(out=None, error=err, kind="load") for k in runs})
-        return results
+        for j, (name, path) in enumerate(jobs):
+            if not _grade_job(j, name, path, P):
+                return j + 1
+        return len(jobs)
     finally:
+        os._exit = real_exit
+        faulthandler.disable()
+        crash.close()
+        sys.stderr.flush()
+        os.dup2(stderr, 2)
         watch.uninstall()
 
 
@@ -206,16 +349,25 @@ class Outcome:
     title: str
     ok: bool
     lines: list
-    kind: str | None = None   # blank, mismatch, timeout, error, peer, load: the run failed; None: judged
+    kind: str | None = None   # the run failed (one of _KINDS), or None: judged
+
+
+# the run failed: the first kind is told first (a rank's own error before what its peers met because of it)
+_KINDS = ["blank", "load", "died", "mismatch", "timeout", "error", "gloo", "peer", "elsewhere", "skipped"]
+_ECHOES = ("peer", "elsewhere", "skipped")   # what a rank meets because of another's failure, never told apart
+
+
+def _order(res) -> float:
+    looping = res["kind"] == "timeout" and "an endless loop?" in res["error"]
+    return _KINDS.index("died") + 0.5 if looping else _KINDS.index(res["kind"])
 
 
 def _judge(check: Check, P, results) -> Outcome:
     failed = [(r, res) for r, res in enumerate(results) if res["error"]]
     if failed:
-        order = ["blank", "load", "mismatch", "timeout", "error", "peer"]
-        # the first by kind; of the timeouts, a rank that loops before one that waits (an endless loop on rank 1 while
+        # the first by kind; a rank in an endless loop before the peers that gave up waiting for it (rank 1 loops while
         # rank 0 waits in the all-reduce: rank 1's line is the one to read, rank 0's follows)
-        r, res = min(failed, key=lambda f: (order.index(f[1]["kind"]), "an endless loop?" not in f[1]["error"], f[0]))
+        r, res = min(failed, key=lambda f: (_order(f[1]), f[0]))
         alike = len(failed) == len(results) > 1 and all(x["error"] == res["error"] for _, x in failed)
         who = "every rank" if alike else f"rank {r}"
         if res["kind"] in ("mismatch",):
@@ -224,8 +376,8 @@ def _judge(check: Check, P, results) -> Outcome:
         others = {}   # what the other ranks met, when it is something else (a wait beside an endless loop)
         for r2, res2 in failed:
             key = res2["kind"] if res2["kind"] != res["kind"] else res2["error"]
-            if res2["kind"] != "peer" and res2["error"] != res["error"] and key not in others and not (
-                    res["kind"] == "mismatch" and res2["kind"] == "mismatch"):
+            if res2["kind"] not in _ECHOES and res2["error"] != res["error"] and key not in others and not (
+                    res["kind"] == "mismatch" and res2["kind"] == "mismatch" or res["kind"] == "died"):
                 others[key] = f"rank {r2}: {res2['error']}"
         return Outcome(P, check.title, False, lines + list(others.values()), res["kind"])
     try:
@@ -235,32 +387,159 @@ def _judge(check: Check, P, results) -> Outcome:
     return Outcome(P, check.title, not lines, lines)
 
 
-def evaluate(jobs: dict, timeout: float = 600) -> dict:
+def evaluate(jobs: dict, timeout: float = 600, patience: float | None = None, check_seconds: float | None = None
+             ) -> dict:
     """jobs {P: [(exercise name, path or None)]} -> {(name, path, P): [Outcome per check]}: one group of P ranks per
-    world size for all the jobs (checks without ranks run here, once per (name, path))."""
-    from lab.launch import run_ranks
+    world size for all the jobs — a fresh one after a check that left it unusable or a rank that died (checks
+    without ranks run here, once per (name, path)). patience, check_seconds: the ranks' PATIENCE and CHECK_SECONDS
+    (None: as their environment says)."""
     out = {}
     for P, todo in sorted(jobs.items()):
-        ranked = [(n, p) for n, p in todo if any(c.run is not None and P in c.worlds for c in CHECKS[n])]
-        results = run_ranks(rank_main, P, ranked, PATIENCE, timeout=timeout) if ranked else []
-        for j, (name, path) in enumerate(ranked):
-            per_rank = [res[j] for res in results]
-            for k in per_rank[0] if per_rank else []:
-                TIMES[(name, k, P)] = max(rr[k].get("seconds", 0) for rr in per_rank)
+        ranked = [(n, p) for n, p in todo if runs_of(n, P)]
+        results = _in_ranks(ranked, P, timeout, patience, check_seconds) if ranked else []
+        for (name, path), per_rank in zip(ranked, results):
+            runs = runs_of(name, P)
+            for k, run in enumerate(runs):
+                TIMES[(name, run.__name__, P)] = max(rr[k].get("seconds", 0) for rr in per_rank)
             outcomes, told = [], set()
             for c in CHECKS[name]:
                 if c.run is None or P not in c.worlds:
                     continue
-                o = _judge(c, P, [rr[c.run.__name__] for rr in per_rank])
-                if o.kind is not None and c.run.__name__ in told:   # one failed run, several checks: say it once
+                o = _judge(c, P, [rr[runs.index(c.run)] for rr in per_rank])
+                if o.kind is not None and c.run in told:   # one failed run, several checks: say it once
                     o.lines = ["the same run as above failed (see there)"]
-                told.add(c.run.__name__)
+                told.add(c.run)
                 outcomes.append(o)
             out[(name, path, P)] = outcomes
     pure = {(n, p) for todo in jobs.values() for n, p in todo if any(c.run is None for c in CHECKS[n])}
     for name, path in sorted(pure, key=str):
         out[(name, path, None)] = pure_outcomes(name, path)
     return out
+
+
+def _in_ranks(ranked: list, P: int, timeout: float, patience, check_seconds) -> list:
+    """[per job: [per rank: [per run: result]]]: the jobs graded in a group of P ranks, and in a fresh group for the
+    jobs after one that left it unusable or during which a rank died (that job's run then says how it died)."""
+    from lab.launch import RankError, run_ranks
+    results = []
+    with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
+        while len(results) < len(ranked):
+            start, outdir = len(results), os.path.join(tmp, str(len(results)))
+            os.mkdir(outdir)
+            failure = None
+            try:
+                run_ranks(rank_main, P, ranked[start:], patience, outdir, check_seconds, timeout=timeout)
+            except (RankError, TimeoutError) as e:
+                failure = e
+            for j, (name, _) in enumerate(ranked[start:]):
+                got = [[_result(outdir, j, k, r) for k in range(len(runs_of(name, P)))] for r in range(P)]
+                if all(x is not None for rr in got for x in rr):
+                    results.append(got)
+                    continue
+                if failure is not None or any(x is not None for rr in got for x in rr) or len(results) == start:
+                    results.append(_lost(outdir, j, got, failure, ranked[start + j][1], timeout))
+                break
+    return results
+
+
+def _result(outdir: str, j: int, k: int, r: int):
+    f = os.path.join(outdir, f"{j}.{k}.{r}.pt")
+    return torch.load(f, weights_only=False) if os.path.exists(f) else None
+
+
+def _lost(outdir: str, j: int, got: list, failure, path, timeout) -> list:
+    """A job the ranks did not finish: each rank's saved runs, then the run a rank died in (or ran out of time in),
+    then "not run" for the rest."""
+    P = len(got)
+    now = {}
+    for r in range(P):
+        f = os.path.join(outdir, f"now.{r}")
+        now[r] = json.load(open(f)) if os.path.exists(f) else None
+    dead = getattr(failure, "rank", None)
+    at = next((now[r]["run"] for r in ([dead] if dead is not None else []) + list(range(P))
+               if now.get(r) and now[r]["job"] == j), None)
+    if isinstance(failure, TimeoutError):
+        what, kind = f"the ranks did not finish it within {timeout:.0f} s (stopped)", "timeout"
+    elif failure is None:
+        what, kind = "the ranks stopped without its results", "died"
+    elif dead is not None and now.get(dead) is None:   # before rank_main began: not the learner's doing
+        what, kind = (f"the ranks could not start: rank {dead} ended before grading began (exit code "
+                      f"{getattr(failure, 'exitcode', None)}): {' '.join(_tail(outdir, dead)[-1:]) or failure}"), "died"
+    else:
+        what, kind = _died(failure, outdir, j, path, at), "died"
+    loading = at is None
+    if loading and kind == "died" and now.get(dead) is not None:
+        what = f"{what} — while loading {_rel(path) if path else 'the lesson'}"
+    out = []
+    for r, runs in enumerate(got):
+        mine = []
+        for k, res in enumerate(runs):
+            if res is not None:
+                mine.append(res)
+            elif loading or k <= at:
+                mine.append(dict(out=None, kind=kind, error=what) if r == dead or dead is None else
+                            dict(out=None, kind="peer", error=f"another rank died: rank {dead}: {what}"))
+            else:
+                mine.append(dict(out=None, kind="skipped", error=f"not run: rank {dead} died in an earlier check of "
+                                 f"this exercise" if dead is not None else f"not run: {what}"))
+        out.append(mine)
+    return out
+
+
+def _died(e, outdir: str, j: int, path, at) -> str:
+    """How rank e.rank died, and the likeliest cause: a signal (its Python stack from faulthandler names the
+    learner's line), an exit, or an error outside the check."""
+    r, code, tb = e.rank, getattr(e, "exitcode", None), getattr(e, "traceback", None)
+    dropped = []
+    f = os.path.join(outdir, f"dropped.{r}")
+    if os.path.exists(f):
+        dropped = [d for d in map(json.loads, open(f)) if d["job"] == j]
+    sig = signal.Signals(-code).name if code is not None and code < 0 and -code in signal.valid_signals() else None
+    if tb:
+        last = (tb.strip().splitlines() or [""])[-1][:300]
+        frames = [(fn, int(n), func, "") for fn, n, func in re.findall(r'File "(.+?)", line (\d+), in (\S+)', tb)]
+        return f"died in this check, raising outside it: {last}{_where(frames, path)}"
+    how = f"killed by {sig}" if sig else f"the process exited with code {code}"
+    site = _crash_site(outdir, r, path)
+    if dropped:
+        d = dropped[-1]
+        cause = (f"an asynchronous {d['what']} was dropped unwaited{d['where']}: gloo still wrote into its tensors "
+                 f"once they were freed — keep the work and wait() on it before using or freeing them")
+        site = "" if site == d["where"] else site
+    elif sig in ("SIGSEGV", "SIGBUS"):
+        cause = ("memory used after it was freed: most likely an asynchronous collective or transfer never waited (its "
+                 "work dropped while gloo still wrote into its tensors) — keep each work and wait() on it before "
+                 "using or freeing its tensors")
+    elif sig == "SIGABRT":
+        said = [line.strip() for line in _tail(outdir, r) if "what():" in line or "terminate called" in line]
+        cause = "a C++ abort" + (f" ({said[-1][:200]})" if said else "") + (
+            ": most likely gloo received more bytes than a collective or transfer posted room for (sizes that "
+            "differ across ranks)" if not said or "size" in said[-1] else "")
+    elif sig:
+        cause = "a signal ended the process"
+    else:
+        cause = "the core ended the process (os._exit, or an abort): a core returns, it never exits"
+    return f"died in this check ({how}): {cause}{site}"
+
+
+def _tail(outdir: str, r: int) -> list:
+    """The last lines rank r wrote to its stderr (gloo's and torch's own messages go there, not to the learner)."""
+    f = os.path.join(outdir, f"stderr.{r}")
+    return open(f, errors="replace").read()[-4000:].splitlines() if os.path.exists(f) else []
+
+
+def _crash_site(outdir: str, r: int, path) -> str:
+    """Where faulthandler found the threads when the rank crashed: the learner's innermost line, else a lesson's."""
+    f = os.path.join(outdir, f"crash.{r}")
+    text = open(f).read() if os.path.exists(f) else ""
+    blocks = re.split(r"\n(?=\S)", text)   # one block per thread; the crashing one is "Current thread"
+    blocks.sort(key=lambda b: not b.startswith("Current thread"))
+    for b in blocks:
+        frames = [(fn, int(n), func, "") for fn, n, func in re.findall(r'File "(.+?)", line (\d+) in (\S+)', b)]
+        where = _where(frames[::-1], path)   # (faulthandler lists the innermost first)
+        if where:
+            return where
+    return ""
 
 
 def pure_outcomes(name: str, path: str | None) -> list[Outcome]:
@@ -315,15 +594,19 @@ def grade(name: str, root: str = ROOT, out=print) -> bool:
     start = time.monotonic()
     steps = ([None] if any(c.run is None for c in CHECKS[name]) else []) + worlds_of(name)
     for i, P in enumerate(steps):
-        outcomes = pure_outcomes(name, path) if P is None else evaluate({P: [(name, path)]})[(name, path, P)]
+        outcomes = pure_outcomes(name, path) if P is None else evaluate(
+            {P: [(name, path)]}, patience=PATIENCE, check_seconds=CHECK_SECONDS)[(name, path, P)]
         for o in outcomes:
             for line in format_outcome(o):
                 out(line)
         passed += sum(o.ok for o in outcomes)
         total += len(outcomes)
-        if any(o.kind == "blank" for o in outcomes) and i + 1 < len(steps):
-            rest = [f"{p} ranks" if p else "no ranks" for p in steps[i + 1:]]
-            out(f"  (not run on {', '.join(rest)}: write the core first — {marker(ex)})")
+        rest = ", ".join(f"{p} ranks" if p else "no ranks" for p in steps[i + 1:])
+        if rest and any(o.kind == "blank" for o in outcomes):
+            out(f"  (not run on {rest}: write the core first — {marker(ex)})")
+            break
+        if rest and any(o.kind == "timeout" for o in outcomes):   # each world size would wait as long again
+            out(f"  (not run on {rest}: a check above ran longer than {CHECK_SECONDS:.0f} s — fix that first)")
             break
     took = time.monotonic() - start
     if passed == total:
