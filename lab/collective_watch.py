@@ -103,8 +103,8 @@ def install(patience: float = 10.0) -> None:
         setattr(dist, name, wrapped)
         _repoint(orig, wrapped)
     for kind in ("send", "recv"):
-        _PG_ORIGINAL[kind] = getattr(dist.ProcessGroup, kind)
-        setattr(dist.ProcessGroup, kind, _wrap_transfer(kind, _PG_ORIGINAL[kind]))
+        _PG_ORIGINAL[kind] = vars(dist.ProcessGroup)[kind]   # (the method itself: uninstall puts it back as it was)
+        setattr(dist.ProcessGroup, kind, _wrap_transfer(kind, getattr(dist.ProcessGroup, kind)))
 
 
 def uninstall() -> None:

@@ -217,3 +217,18 @@ def test_the_grade_command_stops_after_an_endless_loop(tmp_path, monkeypatch, ca
                      r"\S*yours/ddp\.py line \d+, in average_gradients: (while .*|pass)\)\n", out), out
     assert "(not run on 4 ranks: a check above ran longer than 8 s — fix that first)" in out, out
     assert "RankError" not in out and "Traceback" not in out, out
+
+
+def test_the_watch_leaves_torch_as_it_found_it():
+    """install() and uninstall() twice: torch.distributed's functions and the process group's send and recv are the
+    very objects they were (a training run may watch a step and then run unwatched)."""
+    import torch.distributed as dist
+
+    from lab import collective_watch as watch
+    before = dict(vars(dist.ProcessGroup)), {n: getattr(dist, n) for n in watch.COLLECTIVES if hasattr(dist, n)}
+    for _ in range(2):
+        watch.install()
+        assert dist.ProcessGroup.send.__name__ == "send" and dist.all_reduce is not before[1]["all_reduce"]
+        watch.uninstall()
+    assert all(vars(dist.ProcessGroup)[k] is before[0][k] for k in ("send", "recv"))
+    assert all(getattr(dist, n) is f for n, f in before[1].items())
