@@ -150,9 +150,9 @@ def _where(frames, path: str | None = None) -> str:
     return ""
 
 
-def _timed_out(e: CheckTimeout, path: str | None) -> str:
-    """Where the alarm found this rank: waiting for a peer in a collective or a transfer (in the watch, or in gloo
-    after it), or anywhere else -- looping."""
+def _timed_out(e: BaseException, path: str | None) -> str:
+    """Where the alarm found this rank (or the peer it waited for, whose alarm rang first): waiting for a peer in a
+    collective or a transfer (in the watch, or in gloo after it), or anywhere else -- looping."""
     frames = traceback.extract_tb(e.__traceback__)
     waiting = next((f for f in frames if f.filename == watch.__file__), None)
     if waiting is None:
@@ -174,7 +174,10 @@ def _guarded(run, P: int, path: str | None = None) -> dict:
     except NotImplementedError as e:
         error, kind = str(e), "blank" if "not implemented yet: exercise" in str(e) else "error"
     except watch.PeerLeft as e:
-        error, kind = str(e), "peer"
+        if "it raised the check ran longer than" in str(e):   # its alarm rang first: this rank was waiting for it
+            error, kind = _timed_out(e, path), "timeout"
+        else:
+            error, kind = str(e), "peer"
     except watch.CollectiveMismatch as e:
         error, kind = str(e), "mismatch"
     except CheckTimeout as e:
@@ -505,7 +508,7 @@ def _died(e, outdir: str, j: int, path, at) -> str:
         d = dropped[-1]
         cause = (f"an asynchronous {d['what']} was dropped unwaited{d['where']}: gloo still wrote into its tensors "
                  f"once they were freed — keep the work and wait() on it before using or freeing them")
-        site = "" if site == d["where"] else site
+        site = "" if site == d["where"] else f" — the crash itself came later{site}" if site else ""
     elif sig in ("SIGSEGV", "SIGBUS"):
         cause = ("memory used after it was freed: most likely an asynchronous collective or transfer never waited (its "
                  "work dropped while gloo still wrote into its tensors) — keep each work and wait() on it before "
