@@ -12,8 +12,9 @@ NotImplementedError("not implemented yet: exercise NAME ...")`; a second exercis
 inside your own file, keeping what you wrote; the lessons at the root are never written (lab/workbook.py). `grade`
 loads yours/<lesson>.py under a private name and puts your core in place of the reference's inside the grading ranks
 only, then runs that core's checks: equality with one process in float64 on 1, 2 and 4 ranks, on every rank, and the
-formula the core exists for (lab/grader.py). Collectives that do not match across ranks stop within seconds with each
-rank's collective named (lab/collective_watch.py).
+formula the core exists for (lab/grader.py runs them; each exercise's checks are one block of lab/exercise_checks.py).
+Collectives that do not match across ranks stop within seconds with each rank's collective named
+(lab/collective_watch.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The grader of `python -m lab.exercises grade NAME`: that core's checks on the learner's version.
+"""The grader of `python -m lab.exercises grade NAME`: the machinery that runs an exercise's checks on the learner's
+version and says what it found.
 
     grade(name)                     the command: load yours/<lesson>.py, run every check, print PASS / FAIL lines
     evaluate({P: [(name, path)]})   many versions of many cores, ONE spawned group of P ranks per world size (the
@@ -8,97 +9,48 @@ In each grading rank the collectives are watched first (lab/collective_watch.py:
 message within seconds, never a hang), then for each version the learner's core is put in place of the
 reference's — every name bound to the reference function in the course's modules, or the class attribute of a
 method (so subclasses use it too: fsdp's FlatUnit, expert_parallel's layer) — its checks run, and it is taken out
-again. Each check runs one small float64 job (`run`, on every rank) and judges it in the grading process against
-the single process (lab.baseline.single_process, here with SGD, so that a wrong gradient's pattern — P× too large, a sign,
-one rank's slice — shows unchanged in the parameters) and against the formula the core exists for (`judge`).
-A failure says on which rank, which tensor, how far off and in what pattern, or which formula broke and by how much.
+again. Each check's run is guarded on every rank: an error, a collective mismatch, a deadlock or an endless loop
+(CHECK_SECONDS) becomes one line naming the rank and the learner's line, and every rank stays in step for the next
+check. A wait inside gloo gives up after PATIENCE + 5 s (gloo's timeout while grading). Each run's result is kept in
+a file as soon as it is done; a rank that dies (a signal, an exit) fails the check it was in, named with how and the
+likely cause (an asynchronous collective dropped in flight, with its line; the crash's Python stack), and a fresh
+group of ranks grades the jobs after it — as after a check in which gloo itself failed. The grading process then
+judges each check from every rank's results, or reports the first failed run.
+
+What each exercise is graded on — its runs, judges, checks and seeded bugs — is lab/exercise_checks.py's, one block
+per exercise; this module reads its CHECKS and holds nothing of any exercise.
+Imports: lab/diagnosis.py <- lab/exercise_checks.py <- this module <- lab/exercises.py (the command).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
+import datetime
+import faulthandler
 import importlib
 import importlib.util
-import itertools
-import math
+import io
+import json
+import linecache
 import os
+import re
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from lab import collective_watch as watch
+from lab.exercise_checks import CHECKS, Check
 from lab.workbook import BY_NAME, EXERCISES, ROOT, WORKSPACE, Exercise, Refusal, core_source, exercise, is_blank, \
     learner_text, marker, record_pass, yours
 
-F64 = torch.float64
-LR = 0.5          # SGD's learning rate: an update is -LR·g, the gradient's pattern unchanged
-B, S = 8, 8       # global batch, sequence length of the data-parallel checks
-TOL = 1e-9        # float64: equal to one process means equal to rounding
 PATIENCE = float(os.environ.get("COURSE_GRADE_PATIENCE", "10"))   # seconds a rank waits for a missing peer
 CHECK_SECONDS = float(os.environ.get("COURSE_GRADE_CHECK_SECONDS", "60"))  # one check's limit (an endless loop)
-
-
-@dataclass(frozen=True)
-class Check:
-    """title: what it proves (with the formula); run(P) -> dict on every rank (None: a check without ranks, whose
-    judge gets the learner's module); judge(P, [each rank's dict]) -> failure lines, [] for a pass."""
-    title: str
-    run: Callable | None
-    judge: Callable
-    worlds: tuple = (1, 2, 4)
-
-
-class Count:
-    """with Count() as c: the collectives this rank made inside, from the watch's log, read as instruments.CommCounter
-    reads them (calls, API bytes, ring wire bytes) — without its dispatch mode, whose first use imports torch._dynamo
-    (10 s and more per group of ranks on a busy 2-core machine)."""
-
-    def __enter__(self):
-        self.start, self.events = len(watch.events), []
-        return self
-
-    def __exit__(self, *exc):
-        self.events = list(watch.events[self.start:])
-
-    def _sel(self, op=None):
-        return [e for e in self.events if op is None or e["op"] == op]
-
-    def calls(self, op=None) -> int:
-        return len(self._sel(op))
-
-    def bytes(self, op=None) -> int:
-        return sum(e["bytes"] for e in self._sel(op))
-
-    @staticmethod
-    def wire(e) -> float:
-        P, n = len(e["group"]), e["bytes"]
-        if e["op"] == "all_reduce":
-            return 2 * (P - 1) / P * n
-        if e["op"] == "all_to_all" and e.get("send"):
-            return float(sum(s for j, s in enumerate(e["send"]) if j != e["index"]) * e["row_bytes"])
-        if e["op"] in ("all_gather", "reduce_scatter", "all_to_all"):
-            return (P - 1) / P * n
-        return 0.0 if e["op"] == "recv" or P == 1 else float(n)
-
-    def summary(self) -> dict:
-        out = {}
-        for e in self.events:
-            s = out.setdefault(e["op"], dict(calls=0, bytes=0, wire_bytes=0.0))
-            s["calls"], s["bytes"], s["wire_bytes"] = s["calls"] + 1, s["bytes"] + e["bytes"], s["wire_bytes"] + self.wire(e)
-        return out
-
-    def groups(self) -> list:
-        return sorted({tuple(e["group"]) for e in self.events})
-
-
-CHECKS: dict[str, list[Check]] = {}
 TIMES: dict = {}   # (exercise, run, P) -> seconds its run took on the slowest rank (the last evaluate's)
 
 
@@ -114,21 +66,13 @@ def load(path: str, lesson: str):
     return mod
 
 
-def _course_modules():
-    return [m for n, m in list(sys.modules.items()) if m is not None and (n in _LESSONS or n.startswith("lab."))]
-
-
 _LESSONS = ("mesh", "ddp", "fsdp", "hsdp", "tensor_parallel", "pipeline", "ring_attention", "expert_parallel", "train")
 
 
-@contextlib.contextmanager
-def patched(ex: Exercise, path: str | None):
-    """The learner's cores of `ex` (from the file at `path`) in place of the reference's while inside; None: the
-    reference itself. Cores of the lesson's OTHER exercises still blank in that file are taken from the reference, so
-    only this exercise is graded."""
-    if path is None:
-        yield
-        return
+def learner_module(ex: Exercise, path: str):
+    """The learner's file loaded, its cores of `ex` present; cores of the lesson's OTHER exercises still blank in it
+    are taken from the reference, so only this exercise is graded. Raises what loading raised (the file does not
+    load)."""
     ref = importlib.import_module(ex.lesson)
     with open(path) as f:
         text = f.read()
@@ -138,6 +82,22 @@ def patched(ex: Exercise, path: str | None):
             for q in other.cores:
                 if "." not in q and is_blank(text, other, q):
                     setattr(mine, q, getattr(ref, q))
+    for q in ex.cores:
+        cls_name, _, attr = q.rpartition(".")
+        if not hasattr(mine, cls_name or attr) or cls_name and attr not in vars(getattr(mine, cls_name)):
+            raise LookupError(f"it has no {q}")
+    return mine
+
+
+@contextlib.contextmanager
+def patched(ex: Exercise, mine):
+    """The learner's cores of `ex` (from the module `mine`, learner_module's) in place of the reference's while
+    inside: every name bound to the reference function in the course's modules, or the class attribute of a method;
+    None: the reference itself."""
+    if mine is None:
+        yield
+        return
+    ref = importlib.import_module(ex.lesson)
     undo = []
     try:
         for q in ex.cores:
@@ -149,7 +109,7 @@ def patched(ex: Exercise, path: str | None):
                 undo.append((cls, attr, old))
             else:
                 old, new = getattr(ref, q), getattr(mine, q)
-                for m in _course_modules():
+                for m in watch.course_modules():
                     for k, v in list(vars(m).items()):
                         if v is old:
                             setattr(m, k, new)
@@ -167,94 +127,220 @@ class CheckTimeout(BaseException):
 
 
 def _alarm(*_):
-    raise CheckTimeout(f"the check ran longer than {CHECK_SECONDS:.0f} s: an endless loop?")
+    raise CheckTimeout(f"the check ran longer than {_NOW['check']:.0f} s: an endless loop?")
 
 
-def _where(tb) -> str:
-    """The innermost frame of the learner's file, else of a lesson: 'yours/ddp.py line 74, in f: <code>'."""
-    frames = traceback.extract_tb(tb)
-    for want in ("yours_", WORKSPACE + os.sep, None):
-        for fr in reversed(frames):
-            fn = fr.filename
-            if want is None and os.path.basename(fn)[:-3] in _LESSONS or want and want in fn:
-                rel = os.path.relpath(fn, ROOT) if fn.startswith(ROOT) else fn
-                return f" (at {rel} line {fr.lineno}, in {fr.name}: {fr.line})"
+def _rel(fn: str) -> str:
+    return os.path.relpath(fn, ROOT) if fn.startswith(ROOT) else fn
+
+
+def _where(frames, path: str | None = None) -> str:
+    """' (at yours/ddp.py line 74, in f: <code>)': the innermost frame of the learner's file (`path`, or any in
+    yours/), else of a lesson. frames: a traceback, or a list of (file, line, function, code) innermost last."""
+    if frames is None or not isinstance(frames, list):
+        frames = traceback.extract_tb(frames)
+    mine = os.path.abspath(path) if path else None
+    for want in ("path", "yours", "lesson"):
+        for fn, line, func, code in reversed([tuple(f) for f in frames]):
+            if (want == "path" and mine and os.path.abspath(fn) == mine
+                    or want == "yours" and ("yours_" in fn or WORKSPACE + os.sep in fn)
+                    or want == "lesson" and os.path.basename(fn)[:-3] in _LESSONS):
+                code = code or linecache.getline(fn, line).strip()
+                return f" (at {_rel(fn)} line {line}, in {func}: {code})"
     return ""
 
 
-def _timed_out(e: CheckTimeout) -> str:
-    """Where the alarm found this rank: waiting for a peer in a collective or a transfer (the watch's wait), or
-    anywhere else -- looping."""
+def _timed_out(e: BaseException, path: str | None) -> str:
+    """Where the alarm found this rank (or the peer it waited for, whose alarm rang first): waiting for a peer in a
+    collective or a transfer (in the watch, or in gloo after it), or anywhere else -- looping."""
     frames = traceback.extract_tb(e.__traceback__)
-    waiting = next((f for f in frames if f.name == watch._wait.__name__ and f.filename == watch.__file__), None)
+    waiting = next((f for f in frames if f.filename == watch.__file__), None)
     if waiting is None:
-        return f"{e}{_where(e.__traceback__)}"
+        return f"{e}{_where(frames, path)}"
     call = next((f for f in reversed(frames[:frames.index(waiting)]) if f.filename != watch.__file__), None)
-    fn = "" if call is None else os.path.relpath(call.filename, ROOT) if call.filename.startswith(ROOT) else call.filename
-    at = "" if call is None else f" at {fn} line {call.lineno}: {call.line}"
-    return f"the check ran longer than {CHECK_SECONDS:.0f} s, waiting for a peer{at}{_where(e.__traceback__)}"
+    at = "" if call is None else f" at {_rel(call.filename)} line {call.lineno}: {call.line}"
+    return f"the check ran longer than {_NOW['check']:.0f} s, waiting for a peer{at}{_where(frames, path)}"
 
 
-def _guarded(run, P: int) -> dict:
+def _guarded(run, P: int, path: str | None = None) -> dict:
+    """One check's run on this rank: its result, or the error in words (kind: blank, mismatch, timeout, error, gloo,
+    peer), agreed with every rank (end_check), and whether it left the process group unusable (dirty)."""
     watch.begin_check()
     old = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, CHECK_SECONDS)
+    signal.setitimer(signal.ITIMER_REAL, _NOW["check"])
     out, error, kind, t0 = None, None, None, time.perf_counter()
     try:
         out = run(P)
     except NotImplementedError as e:
         error, kind = str(e), "blank" if "not implemented yet: exercise" in str(e) else "error"
     except watch.PeerLeft as e:
-        error, kind = str(e), "peer"
+        if "it raised the check ran longer than" in str(e):   # its alarm rang first: this rank was waiting for it
+            error, kind = _timed_out(e, path), "timeout"
+        else:
+            error, kind = str(e), "peer"
     except watch.CollectiveMismatch as e:
         error, kind = str(e), "mismatch"
     except CheckTimeout as e:
-        error, kind = _timed_out(e), "timeout"
+        error, kind = _timed_out(e, path), "timeout"
+    except SystemExit as e:
+        error, kind = (f"the core ended the process (sys.exit({e.code!r})): a core returns, it never exits"
+                       f"{_where(e.__traceback__, path)}"), "error"
     except Exception as e:  # noqa: BLE001 - the learner's error, named with where it happened
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        error, kind = f"{type(e).__name__}: {first}{_where(e.__traceback__)}", "error"
+        if watch.is_gloo_error(e):   # gloo's or the store's: said in words, and the group is not used again
+            error, kind = f"{watch.explain(e)}{_where(e.__traceback__, path)}", "gloo"
+        else:
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            error, kind = f"{type(e).__name__}: {first}{_where(e.__traceback__, path)}", "error"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    errors = watch.end_check(error, wait=CHECK_SECONDS + 5)   # a rank in an endless loop is stopped by its alarm
+    never = _unwaited(path) if kind is None else None   # (after an error: the works it left behind as it unwound)
+    if never:   # the cause of wrong values, or of right ones by luck
+        error, kind = never, "error"
+    try:   # a rank in an endless loop is stopped by its alarm
+        errors = watch.end_check(error, wait=_NOW["check"] + 5, broken=error if kind == "gloo" else None)
+        dirty = watch.unusable()
+    except Exception as e:  # noqa: BLE001 - the job's store is gone with rank 0: the group is done for
+        errors, dirty = {dist.get_rank(): error}, {dist.get_rank(): watch.explain(e)}
     failed = [(r, e) for r, e in sorted(errors.items()) if e]
     if failed and not error:
-        error, kind = f"another rank failed: rank {failed[0][0]}: {failed[0][1]}", "peer"
+        error, kind = f"another rank failed: rank {failed[0][0]}: {failed[0][1]}", "elsewhere"
     stuck = any(e.startswith(("the check ran longer", "never finished")) for _, e in failed)
-    return dict(out=out, error=error, kind=kind, seconds=time.perf_counter() - t0, stuck=stuck)
+    return dict(out=out, error=error, kind=kind, seconds=time.perf_counter() - t0, stuck=stuck, dirty=dirty)
 
 
-def rank_main(jobs, patience: float = PATIENCE) -> list[dict]:
-    """On every rank: for each (exercise name, path or None) the learner's cores in place, every check's run for this
-    world size; [{run name: {out, error, kind}}] in the order of jobs."""
+def runs_of(name: str, P: int) -> list:
+    """The distinct runs of exercise `name`'s checks on P ranks, in order (two checks of one run share its result)."""
+    return list(dict.fromkeys(c.run for c in CHECKS[name] if c.run is not None and P in c.worlds))
+
+
+_NOW: dict = {}   # what this rank is grading: outdir, rank, check (its seconds), job, run, path
+
+
+def _file(*parts) -> str:
+    return os.path.join(_NOW["outdir"], ".".join(str(p) for p in parts))
+
+
+def _write(name: str, data: bytes) -> None:
+    """Whole or not at all: the grading process may read it after this rank was killed."""
+    with open(name + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(name + ".tmp", name)
+
+
+def _progress(job: int, run: int | None) -> None:
+    _NOW.update(job=job, run=run)
+    _write(_file("now", _NOW["rank"]), json.dumps(dict(job=job, run=run)).encode())
+
+
+def _save(job: int, k: int, res: dict) -> None:
+    buf = io.BytesIO()
+    try:
+        torch.save(res, buf)
+    except Exception as e:  # noqa: BLE001 - e.g. the core returned something that cannot be pickled
+        buf = io.BytesIO()
+        torch.save(dict(out=None, kind="error", error=f"its result could not be kept: {type(e).__name__}: {e}"), buf)
+    _write(_file(job, k, _NOW["rank"], "pt"), buf.getvalue())
+
+
+def _dropped(rec: dict) -> None:
+    """The watch's drop hook: a work dropped unwaited, noted at once (the rank may crash soon after, when gloo writes
+    into its freed tensors)."""
+    with open(_file("dropped", _NOW["rank"]), "a") as f:
+        f.write(json.dumps(dict(job=_NOW.get("job"), run=_NOW.get("run"), what=rec["what"],
+                                where=_where(rec["site"], _NOW.get("path")))) + "\n")
+
+
+def _unwaited(path: str | None) -> str | None:
+    """A work this check posted and never waited, said with where it was posted; None if every one was waited."""
+    never = watch.unwaited()
+    if not never:
+        return None
+    rec = never[0]
+    how = "dropped unwaited" if rec["dropped"] else "never waited"
+    more = f" (and {len(never) - 1} more)" if len(never) > 1 else ""
+    return (f"an asynchronous {rec['what']} was {how}{_where(rec['site'], path)}{more}: its result may be read before "
+            f"it arrives, and its tensors freed while gloo still writes into them — keep each work and wait() on it "
+            f"before using or freeing its tensors")
+
+
+def _grade_job(j: int, name: str, path: str | None, P: int) -> bool:
+    """Every run of exercise `name` for one version, on this rank, each result saved; False when a run left the
+    process group unusable (the grading process starts a fresh one for the next job)."""
+    runs, ex = runs_of(name, P), BY_NAME[name]
+    _progress(j, None)
+    _NOW["path"] = path
+    try:
+        mine = None if path is None else learner_module(ex, path)
+    except Exception as e:  # noqa: BLE001 - the learner's file does not load
+        err = f"{_rel(path)} does not load: {type(e).__name__}: {e}{_where(e.__traceback__, path)}"
+        for k in range(len(runs)):
+            _save(j, k, dict(out=None, error=err, kind="load"))
+        return True
+    skip, usable = None, True
+    with patched(ex, mine):
+        for k, run in enumerate(runs):
+            _progress(j, k)
+            res = dict(out=None, kind="skipped", error=skip) if skip else _guarded(run, P, path)
+            _save(j, k, res)
+            if res.get("dirty"):   # (the same on every rank: end_check's)
+                why = sorted(res["dirty"].items())[0]
+                skip, usable = (f"not run: an earlier check of this exercise left the ranks unable to go on (rank "
+                                f"{why[0]}: {why[1]}); fix that one first"), False
+            elif res.get("stuck") and not skip:
+                skip = (f"not run: an earlier check of this exercise ran longer than {_NOW['check']:.0f} s on a rank "
+                        f"(an endless loop?)")
+    return usable
+
+
+def rank_main(jobs, patience: float | None = None, outdir: str | None = None,
+              check_seconds: float | None = None) -> int:
+    """On every rank: for each (exercise name, path or None) the learner's cores in place, every run for this world
+    size, each result saved in `outdir` as <job>.<run>.<rank>.pt (what the rank is at: now.<rank>; a crash's stacks:
+    crash.<rank>; its stderr: stderr.<rank>). Returns how many jobs it graded: fewer than all when a check left the
+    group unusable. patience, check_seconds: PATIENCE and CHECK_SECONDS as this rank's environment says, if None."""
+    me, P = dist.get_rank(), dist.get_world_size()
+    patience = PATIENCE if patience is None else patience
+    _NOW.update(outdir=outdir or tempfile.mkdtemp(prefix="course-grade-"), rank=me,
+                check=CHECK_SECONDS if check_seconds is None else check_seconds)
     watch.install(patience)
+    # a wait the watch let through has every side posted: gloo may give up soon after (the groups checks build too)
+    c10d, bound = dist.distributed_c10d, datetime.timedelta(seconds=patience + 5)
+    c10d._set_pg_timeout(bound)
+    c10d.default_pg_timeout = bound
+    watch.set_drop_hook(_dropped)
+    crash = open(_file("crash", me), "w")
+    faulthandler.enable(crash, all_threads=True)
+    real_exit = os._exit
+
+    def _exit(code):   # a core that ends its process: where, for the grading process (it cannot say it otherwise)
+        faulthandler.dump_traceback(crash, all_threads=False)
+        crash.flush()
+        real_exit(code)
+    os._exit = _exit
+    # gloo's and the store's C++ warnings when a peer dies, and their stack dumps: kept out of the grade's output
+    # (read back for a rank that died)
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    os.dup2(os.open(_file("stderr", me), os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
     # the watch checks every collective; the lessons' own announcements (mesh.agree, lesson 2) would wait on the store
     # outside it, where a mismatch the watch stops on one rank would keep a peer waiting the full collective timeout
     os.environ["COURSE_CHECK_COLLECTIVES"] = "0"
-    P = dist.get_world_size()
     # stage 3's hooks on the embedding, whose inputs need no gradient: PyTorch says when its backward hook fires
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     try:
         for lesson in _LESSONS[:-1]:
             importlib.import_module(lesson)   # after install: the names they bind are the watched ones
-        results = []
-        for name, path in jobs:
-            runs = {c.run.__name__: c.run for c in CHECKS[name] if c.run is not None and P in c.worlds}
-            try:
-                with patched(BY_NAME[name], path):
-                    res = {}
-                    for k, run in runs.items():
-                        if any(r.get("stuck") for r in res.values()):   # (the same on every rank: end_check's)
-                            res[k] = dict(out=None, kind="timeout", error=f"not run: an earlier check of this "
-                                          f"exercise ran longer than {CHECK_SECONDS:.0f} s on a rank (an endless loop?)")
-                            continue
-                        res[k] = _guarded(run, P)
-                    results.append(res)
-            except Exception as e:  # noqa: BLE001 - the learner's file does not load
-                err = f"{os.path.relpath(path, ROOT)} does not load: {type(e).__name__}: {e}"
-                results.append({k: dict(out=None, error=err, kind="load") for k in runs})
-        return results
+        for j, (name, path) in enumerate(jobs):
+            if not _grade_job(j, name, path, P):
+                return j + 1
+        return len(jobs)
     finally:
+        os._exit = real_exit
+        faulthandler.disable()
+        crash.close()
+        sys.stderr.flush()
+        os.dup2(stderr, 2)
         watch.uninstall()
 
 
@@ -266,16 +352,25 @@ class Outcome:
     title: str
     ok: bool
     lines: list
-    kind: str | None = None   # blank, mismatch, timeout, error, peer, load: the run failed; None: judged
+    kind: str | None = None   # the run failed (one of _KINDS), or None: judged
+
+
+# the run failed: the first kind is told first (a rank's own error before what its peers met because of it)
+_KINDS = ["blank", "load", "died", "mismatch", "timeout", "error", "gloo", "peer", "elsewhere", "skipped"]
+_ECHOES = ("peer", "elsewhere", "skipped")   # what a rank meets because of another's failure, never told apart
+
+
+def _order(res) -> float:
+    looping = res["kind"] == "timeout" and "an endless loop?" in res["error"]
+    return _KINDS.index("died") + 0.5 if looping else _KINDS.index(res["kind"])
 
 
 def _judge(check: Check, P, results) -> Outcome:
     failed = [(r, res) for r, res in enumerate(results) if res["error"]]
     if failed:
-        order = ["blank", "load", "mismatch", "timeout", "error", "peer"]
-        # the first by kind; of the timeouts, a rank that loops before one that waits (an endless loop on rank 1 while
+        # the first by kind; a rank in an endless loop before the peers that gave up waiting for it (rank 1 loops while
         # rank 0 waits in the all-reduce: rank 1's line is the one to read, rank 0's follows)
-        r, res = min(failed, key=lambda f: (order.index(f[1]["kind"]), "an endless loop?" not in f[1]["error"], f[0]))
+        r, res = min(failed, key=lambda f: (_order(f[1]), f[0]))
         alike = len(failed) == len(results) > 1 and all(x["error"] == res["error"] for _, x in failed)
         who = "every rank" if alike else f"rank {r}"
         if res["kind"] in ("mismatch",):
@@ -284,8 +379,8 @@ def _judge(check: Check, P, results) -> Outcome:
         others = {}   # what the other ranks met, when it is something else (a wait beside an endless loop)
         for r2, res2 in failed:
             key = res2["kind"] if res2["kind"] != res["kind"] else res2["error"]
-            if res2["kind"] != "peer" and res2["error"] != res["error"] and key not in others and not (
-                    res["kind"] == "mismatch" and res2["kind"] == "mismatch"):
+            if res2["kind"] not in _ECHOES and res2["error"] != res["error"] and key not in others and not (
+                    res["kind"] == "mismatch" and res2["kind"] == "mismatch" or res["kind"] == "died"):
                 others[key] = f"rank {r2}: {res2['error']}"
         return Outcome(P, check.title, False, lines + list(others.values()), res["kind"])
     try:
@@ -295,32 +390,159 @@ def _judge(check: Check, P, results) -> Outcome:
     return Outcome(P, check.title, not lines, lines)
 
 
-def evaluate(jobs: dict, timeout: float = 600) -> dict:
+def evaluate(jobs: dict, timeout: float = 600, patience: float | None = None, check_seconds: float | None = None
+             ) -> dict:
     """jobs {P: [(exercise name, path or None)]} -> {(name, path, P): [Outcome per check]}: one group of P ranks per
-    world size for all the jobs (checks without ranks run here, once per (name, path))."""
-    from lab.launch import run_ranks
+    world size for all the jobs — a fresh one after a check that left it unusable or a rank that died (checks
+    without ranks run here, once per (name, path)). patience, check_seconds: the ranks' PATIENCE and CHECK_SECONDS
+    (None: as their environment says)."""
     out = {}
     for P, todo in sorted(jobs.items()):
-        ranked = [(n, p) for n, p in todo if any(c.run is not None and P in c.worlds for c in CHECKS[n])]
-        results = run_ranks(rank_main, P, ranked, PATIENCE, timeout=timeout) if ranked else []
-        for j, (name, path) in enumerate(ranked):
-            per_rank = [res[j] for res in results]
-            for k in per_rank[0] if per_rank else []:
-                TIMES[(name, k, P)] = max(rr[k].get("seconds", 0) for rr in per_rank)
+        ranked = [(n, p) for n, p in todo if runs_of(n, P)]
+        results = _in_ranks(ranked, P, timeout, patience, check_seconds) if ranked else []
+        for (name, path), per_rank in zip(ranked, results):
+            runs = runs_of(name, P)
+            for k, run in enumerate(runs):
+                TIMES[(name, run.__name__, P)] = max(rr[k].get("seconds", 0) for rr in per_rank)
             outcomes, told = [], set()
             for c in CHECKS[name]:
                 if c.run is None or P not in c.worlds:
                     continue
-                o = _judge(c, P, [rr[c.run.__name__] for rr in per_rank])
-                if o.kind is not None and c.run.__name__ in told:   # one failed run, several checks: say it once
+                o = _judge(c, P, [rr[runs.index(c.run)] for rr in per_rank])
+                if o.kind is not None and c.run in told:   # one failed run, several checks: say it once
                     o.lines = ["the same run as above failed (see there)"]
-                told.add(c.run.__name__)
+                told.add(c.run)
                 outcomes.append(o)
             out[(name, path, P)] = outcomes
     pure = {(n, p) for todo in jobs.values() for n, p in todo if any(c.run is None for c in CHECKS[n])}
     for name, path in sorted(pure, key=str):
         out[(name, path, None)] = pure_outcomes(name, path)
     return out
+
+
+def _in_ranks(ranked: list, P: int, timeout: float, patience, check_seconds) -> list:
+    """[per job: [per rank: [per run: result]]]: the jobs graded in a group of P ranks, and in a fresh group for the
+    jobs after one that left it unusable or during which a rank died (that job's run then says how it died)."""
+    from lab.launch import RankError, run_ranks
+    results = []
+    with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
+        while len(results) < len(ranked):
+            start, outdir = len(results), os.path.join(tmp, str(len(results)))
+            os.mkdir(outdir)
+            failure = None
+            try:
+                run_ranks(rank_main, P, ranked[start:], patience, outdir, check_seconds, timeout=timeout)
+            except (RankError, TimeoutError) as e:
+                failure = e
+            for j, (name, _) in enumerate(ranked[start:]):
+                got = [[_result(outdir, j, k, r) for k in range(len(runs_of(name, P)))] for r in range(P)]
+                if all(x is not None for rr in got for x in rr):
+                    results.append(got)
+                    continue
+                if failure is not None or any(x is not None for rr in got for x in rr) or len(results) == start:
+                    results.append(_lost(outdir, j, got, failure, ranked[start + j][1], timeout))
+                break
+    return results
+
+
+def _result(outdir: str, j: int, k: int, r: int):
+    f = os.path.join(outdir, f"{j}.{k}.{r}.pt")
+    return torch.load(f, weights_only=False) if os.path.exists(f) else None
+
+
+def _lost(outdir: str, j: int, got: list, failure, path, timeout) -> list:
+    """A job the ranks did not finish: each rank's saved runs, then the run a rank died in (or ran out of time in),
+    then "not run" for the rest."""
+    P = len(got)
+    now = {}
+    for r in range(P):
+        f = os.path.join(outdir, f"now.{r}")
+        now[r] = json.load(open(f)) if os.path.exists(f) else None
+    dead = getattr(failure, "rank", None)
+    at = next((now[r]["run"] for r in ([dead] if dead is not None else []) + list(range(P))
+               if now.get(r) and now[r]["job"] == j), None)
+    if isinstance(failure, TimeoutError):
+        what, kind = f"the ranks did not finish it within {timeout:.0f} s (stopped)", "timeout"
+    elif failure is None:
+        what, kind = "the ranks stopped without its results", "died"
+    elif dead is not None and now.get(dead) is None:   # before rank_main began: not the learner's doing
+        what, kind = (f"the ranks could not start: rank {dead} ended before grading began (exit code "
+                      f"{getattr(failure, 'exitcode', None)}): {' '.join(_tail(outdir, dead)[-1:]) or failure}"), "died"
+    else:
+        what, kind = _died(failure, outdir, j, path, at), "died"
+    loading = at is None
+    if loading and kind == "died" and now.get(dead) is not None:
+        what = f"{what} — while loading {_rel(path) if path else 'the lesson'}"
+    out = []
+    for r, runs in enumerate(got):
+        mine = []
+        for k, res in enumerate(runs):
+            if res is not None:
+                mine.append(res)
+            elif loading or k <= at:
+                mine.append(dict(out=None, kind=kind, error=what) if r == dead or dead is None else
+                            dict(out=None, kind="peer", error=f"another rank died: rank {dead}: {what}"))
+            else:
+                mine.append(dict(out=None, kind="skipped", error=f"not run: rank {dead} died in an earlier check of "
+                                 f"this exercise" if dead is not None else f"not run: {what}"))
+        out.append(mine)
+    return out
+
+
+def _died(e, outdir: str, j: int, path, at) -> str:
+    """How rank e.rank died, and the likeliest cause: a signal (its Python stack from faulthandler names the
+    learner's line), an exit, or an error outside the check."""
+    r, code, tb = e.rank, getattr(e, "exitcode", None), getattr(e, "traceback", None)
+    dropped = []
+    f = os.path.join(outdir, f"dropped.{r}")
+    if os.path.exists(f):
+        dropped = [d for d in map(json.loads, open(f)) if d["job"] == j]
+    sig = signal.Signals(-code).name if code is not None and code < 0 and -code in signal.valid_signals() else None
+    if tb:
+        last = (tb.strip().splitlines() or [""])[-1][:300]
+        frames = [(fn, int(n), func, "") for fn, n, func in re.findall(r'File "(.+?)", line (\d+), in (\S+)', tb)]
+        return f"died in this check, raising outside it: {last}{_where(frames, path)}"
+    how = f"killed by {sig}" if sig else f"the process exited with code {code}"
+    site = _crash_site(outdir, r, path)
+    if dropped:
+        d = dropped[-1]
+        cause = (f"an asynchronous {d['what']} was dropped unwaited{d['where']}: gloo still wrote into its tensors "
+                 f"once they were freed — keep the work and wait() on it before using or freeing them")
+        site = "" if site == d["where"] else f" — the crash itself came later{site}" if site else ""
+    elif sig in ("SIGSEGV", "SIGBUS"):
+        cause = ("memory used after it was freed: most likely an asynchronous collective or transfer never waited (its "
+                 "work dropped while gloo still wrote into its tensors) — keep each work and wait() on it before "
+                 "using or freeing its tensors")
+    elif sig == "SIGABRT":
+        said = [line.strip() for line in _tail(outdir, r) if "what():" in line or "terminate called" in line]
+        cause = "a C++ abort" + (f" ({said[-1][:200]})" if said else "") + (
+            ": most likely gloo received more bytes than a collective or transfer posted room for (sizes that "
+            "differ across ranks)" if not said or "size" in said[-1] else "")
+    elif sig:
+        cause = "a signal ended the process"
+    else:
+        cause = "the core ended the process (os._exit, or an abort): a core returns, it never exits"
+    return f"died in this check ({how}): {cause}{site}"
+
+
+def _tail(outdir: str, r: int) -> list:
+    """The last lines rank r wrote to its stderr (gloo's and torch's own messages go there, not to the learner)."""
+    f = os.path.join(outdir, f"stderr.{r}")
+    return open(f, errors="replace").read()[-4000:].splitlines() if os.path.exists(f) else []
+
+
+def _crash_site(outdir: str, r: int, path) -> str:
+    """Where faulthandler found the threads when the rank crashed: the learner's innermost line, else a lesson's."""
+    f = os.path.join(outdir, f"crash.{r}")
+    text = open(f).read() if os.path.exists(f) else ""
+    blocks = re.split(r"\n(?=\S)", text)   # one block per thread; the crashing one is "Current thread"
+    blocks.sort(key=lambda b: not b.startswith("Current thread"))
+    for b in blocks:
+        frames = [(fn, int(n), func, "") for fn, n, func in re.findall(r'File "(.+?)", line (\d+) in (\S+)', b)]
+        where = _where(frames[::-1], path)   # (faulthandler lists the innermost first)
+        if where:
+            return where
+    return ""
 
 
 def pure_outcomes(name: str, path: str | None) -> list[Outcome]:
@@ -375,15 +597,19 @@ def grade(name: str, root: str = ROOT, out=print) -> bool:
     start = time.monotonic()
     steps = ([None] if any(c.run is None for c in CHECKS[name]) else []) + worlds_of(name)
     for i, P in enumerate(steps):
-        outcomes = pure_outcomes(name, path) if P is None else evaluate({P: [(name, path)]})[(name, path, P)]
+        outcomes = pure_outcomes(name, path) if P is None else evaluate(
+            {P: [(name, path)]}, patience=PATIENCE, check_seconds=CHECK_SECONDS)[(name, path, P)]
         for o in outcomes:
             for line in format_outcome(o):
                 out(line)
         passed += sum(o.ok for o in outcomes)
         total += len(outcomes)
-        if any(o.kind == "blank" for o in outcomes) and i + 1 < len(steps):
-            rest = [f"{p} ranks" if p else "no ranks" for p in steps[i + 1:]]
-            out(f"  (not run on {', '.join(rest)}: write the core first — {marker(ex)})")
+        rest = ", ".join(f"{p} ranks" if p else "no ranks" for p in steps[i + 1:])
+        if rest and any(o.kind == "blank" for o in outcomes):
+            out(f"  (not run on {rest}: write the core first — {marker(ex)})")
+            break
+        if rest and any(o.kind == "timeout" for o in outcomes):   # each world size would wait as long again
+            out(f"  (not run on {rest}: a check above ran longer than {CHECK_SECONDS:.0f} s — fix that first)")
             break
     took = time.monotonic() - start
     if passed == total:
@@ -394,1292 +620,3 @@ def grade(name: str, root: str = ROOT, out=print) -> bool:
     out(f"exercise {name}: {passed} of {total} checks passed ({took:.0f} s). Fix the first FAIL and grade again; "
         f"python -m lab.exercises compare {name} shows your core beside the reference.")
     return False
-
-
-# ---- diagnoses: what is wrong with a tensor -------------------------------------------------------------------------
-
-def close(got, want, tol=TOL) -> bool:
-    return tuple(got.shape) == tuple(want.shape) and bool(
-        ((got.double() - want.double()).abs() <= tol * max(1.0, want.double().abs().max().item() if want.numel() else 1)).all())
-
-
-def pattern(got, want, scales=(), candidates=()) -> str:
-    """The shape of the difference, in words a learner can act on. scales: [(factor, explanation)];
-    candidates: [(label, tensor)] — what a typical mistake would give."""
-    if tuple(got.shape) != tuple(want.shape):
-        if got.dim() == 2 and tuple(got.shape) == tuple(want.shape)[::-1]:
-            return f"shape {tuple(got.shape)} where {tuple(want.shape)} is expected: transposed"
-        return f"shape {tuple(got.shape)} where {tuple(want.shape)} is expected"
-    g, w = got.double().flatten(), want.double().flatten()
-    bad = ~torch.isfinite(g)
-    if bad.any():
-        return f"{int(bad.sum())} of {g.numel()} values are NaN or infinite (an overflow, or 0/0)"
-    for label, cand in candidates:
-        if cand is not None and close(got, cand, 1e-8):
-            return label
-    scale = w.abs().max().item()
-    if scale == 0:
-        return "nonzero where zeros are expected"
-    if g.abs().max().item() <= 1e-12 * scale:
-        return "all zeros where values are expected: nothing arrived, or nothing was written"
-    c = (g @ w / (w @ w)).item()
-    if (g - c * w).abs().max().item() <= 1e-6 * scale:
-        for factor, why in scales:
-            if abs(c - factor) <= 1e-6 * abs(factor):
-                return why
-        if abs(c + 1) < 1e-6:
-            return "the expected with its sign flipped"
-        return f"{c:.4g}× the expected"
-    if got.dim() == 2 and got.shape[0] == got.shape[1] and close(got, want.T, 1e-8):
-        return "the transpose of the expected"
-    wrong = ~torch.isclose(g, w, rtol=1e-7, atol=1e-9 * scale)
-    k = int(wrong.sum())
-    if k < g.numel():
-        idx = wrong.nonzero().flatten()
-        return f"wrong in {k} of {g.numel()} elements (flat indices {idx[0].item()} to {idx[-1].item()}), right elsewhere"
-    return "wrong everywhere, in no simple pattern (not a multiple, sign or transpose of the expected)"
-
-
-def data_scales(P: int) -> list:
-    return [(P, f"{P}× the expected ({P} = P, the group's size): the sum was not divided by P"),
-            (1 / P, f"1/{P} of the expected: divided by P once too often")] if P > 1 else []
-
-
-def compare_named(P, results, key, want_of, *, what="", scales=(), candidates_of=None, tol=TOL, before_of=None,
-                  reverse=False) -> list[str]:
-    """Every rank's tensors results[r][key][name] against want_of(r, name): the first failure in full, then how many
-    more. candidates_of(r, name) -> [(label, tensor)]; before_of(r, name): the value before the step, so that the
-    pattern is read on the update (got − before against want − before); reverse: look from the last tensor (the one
-    nearest the loss) back."""
-    fails = []
-    for r, res in enumerate(results):
-        for name, got in (reversed if reverse else iter)(list(res[key].items())):
-            want = want_of(r, name)
-            if want is None or close(got, want, tol):
-                continue
-            diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else float("nan")
-            cands = candidates_of(r, name) if candidates_of else ()
-            if before_of is not None and got.shape == want.shape:
-                b0 = before_of(r, name)
-                why = pattern(got - b0, want - b0, scales, [(label, c - b0) for label, c in cands])
-            else:
-                why = pattern(got, want, scales, cands)
-            fails.append((r, name, diff, why))
-    if not fails:
-        return []
-    r, name, diff, why = fails[0]
-    n = sum(len(res[key]) for res in results)
-    lines = [f"rank {r}, {name}{what}: off by {diff:.2e} — {why}"]
-    same = sum(f[3] == why for f in fails)
-    ranks = sorted({f[0] for f in fails})
-    if len(fails) > 1:
-        lines.append(f"{len(fails)} of the {n} tensors of all ranks differ, on rank(s) {ranks}" +
-                     ("; all the same way" if same == len(fails) else f"; {same} of them the same way" if same > 1 else ""))
-    return lines
-
-
-def formula_line(what: str, want, got, why: str = "") -> list[str]:
-    return [] if want == got else [f"{what}: expected {_n(want)}, measured {_n(got)}" + (f" — {why}" if why else "")]
-
-
-def _n(x):
-    return f"{x:,}" if isinstance(x, int) else str(x)
-
-
-# ---- the data and the one-process references ---------------------------------------------------------------------------
-
-@functools.cache
-def _tokens():
-    from lab.data import load_corpus
-    return load_corpus()
-
-
-def _batch(step, B=B, S=S, seed=0, rank=0, size=1):
-    from lab.data import get_batch
-    return get_batch(_tokens(), step, B, S, seed, rank, size)
-
-
-def _snap(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _grads(model):
-    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
-
-
-@functools.cache
-def one_process(seed=0, steps=2, cfg="tiny", B=B, S=S, m=1):
-    """THE single-process run (lab.baseline.single_process, with SGD): states [before, after step 1, ...], each
-    step's gradients, losses. m > 1: a batch's loss is the mean of its m micro-batches' means (a pipeline's)."""
-    from lab.baseline import single_process, snapshot
-    from lab.model import build_model
-    batches = [_batch(s, B, S, seed) for s in range(steps)]
-
-    def loss_fn(model, batch):
-        return sum(model(a, b) for a, b in zip(batch[0].chunk(m), batch[1].chunk(m))) / m
-    model = build_model(cfg, seed=0, dtype=F64)
-    states, out = [snapshot(model)], None
-    for k in range(1, steps + 1):   # (the loop returns the last state: one call per prefix of the batches)
-        out = single_process(model, batches[:k], lr=LR, optimizer=SGD, loss_fn=loss_fn, keep_grads=True)
-        states.append(snapshot(out["model"]))
-    grads = [{n: g if g is not None else torch.zeros_like(states[0][n]) for n, g in step.items()}
-             for step in out["grads"]]
-    return states, grads, out["losses"]
-
-
-class SGD:
-    """p ← p − lr·g, nothing else: torch.optim's optimizers import torch._dynamo when first made (10 s and more on a
-    busy 2-core machine, in every rank and in the grading process)."""
-
-    def __init__(self, params, lr=LR):
-        self.param_groups, self.state = [dict(params=list(params), lr=lr)], {}
-
-    @torch.no_grad()
-    def step(self):
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    p.sub_(p.grad, alpha=g["lr"])
-
-    def zero_grad(self, set_to_none=True):
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.zero_()
-
-
-def _sgd(params):
-    return SGD(params, lr=LR)
-
-
-# ---- 0. mesh: rows_along (no ranks) ----------------------------------------------------------------------------------
-
-def _grids():
-    """(shape, names, along) of every 5-D mesh of 1-16 ranks with sizes 1, 2, 3 or 4 (at most three axes > 1), along
-    every dimension, flattened dimension and expert group."""
-    from mesh import DIMS, FLAT
-    cases = []
-    for shape in itertools.product((1, 2, 3, 4), repeat=5):
-        if math.prod(shape) > 16 or sum(s > 1 for s in shape) > 3:
-            continue
-        for along in [(d,) for d in DIMS] + list(FLAT.values()):
-            cases.append((shape, DIMS, along))
-        dp = shape[1] * shape[2]
-        for ep in (2, 4):
-            if dp % ep == 0 and ep < dp:
-                eshape = (shape[0], dp // ep, ep, shape[3], shape[4])
-                for along in (("e_i",), ("e_out",), ("e_out", "cp")):
-                    cases.append((eshape, ("pp", "e_out", "e_i", "cp", "tp"), along))
-    return cases
-
-
-def _rows_diagnosis(got, want, grid, names, along, ref) -> str:
-    others = tuple(n for n in names if n not in along)
-    size = math.prod(grid.shape[names.index(n)] for n in along)
-    if not isinstance(got, list) or not all(isinstance(g, list) for g in got):
-        return f"a {type(got).__name__}, not a list of lists of ranks (.tolist() at the end)"
-    if sorted(map(sorted, got)) == sorted(map(sorted, want)):
-        if sorted(got) == sorted(want):
-            return ("the right groups in another order: every rank must build the groups in the same order — the "
-                    "other axes in grid order, first axis slowest")
-        return "the right members, out of grid order inside a group: keep the `along` axes in their grid order"
-    if got and len(got[0]) != size:
-        return (f"groups of {len(got[0])} ranks where {size} are expected: a group's size is the product of the sizes "
-                f"of all the `along` axes")
-    if got == grid.reshape(-1, size).tolist():
-        return "the grid's rows without moving the `along` axes last: consecutive ranks, whatever the axes"
-    if others and got == ref(grid, names, others):
-        return "the groups along the OTHER axes: move the `along` axes last, not first"
-    return "other groups than these axes have"
-
-
-def judge_rows(mine, ref):
-    import torch as t
-    for shape, names, along in _grids():
-        grid = t.arange(math.prod(shape)).view(*shape)
-        want = ref(grid, names, along)
-        got = mine(grid, names, along)
-        if got != want:
-            label = ", ".join(f"{n}={s}" for n, s in zip(names, shape) if s > 1) or "one rank"
-            return [f"grid [{label}] along {list(along)}: {_short(got)} where {_short(want)} is expected — "
-                    f"{_rows_diagnosis(got, want, grid, names, along, ref)}"]
-    return []
-
-
-def _short(groups):
-    s = str(groups)
-    return s if len(s) < 80 else s[:76] + " ...]"
-
-
-def judge_rows_partition(mine, ref):
-    import torch as t
-    for shape, names, along in _grids():
-        grid = t.arange(math.prod(shape)).view(*shape)
-        size = math.prod(shape[names.index(n)] for n in along)
-        got = mine(grid, names, along)
-        flat = sorted(r for g in got for r in g)
-        label = ", ".join(f"{n}={s}" for n, s in zip(names, shape) if s > 1) or "one rank"
-        if len(got) != grid.numel() // size or any(len(g) != size for g in got) or flat != list(range(grid.numel())):
-            return [f"grid [{label}] along {list(along)}: {len(got)} groups of sizes {sorted({len(g) for g in got})}"
-                    f" covering {len(set(flat))} distinct ranks ({len(flat)} places); expected world/∏ = "
-                    f"{grid.numel() // size} groups of ∏ = {size} ranks, every rank of {grid.numel()} exactly once"]
-    return []
-
-
-CHECKS["rows"] = [
-    Check("the groups along every dimension, flattened dimension and expert group of every 5-D grid of 1-16 ranks "
-          "equal the reference's (members and groups in grid order)", None, judge_rows),
-    Check("each list is a partition: world/∏ groups of ∏ ranks (∏ the sizes along the axes), every rank once",
-          None, judge_rows_partition),
-]
-
-
-# ---- 1. ddp: average_gradients ------------------------------------------------------------------------------------------
-
-def _dp_train(P, seed=0, group=None, dp_rank=None, dp_size=None):
-    """The tiny float64 model on this rank's rows, average_gradients after backward, 2 SGD steps."""
-    from ddp import average_gradients
-    from lab.model import build_model
-    r, n = (dist.get_rank(), P) if dp_rank is None else (dp_rank, dp_size)
-    model = build_model("tiny", seed=0, dtype=F64)
-    opt = _sgd(model.parameters())
-    out = dict(states=[])
-    for s in range(2):
-        model(*_batch(s, seed=seed, rank=r, size=n)).backward()
-        if s == 0:
-            out["local"] = _grads(model)
-        with Count() as c:
-            average_gradients(model.parameters(), group)
-        if s == 0:
-            out.update(grads=_grads(model), calls=c.calls("all_reduce"), bytes=c.bytes("all_reduce"),
-                       groups=c.groups())
-        opt.step()
-        opt.zero_grad()
-        out["states"].append(_snap(model))
-    out["numel"] = sum(p.numel() for p in model.parameters())
-    return out
-
-
-def run_dp(P):
-    return _dp_train(P)
-
-
-def run_dp_groups(P):
-    """4 ranks as Mesh(dp_shard=2, cp=2): dp groups [0, 2] and [1, 3], the pair at cp index c on data seed c."""
-    from mesh import Mesh
-    mesh = Mesh(dp_shard=2, cp=2)
-    res = _dp_train(P, seed=mesh.coords["cp"], group=mesh, dp_rank=mesh.rank("dp"), dp_size=2)
-    res.update(seed=mesh.coords["cp"], dp=mesh.ranks("dp"))
-    return res
-
-
-def _dp_candidates(res, step_grads_world=None):
-    def cands(r, name):
-        c = [("this rank's own gradient, not averaged: no all-reduce reached it", res[r]["local"][name])]
-        if step_grads_world is not None:
-            c.append(step_grads_world(name))
-        return c
-    return cands
-
-
-def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients"):
-    lines = []
-    seed_of = (lambda r: 0) if seeds is None else seeds
-    world = None
-    if seeds is not None:  # what averaging over the whole world would give
-        g0, g1 = one_process(0)[1][0], one_process(1)[1][0]
-        world = lambda n: (f"the average over ALL {P} ranks, not over this rank's group: all-reduce over the group "  # noqa: E731
-                           f"you are given", (g0[n] + g1[n]) / 2)
-    lines += compare_named(P, res, "grads", lambda r, n: one_process(seed_of(r))[1][0][n], what=f" (gradient {when}, "
-                           f"step 1)", scales=data_scales(len(res) if seeds is None else 2),
-                           candidates_of=lambda r, n: [("this rank's own gradient, not averaged: no all-reduce reached "
-                                                        "it", res[r]["local"][n])] + ([world(n)] if world else []))
-    if lines:
-        return lines + [f"(expected: the one-process gradient of the global batch{groups_note})"]
-    for s in range(2):
-        lines = compare_named(P, [dict(x=r_["states"][s]) for r_ in res], "x",
-                              lambda r, n: one_process(seed_of(r))[0][s + 1][n], what=f" (parameter after step {s + 1})",
-                              before_of=lambda r, n: one_process(seed_of(r))[0][s][n])
-        if lines:
-            return lines
-    return []
-
-
-def judge_dp_formula(P, res):
-    for r, x in enumerate(res):
-        want = (1, x["numel"] * 8)
-        if (x["calls"], x["bytes"]) != want:
-            why = ("one per parameter tensor: pack them into ONE flat buffer (mesh.all_reduce_flat)" if x["calls"] > 1
-                   else "no all-reduce at all" if x["calls"] == 0 else "another size than all the gradients")
-            return [f"rank {r}: one all-reduce of Ψ·b = {x['numel']:,}·8 = {want[1]:,} bytes per step expected, "
-                    f"measured {x['calls']} all-reduce(s) of {x['bytes']:,} bytes in all — {why}"]
-    return []
-
-
-def judge_dp_groups(P, res):
-    for r, x in enumerate(res):
-        if x["groups"] != [tuple(x["dp"])]:
-            return [f"rank {r}: the all-reduce ran over ranks {[list(g) for g in x['groups']]}, expected only over its "
-                    f"group {x['dp']} (Mesh(dp_shard=2, cp=2)'s dp group; resolve_group(group, 'dp'))"]
-    return judge_dp_equal(P, res, seeds=lambda r: res[r]["seed"], groups_note=" of its own group's data")
-
-
-def run_dp_divide(P):
-    """Three parameters; rank r's gradients r+1, none on rank 0 for the second, r for the third; divide_by=3."""
-    from ddp import average_gradients
-    r = dist.get_rank()
-    ps = [torch.nn.Parameter(torch.zeros(3, 2, dtype=F64)), torch.nn.Parameter(torch.zeros(4, dtype=F64)),
-          torch.nn.Parameter(torch.zeros(5, dtype=F64))]
-    ps[0].grad = torch.full((3, 2), r + 1.0, dtype=F64)
-    ps[1].grad = None if r == 0 else torch.full((4,), 2.0 * (r + 1), dtype=F64)
-    ps[2].grad = torch.full((5,), float(r), dtype=F64)
-    average_gradients(iter(ps), None, divide_by=3)   # an iterator, as model.parameters() is: read it once
-    return dict(g={f"p{i}": (p.grad if p.grad is not None else torch.full_like(p, float("nan"))) for i, p in enumerate(ps)})
-
-
-def judge_dp_divide(P, res):
-    want = {"p0": torch.full((3, 2), sum(r + 1.0 for r in range(P)) / 3, dtype=F64),
-            "p1": torch.full((4,), sum(2.0 * (r + 1) for r in range(1, P)) / 3, dtype=F64),
-            "p2": torch.full((5,), sum(float(r) for r in range(P)) / 3, dtype=F64)}
-    return compare_named(P, res, "g", lambda r, n: want[n], what=" (sum ÷ divide_by = 3; p1 has no gradient on rank 0)",
-                         scales=[(3 / P, f"the sum ÷ {P} (the group's size): divide_by=3 was ignored")])
-
-
-CHECKS["average"] = [
-    Check("equal to one process in float64: every gradient after average_gradients, and the parameters after 2 SGD "
-          "steps, on every rank", run_dp, judge_dp_equal),
-    Check("one all-reduce of Ψ·b bytes per step (Ψ gradient elements, b = 8 bytes): g = (1/P)·Σ_r g_r in one call",
-          run_dp, judge_dp_formula),
-    Check("over the group it is given: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each on its own data, "
-          "equal to one process on that data", run_dp_groups, judge_dp_groups, worlds=(4,)),
-    Check("divide_by, and a parameter with no gradient on one rank: zeros sent, the sum ÷ divide_by everywhere",
-          run_dp_divide, judge_dp_divide, worlds=(2, 4)),
-]
-
-
-# ---- 1. ddp: the bucket ------------------------------------------------------------------------------------------------
-
-def _bucket_train(P, seed=0, mesh=None):
-    from ddp import BucketedDDP
-    from lab.model import build_model
-    model = build_model("tiny", seed=0, dtype=F64)
-    arrived, local = [0], {}
-    names = {p: n for n, p in model.named_parameters()}
-
-    def count(p):   # registered before the wrapper's hooks: runs first, sees this rank's own gradient
-        arrived[0] += 1
-        local[names[p]] = p.grad.detach().clone()
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(count)
-    ddp = BucketedDDP(model, group=mesh, bucket_cap_mb=0.1, first_bucket_mb=0.05)
-    dp_rank, dp_size = (mesh.rank("dp"), mesh.size("dp")) if mesh is not None else (dist.get_rank(), P)
-    opt = _sgd(model.parameters())
-    out = dict(states=[], buckets=[len(b.params) for b in ddp.buckets], n=len(ddp.params),
-               numel=sum(p.numel() for p in ddp.params))
-    for s in range(2):
-        arrived[0] = 0
-        watch.set_probe(lambda e: e.update(arrived=arrived[0]))
-        loss = ddp(*_batch(s, seed=seed, rank=dp_rank, size=dp_size))
-        with Count() as c:
-            loss.backward()
-        watch.set_probe(None)
-        if s == 0:
-            out.update(grads=_grads(model), local=dict(local), calls=c.calls("all_reduce"),
-                       bytes=c.bytes("all_reduce"), groups=c.groups(),
-                       launches=[(e["arrived"], e["asynchronous"], e["in_backward"]) for e in watch.events
-                                 if e["op"] == "all_reduce" and e["dtype"] == "float64"])
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        out["states"].append(_snap(model))
-    return out
-
-
-def run_bucket(P):
-    return _bucket_train(P)
-
-
-def judge_bucket_equal(P, res):
-    return judge_dp_equal(P, res, when="when backward returns")
-
-
-def run_bucket_groups(P):
-    from mesh import Mesh
-    mesh = Mesh(dp_shard=2, cp=2)
-    res = _bucket_train(P, seed=mesh.coords["cp"], mesh=mesh)
-    res.update(seed=mesh.coords["cp"], dp=mesh.ranks("dp"))
-    return res
-
-
-def judge_bucket_formula(P, res):
-    for r, x in enumerate(res):
-        nb = len(x["buckets"])
-        want = (nb + 1, x["numel"] * 8 + x["n"])
-        if (x["calls"], x["bytes"]) != want:
-            why = ("more calls than buckets: one all-reduce per bucket" if x["calls"] > nb + 1 else
-                   "fewer: a bucket never all-reduced?")
-            return [f"rank {r}: {nb} buckets + the used-flags = {nb + 1} all-reduces of Ψ·b + n = {want[1]:,} bytes "
-                    f"expected, measured {x['calls']} of {x['bytes']:,} bytes — {why}"]
-    return []
-
-
-def judge_bucket_launch(P, res):
-    for r, x in enumerate(res):
-        full = list(itertools.accumulate(x["buckets"]))
-        got = x["launches"]
-        if len(got) != len(full):
-            return [f"rank {r}: {len(full)} bucket all-reduces expected in backward, measured {len(got)}"]
-        for b, ((arrived, asynchronous, inside), when) in enumerate(zip(got, full)):
-            if not asynchronous:
-                return [f"rank {r}: bucket {b}'s all-reduce was synchronous: it must run while backward goes on "
-                        f"(dist.all_reduce(..., async_op=True), the work kept in bucket.work)"]
-            if not inside or arrived != when:
-                return [f"rank {r}: bucket {b} ({x['buckets'][b]} gradient(s)) started after gradient #{arrived} of "
-                        f"{x['n']} arrived; it was full after #{when}: start a bucket's all-reduce the moment its "
-                        f"last gradient arrives, in bucket order"]
-    return []
-
-
-def judge_bucket_groups(P, res):
-    for r, x in enumerate(res):
-        bad = [list(g) for g in x["groups"] if list(g) != x["dp"]]
-        if bad:
-            return [f"rank {r}: all-reduces over ranks {bad}, expected only over its group {x['dp']} (bucket.group)"]
-    return judge_dp_equal(P, res, seeds=lambda r: res[r]["seed"], groups_note=" of its own group's data",
-                          when="when backward returns")
-
-
-CHECKS["bucket"] = [
-    Check("equal to one process in float64: every gradient when backward returns, and the parameters after 2 SGD "
-          "steps, on every rank (3 buckets)", run_bucket, judge_bucket_equal),
-    Check("one all-reduce per bucket (+ one of the used-flags): calls = buckets + 1, bytes Ψ·b + n",
-          run_bucket, judge_bucket_formula, worlds=(2, 4)),
-    Check("overlap: each bucket's all-reduce starts asynchronously inside backward the moment its last gradient "
-          "arrives, in bucket order", run_bucket, judge_bucket_launch, worlds=(2, 4)),
-    Check("over the wrapper's group: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each on its own data",
-          run_bucket_groups, judge_bucket_groups, worlds=(4,)),
-]
-
-
-# ---- 2. fsdp: zero_step, gather_when_used -------------------------------------------------------------------------------
-
-def _units(model):
-    return [("tok_embeddings", model.tok_embeddings)] + [(f"layers.{i}", m) for i, m in enumerate(model.layers)] + \
-        [("norm", model.norm), ("output", model.output)]
-
-
-def _zero_train(P, stage):
-    """fsdp's core on the tiny float64 model, one FlatParameter per module, SGD over the shards, 2 steps."""
-    from fsdp import FlatParameter, gather_when_used, zero_step
-    from lab.model import build_model
-    model = build_model("tiny", seed=0, dtype=F64)
-    units = _units(model)
-    flats = [FlatParameter(m.parameters()) for _, m in units]
-    opt = _sgd([f.shard for f in flats])
-    gathered = [0]
-    if stage == 3:
-        for (_, m), f in zip(units, flats):
-            gather_when_used(m, f)
-            f.free()
-        _watch_gathered(units, flats, gathered)
-    out = dict(flats=[], names=[[f"{u}.{n}" for n, _ in m.named_parameters()] for u, m in units],
-               labels=[u for u, _ in units],
-               N=[f.flat_numel for f in flats], n=[f.shard_numel for f in flats])
-    for s in range(2):
-        with Count() as c:
-            model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
-            if s == 0:
-                out["peak_forward"] = gathered[0]
-            with Count() as step:
-                zero_step(flats, opt)
-        if s == 0:
-            out.update(comm=step.summary(), comm_all=c.summary(),
-                       full_grads=sum(p.grad.numel() for f in flats for p in f.params if p.grad is not None),
-                       shard_grads=sum(f.shard.grad.numel() for f in flats if f.shard.grad is not None))
-        out["at_rest"] = sum(f.buf.untyped_storage().nbytes() for f in flats)
-        for f in flats:
-            f.shard.grad = None
-        if stage == 3:
-            for f in flats:
-                f.unshard()
-        out["flats"].append([f.buf.clone() for f in flats])
-        if stage == 3:
-            for f in flats:
-                f.free()
-    return out
-
-
-def _watch_gathered(units, flats, gathered):
-    """Hooks registered AFTER gather_when_used's, so they run after its gather and its free: in forward, the most
-    units holding their whole buffer at once."""
-    def after(*_):
-        gathered[0] = max(gathered[0], sum(f.buf.untyped_storage().size() > 0 for f in flats))
-    for _, m in units:
-        m.register_forward_pre_hook(after)
-        m.register_forward_hook(after)
-
-
-def run_zero2(P):
-    return _zero_train(P, 2)
-
-
-def run_zero3(P):
-    return _zero_train(P, 3)
-
-
-def _ref_flats(names, N, step):
-    """The one-process parameters after `step` steps as the units' flat buffers (zero padding to N)."""
-    state = one_process(steps=2, B=B)[0][step]
-    out = []
-    for ns, n in zip(names, N):
-        v = torch.cat([state[k].flatten() for k in ns])
-        out.append(torch.cat([v, v.new_zeros(n - len(v))]))
-    return out
-
-
-def _slice_pattern(got, want, before, n, P, rank) -> str:
-    dg, dw = got - before, want - before
-    moves = [bool(dw[j * n:(j + 1) * n].abs().max() > 0) for j in range(P)]
-    parts = []
-    for j in range(P):
-        g, w = dg[j * n:(j + 1) * n], dw[j * n:(j + 1) * n]
-        if close(g, w):
-            parts.append("ok")
-            continue
-        other = [k for k in range(P) if k != j and moves[k] and close(g, dw[k * n:(k + 1) * n])]
-        if other:
-            parts.append(f"slice {other[0]}")
-        elif moves[j] and g.abs().max() == 0:
-            parts.append("stale")
-        else:
-            parts.append(pattern(g, w, data_scales(P)))
-    if P > 1 and parts[rank] == "ok" and all(p == "stale" for j, p in enumerate(parts) if j != rank):
-        return (f"only this rank's slice [{rank * n}, {(rank + 1) * n}) was updated, the other ranks' slices are as "
-                f"before the step: their new values never arrived (the all-gather after the step is missing)")
-    if all(p == "stale" for j, p in enumerate(parts) if moves[j]):
-        return ("no slice changed, this rank's own neither: the new slices never reached the flat buffer the model "
-                "computes with (the all-gather after the step is missing)")
-    if parts[rank].startswith("slice "):
-        k = int(parts[rank].split()[1])
-        return (f"this rank's slice [{rank * n}, {(rank + 1) * n}) got the update of slice {k}: the wrong shard — rank r "
-                f"owns [r·n, (r+1)·n) of the flat buffer")
-    bad = [(j, p) for j, p in enumerate(parts) if p != "ok"]
-    if len({p for _, p in bad}) == 1 and len(bad) == sum(moves):
-        return f"every slice: {bad[0][1]}"
-    return "; ".join(f"slice {j} (rank {j}'s): {p}" for j, p in bad)
-
-
-def judge_zero_equal(P, res):
-    for s in range(2):
-        for r, x in enumerate(res):
-            want, before = _ref_flats(x["names"], x["N"], s + 1), _ref_flats(x["names"], x["N"], s)
-            failing = [u for u, (got, w) in enumerate(zip(x["flats"][s], want)) if not close(got, w)]
-            if not failing:
-                continue
-            # read the pattern on a unit whose every slice changes (the embedding's rows of unused bytes do not)
-            n_ = x["n"]
-            whole = [u for u in failing if all((want[u] - before[u])[j * n_[u]:(j + 1) * n_[u]].abs().max() > 0
-                                               for j in range(P))]
-            u = (whole or failing)[0]
-            got, w, b0 = x["flats"][s][u], want[u], before[u]
-            return [f"rank {r}, unit {u} ({x['labels'][u]}), step {s + 1}: off by {(got - w).abs().max().item():.2e} "
-                    f"— {_slice_pattern(got, w, b0, n_[u], P, r)}"] + (
-                [f"{len(failing)} of {len(want)} units differ on rank {r}"] if len(failing) > 1 else [])
-    return []
-
-
-def judge_zero_bytes(P, res):
-    for r, x in enumerate(res):
-        N, units = sum(x["N"]), len(x["N"])
-        c = x["comm"]
-        rs, ag, ar = (c.get(op, dict(calls=0, bytes=0, wire_bytes=0)) for op in ("reduce_scatter", "all_gather",
-                                                                               "all_reduce"))
-        lines = formula_line(f"rank {r}: reduce-scatters (8Ψ bytes, one per unit)", (units, 8 * N),
-                             (rs["calls"], rs["bytes"]))
-        if lines and ar["calls"]:
-            lines[0] += (f"; instead {ar['calls']} all-reduce(s) of {ar['bytes']:,} bytes, whose ring sends "
-                         f"2(P−1)/P of them, {ar['wire_bytes']:,.0f}, twice a reduce-scatter's (P−1)/P: an all-reduce "
-                         f"where a reduce-scatter belongs")
-        if not lines and ar["calls"]:
-            lines = [f"rank {r}: no all-reduce expected in ZeRO's step, measured {ar['calls']} of {ar['bytes']:,} bytes"]
-        lines = lines or formula_line(f"rank {r}: all-gathers after the step (8Ψ bytes, one per unit: stage 2)",
-                                      (units, 8 * N), (ag["calls"], ag["bytes"]),
-                                      "every rank needs every new slice before the next forward")
-        if lines:
-            return lines
-    return []
-
-
-def judge_zero_memory(P, res):
-    for r, x in enumerate(res):
-        n = sum(x["n"])
-        if x["full_grads"] or x["shard_grads"] != n:
-            return [f"rank {r}: after the step, gradients held: whole parameters {x['full_grads']:,} elements "
-                    f"(expected 0: set p.grad = None), slices {x['shard_grads']:,} (expected Ψ/P = {n:,})"]
-    return []
-
-
-CHECKS["zero_step"] = [
-    Check("stage 2: equal to one process in float64 after each of 2 SGD steps, on every rank (one FlatParameter per "
-          "module)", run_zero2, judge_zero_equal),
-    Check("stage 3 (buffers freed between uses): equal to one process after each of 2 steps", run_zero3,
-          judge_zero_equal),
-    Check("per step one reduce-scatter of 8Ψ bytes and one all-gather of 8Ψ per unit after the step, no all-reduce "
-          "(ZeRO §7: 2Ψ elements)", run_zero2, judge_zero_bytes, worlds=(2, 4)),
-    Check("after the step only the slices hold gradients: Ψ/P elements, none on the whole parameters", run_zero2,
-          judge_zero_memory),
-]
-
-
-def run_gather(P):
-    return _zero_train(P, 3)
-
-
-def judge_gather_bytes(P, res):
-    for r, x in enumerate(res):
-        N, units = sum(x["N"]), len(x["N"])
-        ag = x["comm_all"].get("all_gather", dict(calls=0, bytes=0))
-        lines = formula_line(f"rank {r}: all-gathers per step (each unit before its forward and before its backward: "
-                             f"2·8Ψ bytes)", (2 * units, 2 * 8 * N), (ag["calls"], ag["bytes"]))
-        if lines:
-            return lines
-    return []
-
-
-def judge_gather_memory(P, res):
-    for r, x in enumerate(res):
-        if x["peak_forward"] != 1:
-            return [f"rank {r}: in forward, up to {x['peak_forward']} units held their whole buffer at once; expected 1 "
-                    f"(free a unit right after its forward)"]
-        if x["at_rest"]:
-            return [f"rank {r}: after the step the flat buffers hold {x['at_rest']:,} bytes, expected 0 (free each "
-                    f"unit right after its backward)"]
-    return []
-
-
-CHECKS["gather_when_used"] = [
-    Check("stage 3 equal to one process in float64 after each of 2 SGD steps, on every rank", run_gather,
-          judge_zero_equal),
-    Check("per step each unit all-gathered twice, before its forward and before its backward: 2·8Ψ bytes (ZeRO §7's "
-          "3Ψ with the reduce-scatter)", run_gather, judge_gather_bytes, worlds=(2, 4)),
-    Check("a unit whole only while it runs: one unit gathered at a time in forward, 0 bytes gathered at rest",
-          run_gather, judge_gather_memory),
-]
-
-
-# ---- 3. hsdp: across_replicas ----------------------------------------------------------------------------------------
-
-def run_hsdp(P):
-    from hsdp import shard_hybrid
-    from lab.model import build_model
-    from mesh import Mesh
-    mesh = Mesh(dp_replicate=2, dp_shard=P // 2)
-    model = build_model("tiny", seed=0, dtype=F64)
-    opt = shard_hybrid(model, mesh, optimizer_cls=SGD, lr=LR)
-    out = dict(states=[], rep=mesh.ranks("dp_replicate"), shard=mesh.ranks("dp_shard"), S=P // 2,
-               numel=sum(u.flat_numel for u in opt.units), k=sum(len(u.params) for u in opt.units))
-    for s in range(2):
-        with Count() as c:
-            model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
-            opt.step()
-        opt.zero_grad()
-        if s == 0:
-            out["events"] = [(e["op"], tuple(e["group"]), e["bytes"]) for e in c.events]
-        out["states"].append(opt.full_state_dict())
-    return out
-
-
-def judge_hsdp_equal(P, res):
-    R = 2
-    for s in range(2):
-        lines = compare_named(P, [dict(x={k: v for k, v in r_["states"][s].items() if k in one_process()[0][0]})
-                                  for r_ in res], "x",
-                              lambda r, n: one_process()[0][s + 1][n], what=f" (parameter after step {s + 1})",
-                              before_of=lambda r, n: one_process()[0][s][n],
-                              scales=[(1 / R, f"1/{R} of the expected update: divided by R once too often "
-                                       f"(shard_hybrid divides the sum by S·R afterwards)"),
-                                      (R, f"{R}× the expected update: summed across replicas twice")],
-                              candidates_of=(lambda r, n: [(f"this replica's own gradient ÷ {R}: the shards were never "
-                                                            f"summed across the replicas", _replica_alone(P, r)[n])])
-                              if s == 0 else None)
-        if lines:
-            return lines
-    return []
-
-
-@functools.cache
-def _replica_alone(P, rank):
-    """What step 1 leaves when a replica's gradient is never summed across replicas: the mean over its own ranks'
-    rows, divided by all S·R ranks."""
-    from lab.model import build_model
-    S_, R = P // 2, 2
-    first = rank - rank % S_   # the shard group: consecutive ranks
-    model = build_model("tiny", seed=0, dtype=F64)
-    for q in range(first, first + S_):
-        (model(*_batch(0, rank=q, size=P)) / S_).backward()
-    return {n: p.detach() - LR * p.grad / R for n, p in model.named_parameters()}
-
-
-def judge_hsdp_bytes(P, res):
-    for r, x in enumerate(res):
-        rep, shard = tuple(x["rep"]), tuple(x["shard"])
-        other = sorted({(op, g) for op, g, _ in x["events"] if g not in (rep, shard) and len(g) > 1})
-        if other:
-            op, g = other[0]
-            return [f"rank {r}: a {op} over ranks {list(g)}: only the shard group {list(shard)} and the replicate group "
-                    f"{list(rep)} may talk (across replicas, the replicate group alone)"]
-        got = sum(b for op, g, b in x["events"] if g == rep and op == "all_reduce")
-        want = 8 * x["numel"] // x["S"] + 4 * x["k"]
-        crossing = [op for op, g, _ in x["events"] if g == rep and op != "all_reduce"]
-        if crossing:
-            return [f"rank {r}: a {crossing[0]} across replicas: only the reduced shards and the flags cross them"]
-        lines = formula_line(f"rank {r}: all-reduce bytes across replicas {list(rep)} per step (the reduced shards "
-                             f"8Ψ/S + the used-flags 4k)", want, got,
-                             "nothing crossed: the shards were not summed across replicas" if got == 0 else "")
-        if lines:
-            return lines
-    return []
-
-
-CHECKS["across_replicas"] = [
-    Check("HSDP equal to one process in float64 after each of 2 SGD steps, on every rank: 2 replicas × 1 shard "
-          "(2 ranks), 2 × 2 (4 ranks)", run_hsdp, judge_hsdp_equal, worlds=(2, 4)),
-    Check("across replicas only the reduced shards and the used-flags: 8Ψ/S + 4k bytes all-reduced over the "
-          "replicate group per step, nothing else crosses", run_hsdp, judge_hsdp_bytes, worlds=(2, 4)),
-]
-
-
-# ---- 4. tensor parallel: f and g, the column/row pair ----------------------------------------------------------------
-
-TP_B, TP_S = 2, 8
-
-
-@functools.cache
-def _tp_reference():
-    from lab.baseline import single_process
-    from lab.model import build_model
-    one = single_process(build_model("tiny", seed=0, dtype=F64), [_batch(0, TP_B, TP_S, seed=3)], lr=LR,
-                         optimizer=SGD, keep_grads=True)
-    return one["losses"][0], one["grads"][0]
-
-
-def _tp(P, sp):
-    import tensor_parallel as tp
-    from lab.model import build_model
-    x, y = _batch(0, TP_B, TP_S, seed=3)
-    model = tp.apply_tensor_parallel(build_model("tiny", seed=0, dtype=F64), None, sequence_parallel=sp)
-    with Count() as fwd:
-        loss = model(x, y)
-    with Count() as bwd:
-        loss.backward()
-    tp.finish_grads(model)
-    return dict(loss=loss.detach(), grads={n: p.grad.detach().clone() for n, p in model.named_parameters()},
-                slices={n: getattr(p, "tp_slice", None) for n, p in model.named_parameters()},
-                fwd=fwd.summary(), bwd=bwd.summary(), sp=sp)
-
-
-def run_tp(P):
-    return _tp(P, False)
-
-
-def run_sp(P):
-    return _tp(P, True)
-
-
-def judge_tp_equal(P, res):
-    loss, grads = _tp_reference()
-    for r, x in enumerate(res):
-        if not close(x["loss"], torch.tensor(loss, dtype=F64)):
-            return [f"rank {r}: the loss {x['loss'].item():.10f} where one process has {loss:.10f}: the forward "
-                    f"already differs — a pair's output must be the SUM of the ranks' partial outputs (g's forward), "
-                    f"its input the same x on every rank (f's forward: the identity)"]
-
-    def want(r, n):
-        sl = res[r]["slices"][n]
-        full = grads[n]
-        return full if sl is None else full.narrow(sl[0], sl[1], sl[2] - sl[1])
-    L = 2 * 2 + 2
-    scales = [(float(P) ** k, f"{P ** k}× the expected (= t^{k}, t = tp size {P}: summed over tp {k} time(s) where "
-               f"it was whole — a backward that should be the identity all-reduces)") for k in range(1, L + 1)]
-    lines = compare_named(P, res, "grads", want, what=" (gradient of this rank's slice)", reverse=True,
-                          scales=scales + [(1 / P, f"1/{P} of the expected: a partial gradient never summed over tp")])
-    return lines + (["(the loss is right: the backward differs — f's backward sums x's gradient over tp, every rank "
-                     "having used all of x; g's backward is the identity)"] if lines else [])
-
-
-def judge_tp_formula(P, res):
-    from lab import tensor_parallel_demo as tp_demo
-    from lab.model import get_config
-    cfg = get_config("tiny")
-    L = cfg.n_layers
-    for r, x in enumerate(res):
-        sp = x["sp"]
-        want = tp_demo.comm_formula(cfg, TP_B, TP_S, 8, P, sp)
-        ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
-        for op in ops:
-            f, b = x["fwd"].get(op, {}).get("calls", 0), x["bwd"].get(op, {}).get("calls", 0)
-            wf, wb = 2 * L + 1 + (3 if op == "all_reduce" else 0), 2 * L + 1
-            if (f, b) != (wf, wb):
-                return [f"rank {r}: {op} calls in forward / backward: expected {wf} / {wb} (Megatron: f and g, 2 per "
-                        f"layer + the embedding's g forward, the head's f backward{', + the loss 3' if op == 'all_reduce' else ''}"
-                        f"), measured {f} / {b}" + (" — an all-reduce in backward where g's is the identity"
-                                                     if b > wb else " — f's backward all-reduce missing" if b < wb else "")]
-        for op, (calls, nbytes) in want.items():
-            got = (x["fwd"].get(op, {}).get("calls", 0) + x["bwd"].get(op, {}).get("calls", 0),
-                   x["fwd"].get(op, {}).get("bytes", 0) + x["bwd"].get(op, {}).get("bytes", 0))
-            if got != (calls, nbytes):
-                return [f"rank {r}: {op} per step: expected {calls} calls, {nbytes:,} bytes (4L + 2 of B·S·H·b), "
-                        f"measured {got[0]} calls, {got[1]:,} bytes"]
-    return []
-
-
-CHECKS["f_and_g"] = [
-    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
-          run_tp, judge_tp_equal, worlds=(2, 4)),
-    Check("Megatron's collectives: 2L + 1 all-reduces of B·S·H·b in forward (+3 for the loss), 2L + 1 in backward",
-          run_tp, judge_tp_formula, worlds=(2, 4)),
-]
-CHECKS["pair"] = [
-    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
-          run_tp, judge_tp_equal),
-    Check("sequence parallel equal to one process: the loss and every gradient", run_sp, judge_tp_equal,
-          worlds=(2, 4)),
-    Check("Megatron's collectives: 2L + 1 in forward and in backward (TP: all-reduces; SP: all-gathers and "
-          "reduce-scatters of the same wire bytes)", run_tp, judge_tp_formula, worlds=(2, 4)),
-    Check("sequence parallel's collectives: 2L + 1 all-gathers and 2L + 1 reduce-scatters each way", run_sp,
-          judge_tp_formula, worlds=(2, 4)),
-]
-
-
-# ---- 5. pipeline: 1F1B ------------------------------------------------------------------------------------------------
-
-PIPE_MS = {1: (2,), 2: (1, 4), 4: (2, 4)}
-
-
-def run_pipe(P):
-    from lab.model import get_config
-    from pipeline import PipeGroup, one_f_one_b_plain
-    cfg, out = get_config("tiny", n_layers=4), {}
-    pipe = PipeGroup.from_ranks(list(range(P)))
-    x, y = _batch(0, B, S)
-    for m in PIPE_MS[P]:
-        stage = _stage(cfg, pipe.r, P)
-        log = []
-
-        def fwd_hook(mod, args, output, log=log):
-            i = sum(a == "F" for a, _ in log)
-            log.append(("F", i))
-            if output.requires_grad:
-                output.register_hook(lambda g, i=i: log.append(("B", i)))
-        stage.register_forward_hook(fwd_hook)
-        with Count() as c:
-            loss = one_f_one_b_plain(stage, pipe, x, y, m)
-        out[m] = dict(grads=_grads(stage), loss=None if loss is None else float(loss), log=log,
-                      sent=(c.calls("send"), c.bytes("send")))
-    return out
-
-
-def _stage(cfg, r, p):
-    """pipeline.Stage r of p, cut from the whole float64 model (the same values: every parameter's initial value
-    depends on its name alone) — not built on the meta device, whose first use imports torch._dynamo (seconds)."""
-    from lab.model import build_model
-    from pipeline import Stage, split_layers
-    full = build_model(cfg, seed=0, dtype=F64)
-    stage = Stage.__new__(Stage)
-    torch.nn.Module.__init__(stage)
-    stage.cfg, stage.v, stage.is_first, stage.is_last = cfg, 1, r == 0, r == p - 1
-    stage.chunks = [list(split_layers(cfg.n_layers, p)[r])]
-    stage.tok_embeddings = full.tok_embeddings if stage.is_first else None
-    stage.layers = torch.nn.ModuleDict({str(i): full.layers[i] for i in stage.chunks[0]})
-    if stage.is_last:
-        stage.norm, stage.output, stage.loss_fn = full.norm, full.output, full.loss_fn
-    stage.positions = None
-    return stage
-
-
-def judge_pipe_equal(P, res):
-    for m in PIPE_MS[P]:
-        _, grads, losses = one_process(steps=1, cfg=_pipe_cfg(), m=m)
-        lines = compare_named(P, [x[m] for x in res], "grads", lambda r, n: grads[0][n],
-                              what=f" (m = {m} micro-batches)",
-                              scales=[(m, f"{m}× the expected ({m} = m, the micro-batches): each micro-batch's loss "
-                                       f"must be scaled by 1/m")] if m > 1 else [])
-        if lines:
-            return lines
-        got = res[-1][m]["loss"]
-        if got is None or abs(got - losses[0]) > 1e-9:
-            return [f"rank {P - 1} (the last stage), m = {m}: loss {got} where one process has {losses[0]:.10f}"]
-    return []
-
-
-@functools.cache
-def _pipe_cfg():
-    from lab.model import get_config
-    return get_config("tiny", n_layers=4)
-
-
-def _order(P, m, r):
-    from pipeline import SCHEDULES
-    return [f"{a.op}{a.mb}" for a in SCHEDULES["1f1b"](P, m)[r] if a.op in ("F", "B")]
-
-
-def judge_pipe_order(P, res):
-    for m in PIPE_MS[P]:
-        for r, x in enumerate(res):
-            got = [f"{a}{i}" for a, i in x[m]["log"]]
-            want = _order(P, m, r)
-            if got != want:
-                w = min(P - r - 1, m)
-                at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                return [f"rank {r} of {P}, m = {m}: {' '.join(got)} where 1F1B is {' '.join(want)} (first difference at "
-                        f"action {at + 1}; warm-up min(p−r−1, m) = {w} forward(s), then F and B in turn, then {w} "
-                        f"backward(s), the oldest micro-batch first)"]
-    return []
-
-
-def judge_pipe_memory(P, res):
-    for m in PIPE_MS[P]:
-        for r, x in enumerate(res):
-            held = peak = 0
-            for a, _ in x[m]["log"]:
-                held += 1 if a == "F" else -1
-                peak = max(peak, held)
-            want = min(P - r, m)
-            if peak != want:
-                return [f"rank {r}, m = {m}: up to {peak} micro-batches' activations held at once, 1F1B holds min(p−r, m)"
-                        f" = {want}" + (" — more forwards before the first backward than the warm-up's"
-                                        if peak > want else "")]
-    return []
-
-
-def judge_pipe_sends(P, res):
-    H = _pipe_cfg().dim
-    for m in PIPE_MS[P]:
-        for r, x in enumerate(res):
-            k = (r < P - 1) + (r > 0)
-            want = (k * m, k * m * (B // m) * S * H * 8)
-            lines = formula_line(f"rank {r}, m = {m}: sends (m activations forward, m gradients back per boundary, "
-                                 f"[B/m, S, H]·8 bytes each)", want, x[m]["sent"])
-            if lines:
-                return lines
-    return []
-
-
-CHECKS["one_f_one_b"] = [
-    Check("every stage's gradients, and the last stage's loss, equal one process on the whole batch in float64 (m < p "
-          "and m ≥ p)", run_pipe, judge_pipe_equal),
-    Check("the order of F and B on each rank is 1F1B's: warm-up min(p−r−1, m) forwards, one F one B, cool-down",
-          run_pipe, judge_pipe_order),
-    Check("activations held: at most min(p−r, m) micro-batches on rank r (1F1B's memory, Narayanan et al. §2.2)",
-          run_pipe, judge_pipe_memory, worlds=(2, 4)),
-    Check("per boundary m activations forward and m gradients back, each [B/m, S, H]·b bytes", run_pipe,
-          judge_pipe_sends, worlds=(2, 4)),
-]
-
-
-# ---- 6. ring attention: merge (no ranks), the ring ---------------------------------------------------------------------
-
-def _blocks(n, seed=0, scale=1.0, B_=2, H=3, c=5, D=4):
-    from ring_attention import block_forward
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B_, H, c, D, generator=g, dtype=F64) * scale
-    ks = [torch.randn(B_, H, c, D, generator=g, dtype=F64) for _ in range(n)]
-    vs = [torch.randn(B_, H, c, D, generator=g, dtype=F64) for _ in range(n)]
-    parts = [block_forward(q, k, v, 1.0, False) for k, v in zip(ks, vs)]
-    whole = block_forward(q, torch.cat(ks, 2), torch.cat(vs, 2), 1.0, False)
-    return parts, whole
-
-
-def _merge_wrong(o, l, bo, bl):
-    return [("the correction's sign flipped: out' = out − sigmoid(lse_b − lse)·(out − out_b)",
-             o + torch.sigmoid(bl - l)[..., None] * (o - bo)),
-            ("the running output unchanged: the block was not folded in", o),
-            ("the block's output alone: the running output was dropped", bo),
-            ("the plain average of the two outputs: weight each by its share e^lse/(e^lse + e^lse_b)", (o + bo) / 2),
-            ("each output weighted by the OTHER block's share: sigmoid's argument reversed",
-             (torch.sigmoid(bl - l)[..., None] * o + torch.sigmoid(l - bl)[..., None] * bo))]
-
-
-def _lse_wrong(l, bl):
-    return [("the running lse unchanged", l), ("the block's lse alone", bl),
-            ("the larger of the two: lse' = log(e^lse + e^lse_b), not the max", torch.maximum(l, bl)),
-            ("lse + lse_b: log of a product, not of a sum", l + bl)]
-
-
-def _judge_merge_pairs(mine, cases):
-    for label, (o, l, bo, bl), (wo, wl) in cases:
-        go, gl = mine(o, l, bo, bl)
-        for what, got, want, cands in (("out", go, wo, _merge_wrong(o, l, bo, bl) if o is not None else []),
-                                       ("lse", gl, wl, _lse_wrong(l, bl) if l is not None else [])):
-            if not close(got, want, 1e-10):
-                diff = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
-                return [f"{label}: {what} off by {diff:.2e} — {pattern(got, want, (), cands)}"]
-    return []
-
-
-def judge_merge_two(mine, ref):
-    (a, b), whole = _blocks(2)
-    return _judge_merge_pairs(mine, [("two blocks merged", (*a, *b), whole), ("the same two, the other way round",
-                                                                              (*b, *a), whole)])
-
-
-def judge_merge_start(mine, ref):
-    (a,), _ = _blocks(1)
-    got = mine(None, None, *a)
-    if got[0] is None or not (close(got[0], a[0]) and close(got[1], a[1])):
-        return ["merge(None, None, out_b, lse_b) must return the block itself (out_b, lse_b): the empty start"]
-    return []
-
-
-def judge_merge_four(mine, ref):
-    parts, whole = _blocks(4, seed=1)
-    for order in ((0, 1, 2, 3), (3, 1, 0, 2)):
-        o = l = None
-        for i in order:
-            o, l = (parts[i] if o is None else mine(o, l, *parts[i]))
-        if not (close(o, whole[0], 1e-10) and close(l, whole[1], 1e-10)):
-            what, got, want = ("out", o, whole[0]) if not close(o, whole[0], 1e-10) else ("lse", l, whole[1])
-            return [f"four blocks folded in the order {order}: {what} off by {(got - want).abs().max().item():.2e} — "
-                    f"{pattern(got, want)}"]
-    return []
-
-
-def judge_merge_overflow(mine, ref):
-    (a, b), whole = _blocks(2, seed=2, scale=300.0)   # scores in the thousands: e^lse overflows float64
-    return _judge_merge_pairs(mine, [(f"scores up to {whole[1].abs().max().item():,.0f} (e^lse overflows)", (*a, *b),
-                                      whole)])
-
-
-CHECKS["merge"] = [
-    Check("two blocks' (out, lse) merged equal attention over both blocks' keys, in either order (float64)", None,
-          judge_merge_two),
-    Check("(None, None) is the empty start: the first block comes back as it is", None, judge_merge_start),
-    Check("four blocks folded in any order equal attention over all their keys", None, judge_merge_four),
-    Check("no overflow: with scores in the thousands (e^lse beyond float64) the merge stays finite and exact", None,
-          judge_merge_overflow),
-]
-
-RING_CASES = [("contiguous", True), ("zigzag", True), ("zigzag", False)]
-RING_SHAPE = dict(B=1, S=16, H=4, Hkv=2, D=8)
-
-
-def run_ring(P):
-    """Each case: this rank's shard of the seeded q, k, v through RingAttention, forward and backward."""
-    from lab.ring_attention_demo import seeded_inputs
-    from ring_attention import RingAttention, shard_sequence
-    out, r, world = {}, dist.get_rank(), dist.group.WORLD
-    sh = RING_SHAPE
-    for layout, causal in RING_CASES:
-        q, k, v, dout = (shard_sequence(t, P, r, layout, dim=2).requires_grad_(i < 3) for i, t in
-                         enumerate(seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)))
-        with Count() as c:
-            o = RingAttention.apply(q, k, v, world, layout, causal)
-        o.backward(dout)
-        out[(layout, causal)] = dict(out=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad,
-                                     sends=(c.calls("send"), c.bytes("send")))
-    return out
-
-
-@functools.cache
-def _ring_reference(P, layout, causal):
-    from lab.ring_attention_demo import seeded_inputs
-    from ring_attention import shard_sequence
-    q, k, v, dout = seeded_inputs(RING_SHAPE["B"], RING_SHAPE["S"], RING_SHAPE["H"], RING_SHAPE["Hkv"],
-                                  RING_SHAPE["D"], F64, 0)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    out.backward(dout)
-    full = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
-    return [{n: shard_sequence(t, P, r, layout, dim=2) for n, t in full.items()} for r in range(P)]
-
-
-@functools.cache
-def _ring_alone(P, r, causal):
-    """A contiguous shard's attention over its own keys only: what a ring that never passes its blocks gives."""
-    from lab.ring_attention_demo import seeded_inputs
-    from ring_attention import shard_sequence
-    sh = RING_SHAPE
-    q, k, v, _ = (shard_sequence(t, P, r, "contiguous", dim=2) for t in
-                  seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0))
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-
-
-def _judge_ring(P, res, names):
-    for layout, causal in RING_CASES:
-        want = _ring_reference(P, layout, causal)
-
-        def cands(r, n):
-            if n != "out" or layout != "contiguous" or P == 1:
-                return []
-            return [("this rank's queries against its own keys only: the other ranks' blocks were never folded in (the "
-                     "ring stops short)", _ring_alone(P, r, causal))] + (
-                [("its own block seen without the causal mask: a query reads the keys after it (a diagonal pair needs "
-                  "the mask: block_forward(..., diagonal))", _ring_alone(P, r, False))] if causal and r == 0 else [])
-        lines = compare_named(P, [{"t": {n: x[(layout, causal)][n] for n in names}} for x in res], "t",
-                              lambda r, n: want[r][n], what=f" ({layout}, {'causal' if causal else 'not causal'})",
-                              candidates_of=cands)
-        if lines:
-            return lines
-    return []
-
-
-def judge_ring_forward(P, res):
-    return _judge_ring(P, res, ("out",))
-
-
-def judge_ring_backward(P, res):
-    return _judge_ring(P, res, ("dq", "dk", "dv"))
-
-
-def judge_ring_bytes(P, res):
-    c = RING_SHAPE["S"] // P
-    block = RING_SHAPE["B"] * c * RING_SHAPE["Hkv"] * RING_SHAPE["D"] * 8
-    for layout, causal in RING_CASES:
-        for r, x in enumerate(res):
-            got = x[(layout, causal)]["sends"]
-            want = (2 * (P - 1), 2 * (P - 1) * block)
-            lines = formula_line(f"rank {r} ({layout}): sends in forward ((cp−1)·2 blocks k, v of B·c·d_kv·b = "
-                                 f"{block:,} bytes)", want, got,
-                                 "one pass too many: the last step needs no next block" if got[0] > want[0] else
-                                 "k and v must travel all the way round the ring" if got[0] < want[0] else "")
-            if lines:
-                return lines
-    return []
-
-
-CHECKS["ring"] = [
-    Check("ring attention's output equals whole-sequence attention (SDPA) in float64 on every rank: contiguous and "
-          "zigzag, causal and not, GQA", run_ring, judge_ring_forward),
-    Check("the lesson's backward, from what your forward saved (out, lse), gives SDPA's dq, dk, dv", run_ring,
-          judge_ring_backward),
-    Check("forward passes each k, v block cp−1 times: (cp−1)·2 sends of B·c·d_kv·b bytes per rank", run_ring,
-          judge_ring_bytes, worlds=(2, 4)),
-]
-
-
-# ---- 7. expert parallel: the all-to-all, dispatch and combine ---------------------------------------------------------
-
-EP_SIZES = {1: [10], 2: [7, 12], 4: [7, 12, 5, 9]}   # tokens per rank: uneven, so the splits are too
-
-
-def _ep_case(P, capacity):
-    from copy import deepcopy
-    from types import SimpleNamespace
-    from expert_parallel import parallelize_experts, sync_gradients
-    from lab.model import build_model, get_config
-    from mesh import Mesh
-    mesh = Mesh(dp_shard=P, ep=P)
-    cfg = get_config("tiny", n_experts=4, top_k=2, capacity_factor=capacity)
-    ref = build_model(cfg, seed=0, dtype=F64).layers[0].mlp
-    holder = SimpleNamespace(layers=[SimpleNamespace(mlp=deepcopy(ref))])
-    parallelize_experts(holder, mesh)
-    layer = holder.layers[0].mlp
-    sizes, D = EP_SIZES[P], P
-    N = sum(sizes)
-    g = torch.Generator().manual_seed(1)
-    x_all = torch.randn(N, 1, cfg.dim, generator=g, dtype=F64)
-    dy = torch.randn(x_all.shape, generator=g, dtype=F64)
-    x_ref = x_all.clone().requires_grad_()
-    out_ref = ref(x_ref)
-    ((out_ref * dy).sum() / N + ref.aux_loss).backward()
-    r = dist.get_rank()
-    sl = slice(sum(sizes[:r]), sum(sizes[:r + 1]))
-    x = x_all[sl].clone().requires_grad_()
-    with Count() as c:
-        out = layer(x)
-        ((out * dy[sl]).sum() * D / N + layer.aux_loss).backward()
-        sync_gradients(layer, mesh.group("dp_cp"), mesh.group("edp_cp"), D)
-    lo, n = layer.first, layer.n_local
-    pairs = dict(out=(out, out_ref[sl]), x_grad=(x.grad / D, x_ref.grad[sl]),
-                 router_grad=(layer.router.weight.grad, ref.router.weight.grad))
-    for name, p, q in zip(("w1", "w3", "w2"), layer.expert_parameters(), (ref.w1, ref.w3, ref.w2)):
-        pairs[name + "_grad"] = (p.grad, q.grad[lo:lo + n])
-    _, weights, experts, _ = ref.route(x_all.view(-1, cfg.dim))
-    unweighted = None
-    if capacity is None:   # what a combine that forgets the router's weights gives: the k experts' outputs summed
-        with torch.no_grad():
-            xs = x_all.view(-1, cfg.dim)
-            unweighted = sum(torch.stack([ref.expert(int(e), xs[t]) for t, e in enumerate(experts[:, j])])
-                             for j in range(cfg.top_k))[sl].view_as(out)
-    return dict(got={k: a.detach().clone() for k, (a, _) in pairs.items()},
-                want={k: b.detach().clone() for k, (_, b) in pairs.items()}, unweighted=unweighted,
-                a2a=[(e["bytes"], c.wire(e)) for e in c.events if e["op"] == "all_to_all"],
-                rows=_expected_rows(experts, ref.capacity(N), sizes, n, P), dropped=layer.dropped,
-                ref_dropped=ref.dropped, n_local=n)
-
-
-def _expected_rows(experts, cap, sizes, n_local, ep):
-    """rows[d][j]: rank d's assignments kept by the experts of rank j, every expert taking its first `cap` in token
-    order over the group's tokens (rank order)."""
-    rows, taken, bounds = [[0] * ep for _ in sizes], {}, list(itertools.accumulate(sizes))
-    for t, chosen in enumerate(experts.tolist()):
-        d = next(i for i, b in enumerate(bounds) if t < b)
-        for e in chosen:
-            if cap is None or taken.get(e, 0) < cap:
-                taken[e] = taken.get(e, 0) + 1
-                rows[d][e // n_local] += 1
-    return rows
-
-
-def run_ep(P):
-    return {"dropless": _ep_case(P, None), "capacity 1.0": _ep_case(P, 1.0)}
-
-
-def judge_ep_equal(P, res):
-    for case in ("dropless", "capacity 1.0"):
-        lines = compare_named(P, [x[case] for x in res], "got", lambda r, n: res[r][case]["want"][n],
-                              what=f" ({case})", scales=[(P, f"{P}× the expected ({P} = ep)")] if P > 1 else [],
-                              candidates_of=lambda r, n: [("the k experts' outputs summed without the router's weights: "
-                                                           "weight each result by weights[t, slot] before summing it "
-                                                           "into its token", res[r][case]["unweighted"])]
-                              if n == "out" and res[r][case]["unweighted"] is not None else [])
-        if lines:
-            return lines + ["(expected: the single-device MoE of lab/model.py on all the ranks' tokens)"]
-    return []
-
-
-def judge_ep_bytes(P, res):
-    for case in ("dropless", "capacity 1.0"):
-        for r, x in enumerate(res):
-            x = x[case]
-            rows, El, rb = x["rows"], x["n_local"], 32 * 8
-            sent, got = sum(rows[r]), sum(rows[s][r] for s in range(P))
-            own = rows[r][r]
-            want = [(P * (El + 1) * 8, (P - 1) * (El + 1) * 8)]
-            if case != "dropless":
-                want.append((P * El * 8, (P - 1) * El * 8))
-            want += [(sent * rb, (sent - own) * rb), (got * rb, (got - own) * rb)] * 2
-            if x["a2a"] != want:
-                names = ["counts"] + (["verdicts"] if case != "dropless" else []) + \
-                    ["dispatch", "combine", "combine's backward", "dispatch's backward"]
-                gotb = [a for a, _ in x["a2a"]]
-                wantb = [a for a, _ in want]
-                return [f"rank {r} ({case}): all-to-all API bytes {gotb} where {wantb} is expected ("
-                        + ", ".join(names) + f"; a row is H·b = {rb} bytes: dispatch sends my {sent} kept assignments, "
-                        f"combine returns the {got} rows I received)"]
-    return []
-
-
-def judge_ep_dropped(P, res):
-    for case in ("dropless", "capacity 1.0"):
-        total = sum(x[case]["dropped"] for x in res)
-        want = res[0][case]["ref_dropped"]
-        if total != want:
-            return [f"{case}: the ranks dropped {total} assignments in all, the single device drops {want}"]
-    return []
-
-
-CHECKS["all_to_all"] = [
-    Check("the expert-parallel layer equals the single-device MoE in float64: output, and the gradients of the tokens, "
-          "the router and every expert, dropless and with a capacity, uneven tokens per rank", run_ep, judge_ep_equal),
-    Check("all-to-all bytes: counts, dispatch (my kept rows·H·b), combine (the rows I received), and backward both "
-          "again with the splits swapped", run_ep, judge_ep_bytes, worlds=(2, 4)),
-]
-CHECKS["dispatch_combine"] = CHECKS["all_to_all"] + [
-    Check("drops: the ranks' dropped assignments add up to the single device's (capacity C = ⌈T·k/E·cf⌉ per expert)",
-          run_ep, judge_ep_dropped),
-]
-
-assert set(CHECKS) == set(BY_NAME), set(BY_NAME) ^ set(CHECKS)

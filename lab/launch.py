@@ -11,7 +11,9 @@
   -- its random init goes through a function dynamo must skip -- 3 s of CPU a rank) — spawned afresh instead
   while the environment, working directory or sys.path differs from the server's (a rank starts with what a
   spawned one would). Every call gets a fresh free port.
-- An exception on any rank fails the call with *that* rank's traceback.
+- An exception on any rank fails the call with *that* rank's traceback; a rank that dies (a signal, an exit) fails
+  it naming the rank and its exit code — that rank, not a peer whose error its death caused (RankError's rank,
+  exitcode, traceback).
 - A rank that hangs (a collective nobody answers) fails the call after `timeout`
   seconds, and every rank is killed: nothing stalls.
 `fn` must be a module-level function of an importable module (it is pickled into the
@@ -41,7 +43,12 @@ def free_port() -> int:
 
 
 class RankError(RuntimeError):
-    pass
+    """A rank failed: `rank`, and its `exitcode` (negative: the signal that killed it) or the `traceback` it raised."""
+
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None,
+                 traceback: str | None = None):
+        super().__init__(message)
+        self.rank, self.exitcode, self.traceback = rank, exitcode, traceback
 
 
 def _child(fn, rank, world_size, port, args, kwargs, results, collective_timeout):
@@ -145,13 +152,13 @@ def _run_once(fn, world_size, args, kwargs, timeout):
             try:
                 rank, ok, out = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
-                                    f"before reporting") from None
+                _raise_if_dead(procs, got)
                 continue
             if not ok:
-                raise RankError(f"rank {rank} of {world_size} raised:\n{out}")
+                # a peer's death makes its neighbours fail too ("Connection closed by peer"): blame the dead one
+                if any(s in out for s in _PEER_GONE + ("DistNetworkError", "Broken pipe")):
+                    _raise_if_dead(procs, got | {rank: None}, grace=1.0)
+                raise RankError(f"rank {rank} of {world_size} raised:\n{out}", rank=rank, traceback=out)
             got[rank] = torch.load(io.BytesIO(out), weights_only=False)
     finally:
         for p in procs:
@@ -160,6 +167,20 @@ def _run_once(fn, world_size, args, kwargs, timeout):
                 p.kill()
                 p.join()
     return [got[r] for r in range(world_size)]
+
+
+def _raise_if_dead(procs, got, grace: float = 0.0) -> None:
+    """RankError for a rank that exited without reporting (looking for `grace` seconds)."""
+    end = time.monotonic() + grace
+    while True:
+        dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+        if dead:
+            code = procs[dead[0]].exitcode
+            raise RankError(f"rank {dead[0]} died with exit code {code} before reporting", rank=dead[0],
+                            exitcode=code) from None
+        if time.monotonic() >= end:
+            return
+        time.sleep(0.05)
 
 
 def run_in_turn(*calls):

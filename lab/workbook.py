@@ -7,7 +7,7 @@
 
 `start` copies the lesson into yours/ with the core blanked; a second exercise of the same lesson blanks its core
 inside the learner's own file, keeping what they wrote. The lessons at the root are never written: the reference is
-always there to compare with. Grading is lab/grader.py's.
+always there to compare with. Grading is lab/grader.py's, with the checks of lab/exercise_checks.py.
 """
 from __future__ import annotations
 

@@ -1,203 +1,26 @@
-"""Write it yourself (lab/exercises.py, lab/grader.py, lab/collective_watch.py): the grader is proven, not assumed.
+"""Write it yourself (lab/exercises.py, lab/grader.py, lab/exercise_checks.py, lab/collective_watch.py): the grader is
+proven, not assumed.
 
 For every exercise the reference core passes every check on every world size it is graded on, the blank fails with
-"not implemented yet: exercise NAME", and at least three seeded bugs typical of learners each fail with the diagnosis
-the grader promises (a mutant the grader lets pass is a defect of the grader). All versions of all cores are graded
-in ONE spawned group of ranks per world size (lab.grader.evaluate), as the grader itself does for one version.
+"not implemented yet: exercise NAME", and at least three seeded bugs typical of learners (BUGS, beside each
+exercise's checks in lab/exercise_checks.py) each fail with the diagnosis the grader promises (a mutant the grader
+lets pass is a defect of the grader). All versions of all cores are graded in ONE spawned group of ranks per world
+size (lab.grader.evaluate), as the grader itself does for one version.
 Then the command line as a learner runs it, in a copy of the repository: start, grade the blank, a wrong attempt, a
 right one, compare, and the refusals.
 """
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 import pytest
 
-from harness import ROOT, _copy_repository, run_command
+from harness import _copy_repository, run_command
 from lab import grader
 from lab import workbook as exercises
-
-
-@dataclass(frozen=True)
-class Bug:
-    """A learner's typical mistake: `old` replaced by `new` inside the core; graded on `world` ranks, it must fail with
-    `expect` (a regular expression) in the first line of the first failing check's diagnosis."""
-    label: str
-    old: str
-    new: str
-    expect: str
-    world: int | None = 2
-
-
-BUGS = {
-    "rows": [
-        Bug("no permute: the grid's rows as they are",
-            "return grid.permute([names.index(n) for n in others + list(along)]).reshape(-1, size).tolist()",
-            "return grid.reshape(-1, size).tolist()", r"without moving the `along` axes last", None),
-        Bug("the other axes in reverse order", "others = [n for n in names if n not in along]",
-            "others = [n for n in reversed(names) if n not in along]", r"the right groups in another order", None),
-        Bug("a group's size: the first axis's size, not the product of their sizes",
-            "size = math.prod(grid.shape[names.index(n)] for n in along)", "size = grid.shape[names.index(along[0])]",
-            r"groups of \d+ ranks where \d+ are expected", None),
-    ],
-    "average": [
-        Bug("forgot to divide by P", "all_reduce_flat([p.grad for p in params], group, divide_by or "
-            "dist.get_world_size(group))", "all_reduce_flat([p.grad for p in params], group)",
-            r"rank 0, .*: off by .* 2× the expected \(2 = P, the group's size\): the sum was not divided by P"),
-        Bug("one all-reduce per parameter", "all_reduce_flat([p.grad for p in params], group, divide_by or "
-            "dist.get_world_size(group))", "for p in params:\n        dist.all_reduce(p.grad, group=group)\n"
-            "        p.grad /= divide_by or dist.get_world_size(group)",
-            r"one all-reduce of Ψ·b = .* measured \d+ all-reduce\(s\) .* one per parameter tensor"),
-        Bug("reduced over the world, not the group it is given", 'group = resolve_group(group, "dp")\n    params = ',
-            'group = resolve_group(None, "dp")\n    params = ',
-            r"rank 0: the all-reduce ran over ranks \[\[0, 1, 2, 3\]\], expected only over its group \[0, 2\]", 4),
-        Bug("skipped the parameters without a gradient (a collective of another size on one rank)",
-            "    for p in params:\n        if p.grad is None:\n            p.grad = torch.zeros_like(p)\n",
-            "    params = [p for p in params if p.grad is not None]\n",
-            r"collectives do not match: the ranks of group \[0, 1\] disagree .* rank 0: all_reduce \(sum\) of 11 "
-            r"float64 elements; rank 1: all_reduce \(sum\) of 15 float64 elements .* different sizes"),
-    ],
-    "bucket": [
-        Bug("forgot to divide by P", "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then "
-            "the average\n", "", r"2× the expected \(2 = P"),
-        Bug("a synchronous all-reduce", "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)",
-            "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group)", r"bucket 0's all-reduce was synchronous"),
-        Bug("every bucket launched only when all are ready",
-            "while self._next < len(self.buckets) and all(self.buckets[self._next].ready):",
-            "while self._next < len(self.buckets) and all(all(b.ready) for b in self.buckets):",
-            r"bucket 0 \(\d+ gradient\(s\)\) started after gradient #(\d+) of \1 arrived; it was full after #\d+"),
-        Bug("all-reduced over the world, not the bucket's group",
-            "dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)",
-            "dist.all_reduce(bucket.flat, async_op=True)",
-            r"rank 0: all-reduces over ranks \[\[0, 1, 2, 3\]\], expected only over its group \[0, 2\]", 4),
-    ],
-    "zero_step": [
-        Bug("forgot to divide by P", "        f.shard.grad.div_(f.group_size)               # gloo has no "
-            "ReduceOp.AVG: sum, then divide\n", "", r"unit 1 \(layers.0\), step 1: .* every slice: 2× the expected"),
-        Bug("an all-reduce, then this rank's slice", "f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))",
-            "g = f.pack(f.shard.dtype)\n        dist.all_reduce(g, group=f.group)\n        "
-            "f.shard.grad = g[f.rank * f.shard_numel:(f.rank + 1) * f.shard_numel].clone()",
-            r"reduce-scatters .* expected \(5, .*\), measured \(0, 0\); instead 5 all-reduce\(s\) .* an all-reduce where "
-            r"a reduce-scatter belongs"),
-        Bug("the wrong rank's slice", "f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))",
-            "g = f.pack(f.shard.dtype)\n        dist.all_reduce(g, group=f.group)\n        r = (f.rank + 1) % "
-            "f.group_size\n        f.shard.grad = g[r * f.shard_numel:(r + 1) * f.shard_numel].clone()",
-            r"rank 0, unit 1 \(layers.0\), step 1: .* got the update of slice 1: the wrong shard"),
-        Bug("no all-gather after the step", "        if f.buf.untyped_storage().size():\n            f.all_gather()\n",
-            "        pass\n", r"rank 0, unit 1 \(layers.0\), step 1: .* no slice changed, this rank's own neither: .*the "
-            r"all-gather after the step is missing"),
-    ],
-    "gather_when_used": [
-        Bug("never freed after forward", "    module.register_forward_hook(free)\n", "",
-            r"rank 0: in forward, up to 5 units held their whole buffer at once; expected 1", 1),
-        Bug("not gathered before backward", "    module.register_full_backward_pre_hook(gather)\n", "",
-            r"every rank: RuntimeError: .*"),
-        Bug("never freed after backward", "    module.register_full_backward_hook(free)\n", "",
-            r"all-gathers per step .* expected \(10, .*\), measured \(15, "),
-    ],
-    "across_replicas": [
-        Bug("forgot the all-reduce", "        dist.all_reduce(t, group=replicate_group)\n", "        pass\n",
-            r"rank 0, .*: off by .* this replica's own gradient ÷ 2: the shards were never summed across the replicas"),
-        Bug("all-reduced over the whole world", "dist.all_reduce(t, group=replicate_group)", "dist.all_reduce(t)",
-            r"rank 0, .*: off by", 4),
-        Bug("divided inside (shard_hybrid divides afterwards)", "        dist.all_reduce(t, group=replicate_group)\n",
-            "        dist.all_reduce(t, group=replicate_group)\n        if t.is_floating_point():\n"
-            "            t /= dist.get_world_size(replicate_group)\n", r"1/2 of the expected update: divided by R once too "
-            r"often"),
-        Bug("an all-reduce on some ranks only", "        dist.all_reduce(t, group=replicate_group)\n",
-            "        if dist.get_rank() < 2:\n            dist.all_reduce(t, group=replicate_group)\n",
-            r"collectives do not match|rank \d waits at all_reduce .* but rank \d left without it", 4),
-    ],
-    "f_and_g": [
-        Bug("f and g swapped", "F_TP = (_identity,           _all_reduce)", "F_TP = (_all_reduce, _identity)",
-            r"rank 0: the loss .* where one process has"),
-        Bug("g's backward all-reduces too", "G_TP = (_all_reduce,         _identity)",
-            "G_TP = (_all_reduce, _all_reduce)", r"rank 0, .*: off by .* 2× the expected \(= t\^1, t = tp size 2: summed "
-            r"over tp 1 time\(s\) where it was whole"),
-        Bug("f's backward is the identity", "F_TP = (_identity,           _all_reduce)",
-            "F_TP = (_identity, _identity)", r"rank 0, .*: off by"),
-    ],
-    "pair": [
-        Bug("the row-parallel linear never sums its partial outputs",
-            "return exit_tp(self.linear(x, self.weight), self.group, self.sp)", "return self.linear(x, self.weight)",
-            r"rank 0: the loss .* where one process has"),
-        Bug("the column-parallel linear never enters the pair",
-            "        if self.input_op is not None:\n            x = enter_tp(x, self.group, sp=self.input_op == "
-            "\"gather\")\n", "", r"rank 0, .*: off by"),
-        Bug("the row-parallel linear ignores sequence parallel", "exit_tp(self.linear(x, self.weight), self.group, "
-            "self.sp)", "exit_tp(self.linear(x, self.weight), self.group, False)", r"every rank: RuntimeError"),
-    ],
-    "one_f_one_b": [
-        Bug("the micro-batch losses not scaled by 1/m",
-            "outputs.append(out / m if stage.is_last else out)", "outputs.append(out)",
-            r"rank \d, .*: off by .* 4× the expected \(4 = m, the micro-batches\)"),
-        Bug("the newest micro-batch's backward first (LIFO)", "inp, out = inputs.pop(0), outputs.pop(0)",
-            "inp, out = inputs.pop(), outputs.pop()", r"rank \d, .*: off by"),
-        Bug("the warm-up one forward too long (off by one)", "w = min(pipe.p - pipe.r - 1, m)",
-            "w = min(pipe.p - pipe.r, m)", r"."),
-        Bug("sends and receives posted one after the other (a deadlock)",
-            "        for work in dist.batch_isend_irecv(ops) if ops else []:\n            work.wait()\n",
-            "        for op in ops:\n            for work in dist.batch_isend_irecv([op]):\n                work.wait()\n",
-            r"a hang, stopped: deadlock: every rank here waits for a peer that waits elsewhere .* rank 0 waits to send .* rank 1 waits "
-            r"to send .* post each send together with the receive it waits for"),
-    ],
-    "merge": [
-        Bug("a sign", "return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
-            "return out + torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
-            r"two blocks merged: out off by .* the correction's sign flipped", None),
-        Bug("sigmoid's argument reversed", "torch.sigmoid(block_lse - lse)[..., None]",
-            "torch.sigmoid(lse - block_lse)[..., None]", r"each output weighted by the OTHER block's share", None),
-        Bug("the textbook formula without the maximum (overflows)",
-            "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
-            "block_lse)\n", "    a, b = torch.exp(lse), torch.exp(block_lse)\n    return (a[..., None] * out + "
-            "b[..., None] * block_out) / (a + b)[..., None], torch.log(a + b)\n",
-            r"scores up to .* out off by .* NaN or infinite", None),
-        Bug("lse' the larger of the two", "lse - F.logsigmoid(lse - block_lse)", "torch.maximum(lse, block_lse)",
-            r"lse off by .* the larger of the two", None),
-    ],
-    "ring": [
-        Bug("the blocks never passed on", "nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
-            "nxt = None      # the next", r"rank 1, out \(contiguous, causal\): off by"),
-        Bug("the last step dropped (off by one)", "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n"
-            "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
-            "for t, src, pairs in ring_schedule(cp, rank, layout, causal)[:-1]:\n"
-            "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
-            r"rank 1, out \(contiguous, causal\): off by .* its own keys only: the other ranks' blocks were never folded "
-            r"in"),
-        Bug("one pass too many", "nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
-            "nxt = RingPass([kb, vb], group)      # the next", r"sends in forward .* expected \(2, .* measured \(4, .* one "
-            r"pass too many"),
-        Bug("the diagonal block not masked", "*block_forward(qs[i], ks[j], vs[j], scale, diagonal)",
-            "*block_forward(qs[i], ks[j], vs[j], scale, False)", r"rank 0, out \(contiguous, causal\): off by .* its own "
-            r"block seen without the causal mask"),
-        Bug("the wrong lse saved for the backward", "ctx.save_for_backward(q, k, v, out, lse)",
-            "ctx.save_for_backward(q, k, v, out, lse * 0)", r"rank 0, dq \(contiguous, causal\): off by"),
-    ],
-    "all_to_all": [
-        Bug("the backward's splits not swapped", "ctx.splits, ctx.group = (in_splits, out_splits), group",
-            "ctx.splits, ctx.group = (out_splits, in_splits), group",
-            r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
-        Bug("the backward passes the gradient through", "return _all_to_all(grad, *ctx.splits, ctx.group), None, "
-            "None, None", "return grad, None, None, None", r"RuntimeError: .*AllToAll"),
-        Bug("the forward's splits swapped", "return _all_to_all(x, out_splits, in_splits, group)",
-            "return _all_to_all(x, in_splits, out_splits, group)",
-            r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
-    ],
-    "dispatch_combine": [
-        Bug("the results not weighted by the router", "index_add(0, tok, back * weights.flatten()[sel, None])",
-            "index_add(0, tok, back)", r"rank 0, out \(dropless\): off by .* without the router's weights"),
-        Bug("the combine's splits not swapped", "back = self.all_to_all(y, send, recv, self.ep_group)",
-            "back = self.all_to_all(y, recv, send, self.ep_group)",
-            r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
-        Bug("index_copy: a token's k results overwrite each other", "torch.zeros_like(x).index_add(0, tok, ",
-            "torch.zeros_like(x).index_copy(0, tok, ", r"rank 0, out \(dropless\): off by"),
-    ],
-}
+from lab.exercise_checks import BUGS
 
 
 def variant_files(tmp: str) -> dict:
