@@ -23,9 +23,11 @@ watch is installed.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from lab import collective_watch as watch
-from lab.diagnosis import close, compare_named, data_scales, formula_line, pattern, slice_pattern
+from lab.diagnosis import TOL, close, compare_named, data_scales, formula_line, pattern, slice_pattern
 from lab.workbook import BY_NAME
 
 F64 = torch.float64
@@ -52,18 +54,62 @@ class Check:
 
 
 @dataclass(frozen=True)
-class Bug:
-    """A learner's typical mistake: `old` replaced by `new` inside the core; graded on `world` ranks, it must fail with
-    `expect` (a regular expression) in the first line of the first failing check's diagnosis."""
+class Edit:
+    """A text edit of the reference core: `old` replaced by `new` (tuples of each: several edits, in order)."""
     label: str
-    old: str
-    new: str
+    old: str | tuple
+    new: str | tuple
+
+    def pairs(self) -> list[tuple[str, str]]:
+        return list(zip(self.old, self.new)) if isinstance(self.old, tuple) else [(self.old, self.new)]
+
+    def apply(self, text: str) -> str:
+        for old, new in self.pairs():
+            if text.count(old) != 1:
+                raise ValueError(f"{self.label!r}: {old!r} is in the text {text.count(old)} times, not once")
+            text = text.replace(old, new)
+        return text
+
+
+@dataclass(frozen=True)
+class Bug(Edit):
+    """A learner's typical mistake; graded on `world` ranks (None: a check without ranks), it must fail with `expect`
+    (a regular expression) in the first line of the first failing check's diagnosis."""
     expect: str
     world: int | None = 2
 
 
+@dataclass(frozen=True)
+class Variant(Edit):
+    """A correct core written differently from the reference (another loop shape, in place rather than out of place,
+    another legal order, an equivalent formula): graded on every world size of its exercise, every check passes.
+    until: why it fails today although correct (a limit of the grader's machinery), '' when it must pass."""
+    until: str = ""
+
+
 CHECKS: dict[str, list[Check]] = {}
 BUGS: dict[str, list[Bug]] = {}
+VARIANTS: dict[str, list[Variant]] = {}
+
+
+@contextlib.contextmanager
+def explained(*rules, prefix=""):
+    """An error raised inside, said with its case (prefix) and, where a rule's pattern matches its message, the
+    likely cause first — re-raised with its own traceback, so the grader still names the learner's line. A mismatch
+    the watch found, and the blank's NotImplementedError, pass unchanged."""
+    try:
+        yield
+    except (NotImplementedError, watch.CollectiveMismatch):
+        raise
+    except (RuntimeError, TypeError, AttributeError, ValueError, IndexError) as e:
+        msg = (str(e).strip().splitlines() or [""])[0]
+        why = next((cause for pat, cause in rules if re.search(pat, msg)), "")
+        text = f"{prefix}{why}: {msg}" if why else f"{prefix}{msg}"
+        try:
+            new = type(e)(text)
+        except Exception:  # noqa: BLE001 - an exception class with another constructor
+            new = RuntimeError(text)
+        raise new.with_traceback(e.__traceback__) from None
 
 
 class Count:
@@ -179,9 +225,14 @@ def _sgd(params):
 
 
 # ---- 0. mesh: rows (mesh.py: rows_along) -----------------------------------------------------------------------------
-# Every 5-D grid of 1-16 ranks (sizes 1-4, at most three axes > 1), along every dimension, flattened dimension and
-# expert group, judged in the grading process: the groups equal the reference's, members and groups in grid order,
-# and each list is a partition of the ranks.
+# Where the course calls it: Mesh builds every process group of every lesson and of train.py from it, on every rank
+# alike — each of the five dimensions, the flattened dp, dp_cp and dp_shard_cp, and the expert groups ep, edp and
+# edp_cp on the grid viewed as [pp, e_out, e_i, cp, tp] — for meshes with up to all five axes > 1. A pure function
+# of the grid (no ranks, dtypes, stages or overlap), graded in the grading process on every 5-D grid of 1-16 ranks
+# (sizes 1-4, at most three axes > 1), along every dimension, flattened dimension and expert group:
+#   - the groups equal the reference's: members in grid order, groups in grid order of the other axes, plain lists
+#     of ints (each case's error said with its grid);
+#   - each list is a partition: world/∏ groups of ∏ ranks, every rank once.
 
 def _grids():
     """(shape, names, along) of every 5-D mesh of 1-16 ranks with sizes 1, 2, 3 or 4 (at most three axes > 1), along
@@ -202,37 +253,59 @@ def _grids():
     return cases
 
 
-def _rows_diagnosis(got, want, grid, names, along, ref) -> str:
+def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
+    """What a wrong list of groups is, most specific first: (key, description) of every description that fits."""
     others = tuple(n for n in names if n not in along)
     size = math.prod(grid.shape[names.index(n)] for n in along)
     if not isinstance(got, list) or not all(isinstance(g, list) for g in got):
-        return f"a {type(got).__name__}, not a list of lists of ranks (.tolist() at the end)"
+        return [("type", f"a {type(got).__name__}, not a list of lists of ranks (.tolist() at the end)")]
+    if not all(type(r) is int for g in got for r in g):
+        kinds = sorted({type(r).__name__ for g in got for r in g if type(r) is not int})
+        return [("int", f"ranks of type {', '.join(kinds)}, not int (.tolist() turns a tensor into lists of ints)")]
+    out = []
     if sorted(map(sorted, got)) == sorted(map(sorted, want)):
         if sorted(got) == sorted(want):
-            return ("the right groups in another order: every rank must build the groups in the same order — the "
-                    "other axes in grid order, first axis slowest")
-        return "the right members, out of grid order inside a group: keep the `along` axes in their grid order"
-    if got and len(got[0]) != size:
-        return (f"groups of {len(got[0])} ranks where {size} are expected: a group's size is the product of the sizes "
-                f"of all the `along` axes")
+            out.append(("order", "the right groups in another order: every rank must build the groups in the same order — the "
+                       "other axes in grid order, first axis slowest"))
+        out.append(("members", "the right members, out of grid order inside a group: keep the `along` axes in their grid order"))
+    moved = grid.permute([names.index(n) for n in others + along])
+    if got == moved.reshape(size, -1).tolist():
+        out.append(("size-1", f"the permuted grid read as [size, -1]: each row must be one group, reshape(-1, size)"))
+    if got == grid.permute([names.index(n) for n in along + others]).reshape(-1, size).tolist():
+        out.append(("first", "the `along` axes moved FIRST: move them last, so that each row of [-1, size] is one group"))
     if got == grid.reshape(-1, size).tolist():
-        return "the grid's rows without moving the `along` axes last: consecutive ranks, whatever the axes"
+        out.append(("rows", "the grid's rows without moving the `along` axes last: consecutive ranks, whatever the axes"))
     if others and got == ref(grid, names, others):
-        return "the groups along the OTHER axes: move the `along` axes last, not first"
-    return "other groups than these axes have"
+        out.append(("others", "the groups along the OTHER axes: move the `along` axes last, not first"))
+    if got and len(got[0]) != size:
+        out.append(("size", f"groups of {len(got[0])} ranks where {size} are expected: a group's size is the product of the "
+                   f"sizes of all the `along` axes"))
+    return out or [("other", "other groups than these axes have")]
+
+
+def _case(shape, names, along) -> str:
+    label = ", ".join(f"{n}={s}" for n, s in zip(names, shape) if s > 1) or "one rank"
+    return f"grid [{label}] along {list(along)}"
 
 
 def judge_rows(mine, ref):
+    """Every grid's groups against the reference's; the first failing grid named, with the description that fits
+    EVERY failing grid (one grid alone can fit two mistakes)."""
     import torch as t
+    failures = []
     for shape, names, along in _grids():
         grid = t.arange(math.prod(shape)).view(*shape)
         want = ref(grid, names, along)
-        got = mine(grid, names, along)
-        if got != want:
-            label = ", ".join(f"{n}={s}" for n, s in zip(names, shape) if s > 1) or "one rank"
-            return [f"grid [{label}] along {list(along)}: {_short(got)} where {_short(want)} is expected — "
-                    f"{_rows_diagnosis(got, want, grid, names, along, ref)}"]
-    return []
+        with explained(prefix=f"{_case(shape, names, along)}: "):
+            got = mine(grid.clone(), names, along)
+        if not (isinstance(got, list) and got == want and all(type(r) is int for g in got for r in g)):
+            failures.append((shape, names, along, got, want, _rows_diagnoses(got, want, grid, names, along, ref)))
+    if not failures:
+        return []
+    shape, names, along, got, want, whys = failures[0]
+    why = next((w for k, w in whys if all(k in dict(f[5]) for f in failures)), whys[0][1])
+    return [f"{_case(shape, names, along)}: {_short(got)} where {_short(want)} is expected — {why}",
+            f"({len(failures)} of {len(_grids())} cases wrong)"]
 
 
 def _short(groups):
@@ -245,11 +318,11 @@ def judge_rows_partition(mine, ref):
     for shape, names, along in _grids():
         grid = t.arange(math.prod(shape)).view(*shape)
         size = math.prod(shape[names.index(n)] for n in along)
-        got = mine(grid, names, along)
+        with explained(prefix=f"{_case(shape, names, along)}: "):
+            got = [[int(r) for r in g] for g in mine(grid.clone(), names, along)]
         flat = sorted(r for g in got for r in g)
-        label = ", ".join(f"{n}={s}" for n, s in zip(names, shape) if s > 1) or "one rank"
         if len(got) != grid.numel() // size or any(len(g) != size for g in got) or flat != list(range(grid.numel())):
-            return [f"grid [{label}] along {list(along)}: {len(got)} groups of sizes {sorted({len(g) for g in got})}"
+            return [f"{_case(shape, names, along)}: {len(got)} groups of sizes {sorted({len(g) for g in got})}"
                     f" covering {len(set(flat))} distinct ranks ({len(flat)} places); expected world/∏ = "
                     f"{grid.numel() // size} groups of ∏ = {size} ranks, every rank of {grid.numel()} exactly once"]
     return []
@@ -270,13 +343,45 @@ BUGS["rows"] = [
     Bug("a group's size: the first axis's size, not the product of their sizes",
         "size = math.prod(grid.shape[names.index(n)] for n in along)", "size = grid.shape[names.index(along[0])]",
         r"groups of \d+ ranks where \d+ are expected", None),
+    Bug("no .tolist(): a tensor of groups", ".reshape(-1, size).tolist()", ".reshape(-1, size)",
+        r"grid \[one rank\] along \['pp'\]: .* a Tensor, not a list of lists of ranks \(.tolist\(\) at the end\)",
+        None),
+    Bug("the `along` axes moved first", "for n in others + list(along)]", "for n in list(along) + others]",
+        r"grid \[.*\] along .* the `along` axes moved FIRST", None),
+    Bug("the permuted grid read as [size, -1]", ".reshape(-1, size).tolist()", ".reshape(size, -1).tolist()",
+        r"grid \[.*\] along .* the permuted grid read as \[size, -1\]", None),
+]
+VARIANTS["rows"] = [
+    Variant("movedim: the `along` axes to the end",
+            "    others = [n for n in names if n not in along]\n    size = math.prod(grid.shape[names.index(n)] for n in "
+            "along)\n    return grid.permute([names.index(n) for n in others + list(along)]).reshape(-1, size).tolist()",
+            "    dims = [names.index(n) for n in along]\n    last = list(range(grid.dim() - len(dims), grid.dim()))\n"
+            "    moved = grid.movedim(dims, last)\n    return moved.flatten(0, grid.dim() - len(dims) - 1).flatten(1)"
+            ".tolist() if len(dims) < grid.dim() else [moved.flatten().tolist()]"),
+    Variant("plain loops: every index of the grid, grouped by the other axes",
+            "    others = [n for n in names if n not in along]\n    size = math.prod(grid.shape[names.index(n)] for n in "
+            "along)\n    return grid.permute([names.index(n) for n in others + list(along)]).reshape(-1, size).tolist()",
+            "    import itertools\n    keep = [i for i, n in enumerate(names) if n not in along]\n    groups = {}\n"
+            "    for idx in itertools.product(*(range(s) for s in grid.shape)):   # in grid order\n"
+            "        groups.setdefault(tuple(idx[i] for i in keep), []).append(int(grid[idx]))\n"
+            "    return list(groups.values())"),
 ]
 
 
 # ---- 1. ddp: average (ddp.py: average_gradients) ---------------------------------------------------------------------
-# The tiny float64 model for 2 SGD steps on 1, 2 and 4 ranks: every gradient and parameter equal to one process on
-# every rank; one all-reduce of Ψ·b bytes per step. Mesh(dp_shard=2, cp=2)'s dp groups on 4 ranks, each on its own
-# data: only over the group given. divide_by=3 with a parameter that has no gradient on rank 0: the sum ÷ divide_by.
+# Where the course calls it: after backward, on model.parameters() (an iterator) over the whole world (ddp.py's
+# demo), over a stage's dp group inside a pipeline (pipeline_demo), and in expert_parallel.sync_gradients over the
+# dp_cp and edp groups — groups inside a larger mesh — with divide_by = D (not the group's size) and parameters
+# whose gradient is None on some ranks; models with frozen parameters (requires_grad False); gradients in the
+# parameters' dtype. No overlap: the plainest form runs after backward. Graded:
+#   - the tiny float64 model, 2 SGD steps on 1, 2, 4 ranks: every gradient and parameter equal to one process, on
+#     every rank;
+#   - one all-reduce of Ψ·b bytes per step, counted on every rank;
+#   - groups inside a larger mesh on 4 ranks: Mesh(dp_replicate=2, cp=2)'s dp groups [0, 2] and [1, 3], each pair on
+#     its own data, and Mesh(dp_replicate=2, dp_shard=2)'s dp group, the whole world: only over the group given,
+#     equal to one process on that group's data;
+#   - divide_by=3 with parameters of every kind on 2 and 4 ranks: a gradient on every rank, none on rank 0, none
+#     anywhere (zeros), a frozen one (None stays None), every gradient in its parameter's dtype.
 
 def _dp_train(P, seed=0, group=None, dp_rank=None, dp_size=None):
     """The tiny float64 model on this rank's rows, average_gradients after backward, 2 SGD steps."""
@@ -306,33 +411,48 @@ def run_dp(P):
     return _dp_train(P)
 
 
+DP_MESHES = {"Mesh(dp_replicate=2, cp=2)": dict(dp_replicate=2, cp=2),
+             "Mesh(dp_replicate=2, dp_shard=2)": dict(dp_replicate=2, dp_shard=2)}
+
+
 def run_dp_groups(P):
-    """4 ranks as Mesh(dp_shard=2, cp=2): dp groups [0, 2] and [1, 3], the pair at cp index c on data seed c."""
+    """4 ranks as each of DP_MESHES: the dp group's ranks on the data seed of their cp index."""
     from mesh import Mesh
-    mesh = Mesh(dp_shard=2, cp=2)
-    res = _dp_train(P, seed=mesh.coords["cp"], group=mesh, dp_rank=mesh.rank("dp"), dp_size=2)
-    res.update(seed=mesh.coords["cp"], dp=mesh.ranks("dp"))
-    return res
+    out = {}
+    for label, sizes in DP_MESHES.items():
+        mesh = Mesh(**sizes)
+        res = _dp_train(P, seed=mesh.coords["cp"], group=mesh, dp_rank=mesh.rank("dp"), dp_size=mesh.size("dp"))
+        res.update(seed=mesh.coords["cp"], dp=mesh.ranks("dp"))
+        out[label] = res
+    return out
 
 
-def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients"):
+def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients", sizes=None):
+    """sizes: the group's size on each rank (when it is not the world)."""
     lines = []
     seed_of = (lambda r: 0) if seeds is None else seeds
+    n = len(res) if sizes is None else sizes[0]
     world = None
     if seeds is not None:  # what averaging over the whole world would give
-        g0, g1 = one_process(0)[1][0], one_process(1)[1][0]
-        world = lambda n: (f"the average over ALL {P} ranks, not over this rank's group: all-reduce over the group "  # noqa: E731
-                           f"you are given", (g0[n] + g1[n]) / 2)
-    lines += compare_named(P, res, "grads", lambda r, n: one_process(seed_of(r))[1][0][n], what=f" (gradient {when}, "
-                           f"step 1)", scales=data_scales(len(res) if seeds is None else 2),
-                           candidates_of=lambda r, n: [("this rank's own gradient, not averaged: no all-reduce reached "
-                                                        "it", res[r]["local"][n])] + ([world(n)] if world else []))
+        g = {s: one_process(s)[1][0] for s in {seed_of(r) for r in range(len(res))}}
+        world = lambda nm: (f"the average over ALL {P} ranks, not over this rank's group: all-reduce over the group "  # noqa: E731
+                            f"you are given", sum(g[seed_of(r)][nm] for r in range(len(res))) / len(res))
+    scales = ([(n / P, f"{n}/{P} of the expected: divided by the world's size {P}, not the group's {n} "
+                f"(dist.get_world_size(group))")] if n != P else []) + data_scales(n)
+
+    def own(r):
+        return ("this rank's own gradient, not averaged: no all-reduce was made (is `params` an iterator, "
+                "model.parameters(), read a second time? make it a list first)" if res[r]["calls"] == 0 else
+                "this rank's own gradient, not averaged: no all-reduce reached it")
+    lines += compare_named(P, res, "grads", lambda r, nm: one_process(seed_of(r))[1][0][nm], what=f" (gradient {when}, "
+                           f"step 1)", scales=scales,
+                           candidates_of=lambda r, nm: [(own(r), res[r]["local"][nm])] + ([world(nm)] if world else []))
     if lines:
         return lines + [f"(expected: the one-process gradient of the global batch{groups_note})"]
     for s in range(2):
         lines = compare_named(P, [dict(x=r_["states"][s]) for r_ in res], "x",
-                              lambda r, n: one_process(seed_of(r))[0][s + 1][n], what=f" (parameter after step {s + 1})",
-                              before_of=lambda r, n: one_process(seed_of(r))[0][s][n])
+                              lambda r, nm: one_process(seed_of(r))[0][s + 1][nm], what=f" (parameter after step {s + 1})",
+                              before_of=lambda r, nm: one_process(seed_of(r))[0][s][nm])
         if lines:
             return lines
     return []
@@ -350,32 +470,53 @@ def judge_dp_formula(P, res):
 
 
 def judge_dp_groups(P, res):
-    for r, x in enumerate(res):
-        if x["groups"] != [tuple(x["dp"])]:
-            return [f"rank {r}: the all-reduce ran over ranks {[list(g) for g in x['groups']]}, expected only over its "
-                    f"group {x['dp']} (Mesh(dp_shard=2, cp=2)'s dp group; resolve_group(group, 'dp'))"]
-    return judge_dp_equal(P, res, seeds=lambda r: res[r]["seed"], groups_note=" of its own group's data")
+    for label in DP_MESHES:
+        per = [x[label] for x in res]
+        for r, x in enumerate(per):
+            if x["groups"] != [tuple(x["dp"])]:
+                return [f"{label}, rank {r}: the all-reduce ran over ranks {[list(g) for g in x['groups']]}, expected "
+                        f"only over its dp group {x['dp']} (resolve_group(group, 'dp'): the dp group of a Mesh)"]
+        lines = judge_dp_equal(P, per, seeds=lambda r: per[r]["seed"], groups_note=" of its own group's data",
+                               sizes=[len(x["dp"]) for x in per])
+        if lines:
+            return [f"{label}, {lines[0]}"] + lines[1:]
+    return []
 
 
 def run_dp_divide(P):
-    """Three parameters; rank r's gradients r+1, none on rank 0 for the second, r for the third; divide_by=3."""
+    """Five parameters: a gradient r+1 on every rank; none on rank 0 (2(r+1) elsewhere); r; none anywhere; frozen.
+    divide_by=3, the parameters handed over as an iterator."""
     from ddp import average_gradients
     r = dist.get_rank()
-    ps = [torch.nn.Parameter(torch.zeros(3, 2, dtype=F64)), torch.nn.Parameter(torch.zeros(4, dtype=F64)),
-          torch.nn.Parameter(torch.zeros(5, dtype=F64))]
+    shapes = [(3, 2), (4,), (5,), (2,), (3,)]
+    ps = [torch.nn.Parameter(torch.zeros(sh, dtype=F64), requires_grad=i != 4) for i, sh in enumerate(shapes)]
     ps[0].grad = torch.full((3, 2), r + 1.0, dtype=F64)
     ps[1].grad = None if r == 0 else torch.full((4,), 2.0 * (r + 1), dtype=F64)
     ps[2].grad = torch.full((5,), float(r), dtype=F64)
-    average_gradients(iter(ps), None, divide_by=3)   # an iterator, as model.parameters() is: read it once
-    return dict(g={f"p{i}": (p.grad if p.grad is not None else torch.full_like(p, float("nan"))) for i, p in enumerate(ps)})
+    with explained((r"assign a gradient with dtype", "a gradient of another dtype than its parameter's: make the "
+                    "zeros with torch.zeros_like(p) (its dtype and device)")):
+        average_gradients(iter(ps), None, divide_by=3)   # an iterator, as model.parameters() is: read it once
+    return dict(g={f"p{i}": (p.grad if p.grad is not None else torch.full_like(p, float("nan"))) for i, p in
+                   enumerate(ps)}, none=[p.grad is None for p in ps], dtypes=[str(p.grad.dtype) if p.grad is not None
+                                                                             else None for p in ps])
 
 
 def judge_dp_divide(P, res):
+    names = {3: "p3 (no rank has its gradient)", 4: "p4 (frozen: requires_grad=False)"}
+    for r, x in enumerate(res):
+        if not x["none"][4]:
+            return [f"rank {r}, {names[4]}: a gradient after average_gradients where one process leaves None — skip "
+                    f"the parameters that do not require grad"]
+        for i, d in enumerate(x["dtypes"]):
+            if d is not None and d != "torch.float64":
+                return [f"rank {r}, p{i}: a {d} gradient for a torch.float64 parameter — make the zeros with "
+                        f"torch.zeros_like(p) (its dtype and device)"]
     want = {"p0": torch.full((3, 2), sum(r + 1.0 for r in range(P)) / 3, dtype=F64),
             "p1": torch.full((4,), sum(2.0 * (r + 1) for r in range(1, P)) / 3, dtype=F64),
-            "p2": torch.full((5,), sum(float(r) for r in range(P)) / 3, dtype=F64)}
-    return compare_named(P, res, "g", lambda r, n: want[n], what=" (sum ÷ divide_by = 3; p1 has no gradient on rank 0)",
-                         scales=[(3 / P, f"the sum ÷ {P} (the group's size): divide_by=3 was ignored")])
+            "p2": torch.full((5,), sum(float(r) for r in range(P)) / 3, dtype=F64), "p3": torch.zeros(2, dtype=F64)}
+    return compare_named(P, [dict(g={k: v for k, v in x["g"].items() if k in want}) for x in res], "g",
+                         lambda r, n: want[n], what=" (sum ÷ divide_by = 3; p1 has no gradient on rank 0, p3 none "
+                         "anywhere)", scales=[(3 / P, f"the sum ÷ {P} (the group's size): divide_by=3 was ignored")])
 
 
 CHECKS["average"] = [
@@ -383,45 +524,131 @@ CHECKS["average"] = [
           "steps, on every rank", run_dp, judge_dp_equal),
     Check("one all-reduce of Ψ·b bytes per step (Ψ gradient elements, b = 8 bytes): g = (1/P)·Σ_r g_r in one call",
           run_dp, judge_dp_formula),
-    Check("over the group it is given: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each on its own data, "
-          "equal to one process on that data", run_dp_groups, judge_dp_groups, worlds=(4,)),
-    Check("divide_by, and a parameter with no gradient on one rank: zeros sent, the sum ÷ divide_by everywhere",
-          run_dp_divide, judge_dp_divide, worlds=(2, 4)),
+    Check("over the group it is given, inside a larger mesh: Mesh(dp_replicate=2, cp=2)'s dp groups [0, 2] and [1, 3] "
+          "and Mesh(dp_replicate=2, dp_shard=2)'s, each on its own data, equal to one process on that data",
+          run_dp_groups, judge_dp_groups, worlds=(4,)),
+    Check("divide_by, and parameters without a gradient on one rank, on none, frozen: zeros sent, the sum ÷ divide_by "
+          "everywhere, a frozen one left None, gradients in their parameter's dtype", run_dp_divide, judge_dp_divide,
+          worlds=(2, 4)),
 ]
+_FLAT = "all_reduce_flat([p.grad for p in params], group, divide_by or dist.get_world_size(group))"
+_BODY = ('    params = [p for p in params if p.requires_grad]\n    for p in params:\n        if p.grad is None:\n'
+         '            p.grad = torch.zeros_like(p)\n    ' + _FLAT + "\n")
 BUGS["average"] = [
-    Bug("forgot to divide by P", "all_reduce_flat([p.grad for p in params], group, divide_by or "
-        "dist.get_world_size(group))", "all_reduce_flat([p.grad for p in params], group)",
+    Bug("forgot to divide by P", _FLAT, "all_reduce_flat([p.grad for p in params], group)",
         r"rank 0, .*: off by .* 2× the expected \(2 = P, the group's size\): the sum was not divided by P"),
-    Bug("one all-reduce per parameter", "all_reduce_flat([p.grad for p in params], group, divide_by or "
-        "dist.get_world_size(group))", "for p in params:\n        dist.all_reduce(p.grad, group=group)\n"
+    Bug("one all-reduce per parameter", _FLAT, "for p in params:\n        dist.all_reduce(p.grad, group=group)\n"
         "        p.grad /= divide_by or dist.get_world_size(group)",
         r"one all-reduce of Ψ·b = .* measured \d+ all-reduce\(s\) .* one per parameter tensor"),
     Bug("reduced over the world, not the group it is given", 'group = resolve_group(group, "dp")\n    params = ',
         'group = resolve_group(None, "dp")\n    params = ',
-        r"rank 0: the all-reduce ran over ranks \[\[0, 1, 2, 3\]\], expected only over its group \[0, 2\]", 4),
+        r"Mesh\(dp_replicate=2, cp=2\), rank 0: the all-reduce ran over ranks \[\[0, 1, 2, 3\]\], expected only over "
+        r"its dp group \[0, 2\]", 4),
+    Bug("reduced over the dp_shard group, not dp", 'group = resolve_group(group, "dp")\n    params = ',
+        'group = resolve_group(group, "dp_shard")\n    params = ', r"Mesh\(dp_replicate=2, cp=2\), rank 0: the all-reduce ran over ranks \[\[0\]\], expected "
+        r"only over its dp group \[0, 2\]", 4),
     Bug("skipped the parameters without a gradient (a collective of another size on one rank)",
         "    for p in params:\n        if p.grad is None:\n            p.grad = torch.zeros_like(p)\n",
         "    params = [p for p in params if p.grad is not None]\n",
         r"collectives do not match: the ranks of group \[0, 1\] disagree .* rank 0: all_reduce \(sum\) of 11 "
-        r"float64 elements; rank 1: all_reduce \(sum\) of 15 float64 elements .* different sizes"),
+        r"float64 elements; rank 1: all_reduce \(sum\) of 15 float64 elements"),
+    Bug("the zeros made in the default dtype", "p.grad = torch.zeros_like(p)\n    all_reduce_flat(",
+        "p.grad = torch.zeros(p.shape)\n    all_reduce_flat(",
+        r"rank 0: RuntimeError: a gradient of another dtype than its parameter's: make the zeros with "
+        r"torch.zeros_like\(p\)"),
+    Bug("frozen parameters not skipped", "params = [p for p in params if p.requires_grad]", "params = list(params)",
+        r"rank 0, p4 \(frozen: requires_grad=False\): a gradient after average_gradients where one process leaves None"),
+    Bug("the parameters read twice from an iterator", _BODY,
+        "    for p in params:\n        if p.requires_grad and p.grad is None:\n            p.grad = torch.zeros_like(p)"
+        "\n    all_reduce_flat([p.grad for p in params if p.requires_grad], group, divide_by or "
+        "dist.get_world_size(group))\n",
+        r"rank 0, .*: off by .* no all-reduce was made \(is `params` an iterator"),
+    Bug("divided by the world's size, not the group's", "params], group, divide_by or dist.get_world_size(group))",
+        "params], group, divide_by or dist.get_world_size())",
+        r"Mesh\(dp_replicate=2, cp=2\), rank 0, .*: off by .* 2/4 of the expected: divided by the world's size 4, not "
+        r"the group's 2", 4),
+]
+VARIANTS["average"] = [
+    Variant("the flat buffer written out: cat, all_reduce, divide, copy back", "    " + _FLAT + "\n",
+            "    flat = torch.cat([p.grad.reshape(-1) for p in params])\n    dist.all_reduce(flat, group=group)\n"
+            "    flat = flat / (divide_by or dist.get_world_size(group))\n    offset = 0\n    for p in params:\n"
+            "        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()\n        offset += p.numel()\n"),
+    Variant("each gradient divided first, then summed in one call", _BODY,
+            "    n = divide_by or dist.get_world_size(group)\n    grads = []\n    for p in params:\n"
+            "        if not p.requires_grad:\n            continue\n        if p.grad is None:\n"
+            "            p.grad = p.new_zeros(p.shape)\n        grads.append(p.grad.div_(n))\n"
+            "    all_reduce_flat(grads, group)\n"),
 ]
 
 
 # ---- 1. ddp: bucket (ddp.py: BucketedDDP._launch_in_order) -----------------------------------------------------------
-# BucketedDDP (3 buckets) on the tiny float64 model for 2 SGD steps on 1, 2 and 4 ranks: equal to one process when
-# backward returns and after each step; buckets + 1 all-reduces of Ψ·b + n bytes; each bucket's all-reduce started
-# asynchronously inside backward the moment its last gradient arrives, in bucket order. Mesh(dp_shard=2, cp=2)'s dp
-# groups on 4 ranks: only over the wrapper's group.
+# Where the course calls it: BucketedDDP's gradient hooks call it each time a bucket fills, and its end of backward
+# once more — in ddp.py's demo over the world, in train.py (ZeRO stage 0) over dp_cp, a group inside the larger mesh,
+# with reduce_dtype=float32 under bf16 (the buckets then hold copies, not views, of the gradients) and groups_of
+# (experts averaged over a group of their own, divided by D, which can be a group of one); models with frozen
+# parameters and parameters some ranks never use (filled with zeros at backward's end); gradients that arrive out of
+# registration order, in another order on another rank. It exists for overlap: a bucket's all-reduce runs while
+# backward computes the earlier layers. Graded:
+#   - BucketedDDP (3 buckets) on the tiny float64 model, 2 SGD steps on 1, 2, 4 ranks: equal to one process when
+#     backward returns and after each step, on every rank;
+#   - buckets + 1 all-reduces of Ψ·b + n bytes, counted on every rank;
+#   - overlap, judged by what is in flight: each bucket's all-reduce starts inside backward the moment its last
+#     gradient arrives, in bucket order, and is still in flight (its work not waited for) when each later gradient
+#     arrives and when backward ends;
+#   - arrival orders on 2 ranks: two layers applied in the opposite order on the two ranks (their gradients arrive
+#     in another order there), a frozen layer, a layer only rank 1 uses; one bucket per parameter: every gradient
+#     Σ_r g_r / P, per rank (the frozen one None);
+#   - groups_of and reduce_dtype on 2 ranks: the output layer averaged over a group of one and divided by 2 (as an
+#     expert whose copies are alone), the buckets in float32 for float64 gradients: Σ over its group / its divisor;
+#   - over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups on 4 ranks.
+
+
+class _Tracked:
+    """A collective's work whose wait() is recorded (what is still in flight, and when it stopped being)."""
+
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def _tracked_all_reduces(log):
+    """Every all-reduce issued inside backward appends [its _Tracked work, or None if it returned none (synchronous)]
+    to log."""
+    inner = dist.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        work = inner(*args, **kwargs)
+        if torch._C._current_graph_task_id() != -1 and (args[0] if args else kwargs["tensor"]).dtype == F64:
+            log.append(None if work is None else _Tracked(work))
+            return log[-1] if work is not None else None
+        return work
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = inner
+
 
 def _bucket_train(P, seed=0, mesh=None):
     from ddp import BucketedDDP
     from lab.model import build_model
     model = build_model("tiny", seed=0, dtype=F64)
-    arrived, local = [0], {}
+    arrived, local, works, seen = [0], {}, [], []
     names = {p: n for n, p in model.named_parameters()}
+
+    def in_flight(when):   # each bucket all-reduce launched so far: still running, waited for, or synchronous
+        seen.append((when, ["sync" if w is None else "waited" if w.waited else "flying" for w in works]))
 
     def count(p):   # registered before the wrapper's hooks: runs first, sees this rank's own gradient
         arrived[0] += 1
+        in_flight(arrived[0])
         local[names[p]] = p.grad.detach().clone()
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(count)
@@ -432,15 +659,21 @@ def _bucket_train(P, seed=0, mesh=None):
                numel=sum(p.numel() for p in ddp.params))
     for s in range(2):
         arrived[0] = 0
-        watch.set_probe(lambda e: e.update(arrived=arrived[0]))
+        works.clear(), seen.clear()
+
+        def probe(e):
+            e.update(arrived=arrived[0])
+            if e["op"] == "all_reduce" and e["dtype"] == "uint8":   # the used-flags: backward's end
+                in_flight("end")
+        watch.set_probe(probe)
         loss = ddp(*_batch(s, seed=seed, rank=dp_rank, size=dp_size))
-        with Count() as c:
+        with Count() as c, _tracked_all_reduces(works):
             loss.backward()
         watch.set_probe(None)
         if s == 0:
             out.update(grads=_grads(model), local=dict(local), calls=c.calls("all_reduce"),
-                       bytes=c.bytes("all_reduce"), groups=c.groups(),
-                       launches=[(e["arrived"], e["asynchronous"], e["in_backward"]) for e in watch.events
+                       bytes=c.bytes("all_reduce"), groups=c.groups(), seen=list(seen),
+                       launches=[(e["arrived"], e["in_backward"]) for e in c.events
                                  if e["op"] == "all_reduce" and e["dtype"] == "float64"])
         opt.step()
         opt.zero_grad(set_to_none=False)
@@ -482,14 +715,22 @@ def judge_bucket_launch(P, res):
         got = x["launches"]
         if len(got) != len(full):
             return [f"rank {r}: {len(full)} bucket all-reduces expected in backward, measured {len(got)}"]
-        for b, ((arrived, asynchronous, inside), when) in enumerate(zip(got, full)):
-            if not asynchronous:
-                return [f"rank {r}: bucket {b}'s all-reduce was synchronous: it must run while backward goes on "
-                        f"(dist.all_reduce(..., async_op=True), the work kept in bucket.work)"]
+        for b, ((arrived, inside), when) in enumerate(zip(got, full)):
             if not inside or arrived != when:
                 return [f"rank {r}: bucket {b} ({x['buckets'][b]} gradient(s)) started after gradient #{arrived} of "
                         f"{x['n']} arrived; it was full after #{when}: start a bucket's all-reduce the moment its "
                         f"last gradient arrives, in bucket order"]
+        for b, ((arrived, _), when) in enumerate(zip(got, full)):
+            for at, states in x["seen"]:
+                if at != "end" and at <= arrived or b < len(states) and states[b] == "flying":
+                    continue
+                if b < len(states):
+                    what = ("was synchronous (dist.all_reduce returned no work to wait for later)"
+                            if states[b] == "sync" else "was waited for")
+                    later = "when backward ended" if at == "end" else f"when gradient #{at} arrived"
+                    return [f"rank {r}: bucket {b}'s all-reduce {what}: it was no longer in flight {later} — start it "
+                            f"with async_op=True, keep the work in bucket.work, and leave the waiting to the end of "
+                            f"backward (_finish_backward), so that it runs while backward computes"]
     return []
 
 
@@ -499,7 +740,96 @@ def judge_bucket_groups(P, res):
         if bad:
             return [f"rank {r}: all-reduces over ranks {bad}, expected only over its group {x['dp']} (bucket.group)"]
     return judge_dp_equal(P, res, seeds=lambda r: res[r]["seed"], groups_note=" of its own group's data",
-                          when="when backward returns")
+                          when="when backward returns", sizes=[len(x["dp"]) for x in res])
+
+
+class _TwoOrders(torch.nn.Module):
+    """Layers a and b applied b(a(x)) on even ranks and a(b(x)) on odd ones (their gradients arrive in the opposite
+    order), then a frozen layer, then c on odd ranks only."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        for name in ("a", "b", "frozen", "c"):
+            setattr(self, name, torch.nn.Parameter(torch.randn(4, 4, generator=g, dtype=F64) / 2,
+                                                   requires_grad=name != "frozen"))
+
+    def forward(self, x):
+        odd = dist.get_rank() % 2
+        h = x @ self.b @ self.a if odd else x @ self.a @ self.b
+        h = h @ self.frozen
+        return ((h @ self.c if odd else h) ** 2).mean()
+
+
+def run_bucket_orders(P):
+    """_TwoOrders in one bucket per parameter, one backward on this rank's own rows."""
+    from ddp import BucketedDDP
+    model = _TwoOrders()
+    local, order = {}, []
+    def arrived(p, n):
+        local[n] = p.grad.clone()
+        order.append(n)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(functools.partial(arrived, n=n))
+    ddp = BucketedDDP(model, bucket_cap_mb=0, first_bucket_mb=0)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=F64)
+    ddp(x).backward()
+    return dict(grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                none=[n for n, p in model.named_parameters() if p.grad is None],
+                local={n: local.get(n, torch.zeros(4, 4, dtype=F64)) for n in ("a", "b", "c")}, order=order)
+
+
+def judge_bucket_orders(P, res):
+    for r, x in enumerate(res):
+        if x["none"] != ["frozen"]:
+            return [f"rank {r}: after backward the gradients of {x['none']} are None, expected only the frozen layer's "
+                    f"(c, used on rank 1 alone, gets its average there)"]
+    want = {n: sum(x["local"][n] for x in res) / P for n in ("a", "b", "c")}
+
+    def swapped(r, n):
+        return [(f"this rank's {n} summed with rank {q}'s {m}: the ranks launched their buckets in different orders "
+                 f"(here the gradients arrived {' → '.join(res[r]['order'])}, on rank {q} "
+                 f"{' → '.join(res[q]['order'])}): launch in bucket order, from self._next, never a later bucket "
+                 f"before an earlier one", (res[r]["local"][n] + res[q]["local"][m]) / P)
+                for q in range(P) if q != r for m in ("a", "b", "c") if m != n]
+    return compare_named(P, res, "grads", lambda r, n: want[n], what=" (Σ_r g_r / P, one bucket per parameter)",
+                         candidates_of=swapped, scales=data_scales(P))
+
+
+def run_bucket_where(P):
+    """The tiny model, 2 ranks: output.weight averaged over a group of one (this rank alone) and divided by 2, the
+    buckets in float32 for float64 gradients."""
+    from ddp import BucketedDDP
+    from lab.model import build_model
+    alone = [dist.new_group([q]) for q in range(P)][dist.get_rank()]   # every rank makes every group, in order
+    model = build_model("tiny", seed=0, dtype=F64)
+    local = {}
+    def arrived(p, n):
+        local[n] = p.grad.clone()
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(functools.partial(arrived, n=n))
+    ddp = BucketedDDP(model, bucket_cap_mb=0.1, first_bucket_mb=0.05, reduce_dtype=torch.float32,
+                      groups_of=lambda n, p: (alone, P) if n == "output.weight" else None)
+    ddp(*_batch(0, rank=dist.get_rank(), size=P)).backward()
+    return dict(grads=_grads(model), local=local)
+
+
+def judge_bucket_where(P, res):
+    want = {n: sum(x["local"][n] for x in res) / P for n in res[0]["local"]}
+    own = lambda r, n: res[r]["local"][n] / P   # noqa: E731
+    rest = compare_named(P, [dict(g={k: v for k, v in x["grads"].items() if k != "output.weight"}) for x in res],
+                         "g", lambda r, n: want[n], what=" (reduce_dtype=float32: the bucket a float32 copy)", tol=1e-6,
+                         scales=[(P, f"{P}× the expected: summed, never divided — with reduce_dtype the gradients are "
+                                  f"copies, not views, of bucket.flat: divide the flat buffer that is all-reduced")])
+    if rest:
+        return rest
+    return compare_named(P, [dict(g={"output.weight": x["grads"]["output.weight"]}) for x in res], "g", own,
+                         what=f" (groups_of: averaged over a group of one, divide_by = {P})", tol=1e-6,
+                         scales=[(P, f"{P}× the expected: not divided — a bucket on a group of one needs no "
+                                  f"all-reduce, but its division by bucket.divide_by (not the group's size) still")],
+                         candidates_of=lambda r, n: [("summed over the wrapper's group, not the bucket's own "
+                                                      "(bucket.group)", want[n])])
 
 
 CHECKS["bucket"] = [
@@ -507,16 +837,25 @@ CHECKS["bucket"] = [
           "steps, on every rank (3 buckets)", run_bucket, judge_bucket_equal),
     Check("one all-reduce per bucket (+ one of the used-flags): calls = buckets + 1, bytes Ψ·b + n",
           run_bucket, judge_bucket_formula, worlds=(2, 4)),
-    Check("overlap: each bucket's all-reduce starts asynchronously inside backward the moment its last gradient "
-          "arrives, in bucket order", run_bucket, judge_bucket_launch, worlds=(2, 4)),
-    Check("over the wrapper's group: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each on its own data",
-          run_bucket_groups, judge_bucket_groups, worlds=(4,)),
+    Check("overlap: each bucket's all-reduce starts inside backward the moment its last gradient arrives, in bucket "
+          "order, and is still in flight when the later gradients arrive and when backward ends", run_bucket,
+          judge_bucket_launch, worlds=(2, 4)),
+    Check("gradients in another order on another rank (two layers applied in opposite orders), a frozen layer, one "
+          "only rank 1 uses: every gradient Σ_r g_r / P, the frozen one None", run_bucket_orders,
+          judge_bucket_orders, worlds=(2,)),
+    Check("groups_of and reduce_dtype (train.py): a layer averaged over a group of one and divided by 2, buckets in "
+          "float32: each gradient Σ over its group / its divisor", run_bucket_where, judge_bucket_where, worlds=(2,)),
+    Check("over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each "
+          "on its own data", run_bucket_groups, judge_bucket_groups, worlds=(4,)),
 ]
+_ASYNC = "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)"
+_LOOP = ("        while self._next < len(self.buckets) and all(self.buckets[self._next].ready):\n"
+         "            bucket = self.buckets[self._next]\n")
 BUGS["bucket"] = [
     Bug("forgot to divide by P", "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then "
         "the average\n", "", r"2× the expected \(2 = P"),
-    Bug("a synchronous all-reduce", "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)",
-        "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group)", r"bucket 0's all-reduce was synchronous"),
+    Bug("a synchronous all-reduce", _ASYNC, "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group)",
+        r"rank 0: bucket 0's all-reduce was synchronous"),
     Bug("every bucket launched only when all are ready",
         "while self._next < len(self.buckets) and all(self.buckets[self._next].ready):",
         "while self._next < len(self.buckets) and all(all(b.ready) for b in self.buckets):",
@@ -525,6 +864,46 @@ BUGS["bucket"] = [
         "dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)",
         "dist.all_reduce(bucket.flat, async_op=True)",
         r"rank 0: all-reduces over ranks \[\[0, 1, 2, 3\]\], expected only over its group \[0, 2\]", 4),
+    Bug("the all-reduce waited for right after its launch", _ASYNC, _ASYNC + "\n                bucket.work.wait()",
+        r"rank 0: bucket 0's all-reduce was waited for: it was no longer in flight when gradient #\d+ arrived"),
+    Bug("every ready bucket launched, in whatever order it fills", _LOOP + (
+        "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then the average\n"
+        "            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n"
+        "            self._next += 1\n"),
+        "        for bucket in self.buckets[self._next:]:\n            if all(bucket.ready) and bucket.work is None:\n"
+        "                bucket.flat.div_(bucket.divide_by)\n                if dist.get_world_size(bucket.group) > 1:\n"
+        "                    " + _ASYNC + "\n        while self._next < len(self.buckets) and "
+        "self.buckets[self._next].work is not None:\n            self._next += 1\n",
+        r"rank 0, \w \(Σ_r g_r / P.*: off by .* this rank's \w summed with rank 1's \w: the ranks launched their "
+        r"buckets in different orders"),
+    Bug("divided only when the group has more ranks", "            bucket.flat.div_(bucket.divide_by)  # divide "
+        "first: the sum is then the average\n            if dist.get_world_size(bucket.group) > 1:\n",
+        "            if dist.get_world_size(bucket.group) > 1:\n                bucket.flat.div_(bucket.divide_by)\n",
+        r"rank 0, output.weight \(groups_of: .*\): off by .* 2× the expected: not divided — a bucket on a group of one"),
+    Bug("the gradients divided instead of the flat buffer", "            bucket.flat.div_(bucket.divide_by)  # divide "
+        "first: the sum is then the average\n", "            for p in bucket.params:\n"
+        "                if p.grad is not None:\n                    p.grad.div_(bucket.divide_by)\n",
+        r"rank 0, .* \(reduce_dtype=float32.*\): off by .* 2× the expected: summed, never divided — with reduce_dtype "
+        r"the gradients are copies"),
+]
+VARIANTS["bucket"] = [
+    Variant("recursive: launch the next bucket, then try the one after", _LOOP + (
+            "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then the average\n"
+            "            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n"
+            "            self._next += 1\n"),
+            "        if self._next == len(self.buckets) or not all(self.buckets[self._next].ready):\n"
+            "            return\n        bucket = self.buckets[self._next]\n        bucket.flat.mul_(1 / bucket.divide_by)\n"
+            "        if bucket.group.size() > 1:\n            " + _ASYNC + "\n        self._next += 1\n"
+            "        self._launch_in_order()\n"),
+    Variant("a for loop over the buckets from self._next, break at the first not ready", _LOOP + (
+            "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then the average\n"
+            "            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n"
+            "            self._next += 1\n"),
+            "        for bucket in self.buckets[self._next:]:\n            if not all(bucket.ready):\n"
+            "                break\n            torch.div(bucket.flat, bucket.divide_by, out=bucket.flat)\n"
+            "            bucket.work = (dist.all_reduce(bucket.flat, dist.ReduceOp.SUM, bucket.group, True)\n"
+            "                           if dist.get_world_size(bucket.group) > 1 else None)\n"
+            "            self._next += 1\n"),
 ]
 
 
@@ -1109,17 +1488,26 @@ BUGS["one_f_one_b"] = [
 
 
 # ---- 6. ring attention: merge (ring_attention.py: merge) -------------------------------------------------------------
-# Seeded float64 attention blocks, judged in the grading process: two blocks' (out, lse) merged, in either order;
-# the empty start (None, None); four blocks folded in two orders; scores in the thousands, where e^lse overflows
-# float64 — each equal to attention over all their keys, finite and exact.
+# Where the course calls it: RingAttention.forward folds into each query chunk's running (out, lse) every block of
+# keys that reaches it, its own block first (the empty start: None, None), then the other ranks' blocks in ring order
+# (Ulysses with a ring inside calls the same); out [B, H, c, D] and lse [B, H, c] in the ring's work dtype: float64
+# here, float32 when the inputs are bf16 (at least fp32); scores of any size. Graded without ranks (one process is
+# the formula), against attention over all the keys at once:
+#   - two blocks merged, in either order; the empty start;
+#   - four blocks folded in two orders;
+#   - scores in the thousands in float64 and in the hundreds in float32 (e^lse beyond either dtype): finite, exact to
+#     the dtype's rounding, and the result in the blocks' dtype.
+# Every call gets fresh copies of its inputs (a merge may update them in place), and the wrong answers a result is
+# compared with are built before the call.
 
-def _blocks(n, seed=0, scale=1.0, B_=2, H=3, c=5, D=4):
+def _blocks(n, seed=0, scale=1.0, B_=2, H=3, c=5, D=4, dtype=F64):
+    """n blocks' (out, lse) of one query block (cast to dtype) and, in float64, the attention over all their keys."""
     from ring_attention import block_forward
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B_, H, c, D, generator=g, dtype=F64) * scale
     ks = [torch.randn(B_, H, c, D, generator=g, dtype=F64) for _ in range(n)]
     vs = [torch.randn(B_, H, c, D, generator=g, dtype=F64) for _ in range(n)]
-    parts = [block_forward(q, k, v, 1.0, False) for k, v in zip(ks, vs)]
+    parts = [tuple(t.to(dtype) for t in block_forward(q, k, v, 1.0, False)) for k, v in zip(ks, vs)]
     whole = block_forward(q, torch.cat(ks, 2), torch.cat(vs, 2), 1.0, False)
     return parts, whole
 
@@ -1137,17 +1525,38 @@ def _merge_wrong(o, l, bo, bl):
 def _lse_wrong(l, bl):
     return [("the running lse unchanged", l), ("the block's lse alone", bl),
             ("the larger of the two: lse' = log(e^lse + e^lse_b), not the max", torch.maximum(l, bl)),
-            ("lse + lse_b: log of a product, not of a sum", l + bl)]
+            ("lse + lse_b: log of a product, not of a sum", l + bl),
+            ("logsigmoid's sign flipped: lse' = lse − logsigmoid(lse − lse_b)",
+             l + torch.nn.functional.logsigmoid(l - bl))]
+
+
+MERGE_ERRORS = [(r"must match the size of tensor", "lse is [B, H, c] and out [B, H, c, D]: a weight per query row "
+                 "needs [..., None] to broadcast over D"),
+                (r"NoneType", "out and lse are None (merge(None, None, out_b, lse_b)): return the block itself, (out_b, "
+                 "lse_b)")]
+
+
+def _merged(mine, label, *args):
+    """mine(*fresh copies of args), its error said with the case."""
+    with explained(*MERGE_ERRORS, prefix=f"{label}: "):
+        return mine(*(None if a is None else a.clone() for a in args))
+
+
+def _tol(t):
+    return TOL if t.dtype == F64 else 1e-5
 
 
 def _judge_merge_pairs(mine, cases):
     for label, (o, l, bo, bl), (wo, wl) in cases:
-        go, gl = mine(o, l, bo, bl)
-        for what, got, want, cands in (("out", go, wo, _merge_wrong(o, l, bo, bl) if o is not None else []),
-                                       ("lse", gl, wl, _lse_wrong(l, bl) if l is not None else [])):
-            if not close(got, want, 1e-10):
-                diff = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
-                return [f"{label}: {what} off by {diff:.2e} — {pattern(got, want, (), cands)}"]
+        cands = {"out": _merge_wrong(o, l, bo, bl), "lse": _lse_wrong(l, bl)}   # (before the call)
+        go, gl = _merged(mine, label, o, l, bo, bl)
+        for what, got, want in (("out", go, wo), ("lse", gl, wl)):
+            if got.dtype != o.dtype:
+                return [f"{label}: {what} in {got.dtype} where the blocks are {o.dtype}: merge in the blocks' dtype "
+                        f"(the ring chooses its work dtype)"]
+            if not close(got, want, _tol(got)):
+                diff = (got.double() - want).abs().max().item() if got.shape == want.shape else float("nan")
+                return [f"{label}: {what} off by {diff:.2e} — {pattern(got, want, (), cands[what])}"]
     return []
 
 
@@ -1159,7 +1568,7 @@ def judge_merge_two(mine, ref):
 
 def judge_merge_start(mine, ref):
     (a,), _ = _blocks(1)
-    got = mine(None, None, *a)
+    got = _merged(mine, "the empty start", None, None, *a)
     if got[0] is None or not (close(got[0], a[0]) and close(got[1], a[1])):
         return ["merge(None, None, out_b, lse_b) must return the block itself (out_b, lse_b): the empty start"]
     return []
@@ -1169,8 +1578,8 @@ def judge_merge_four(mine, ref):
     parts, whole = _blocks(4, seed=1)
     for order in ((0, 1, 2, 3), (3, 1, 0, 2)):
         o = l = None
-        for i in order:
-            o, l = (parts[i] if o is None else mine(o, l, *parts[i]))
+        for k, i in enumerate(order):
+            o, l = parts[i] if k == 0 else _merged(mine, f"four blocks folded in the order {order}", o, l, *parts[i])
         if not (close(o, whole[0], 1e-10) and close(l, whole[1], 1e-10)):
             what, got, want = ("out", o, whole[0]) if not close(o, whole[0], 1e-10) else ("lse", l, whole[1])
             return [f"four blocks folded in the order {order}: {what} off by {(got - want).abs().max().item():.2e} — "
@@ -1179,9 +1588,12 @@ def judge_merge_four(mine, ref):
 
 
 def judge_merge_overflow(mine, ref):
-    (a, b), whole = _blocks(2, seed=2, scale=300.0)   # scores in the thousands: e^lse overflows float64
-    return _judge_merge_pairs(mine, [(f"scores up to {whole[1].abs().max().item():,.0f} (e^lse overflows)", (*a, *b),
-                                      whole)])
+    cases = []
+    for dtype, scale in ((F64, 300.0), (torch.float32, 30.0)):   # e^lse beyond float64's 709 and float32's 88
+        (a, b), whole = _blocks(2, seed=2, scale=scale, dtype=dtype)
+        cases.append((f"{str(dtype)[6:]} scores up to {whole[1].abs().max().item():,.0f} (e^lse overflows)",
+                      (*a, *b), whole))
+    return _judge_merge_pairs(mine, cases)
 
 
 CHECKS["merge"] = [
@@ -1189,8 +1601,8 @@ CHECKS["merge"] = [
           judge_merge_two),
     Check("(None, None) is the empty start: the first block comes back as it is", None, judge_merge_start),
     Check("four blocks folded in any order equal attention over all their keys", None, judge_merge_four),
-    Check("no overflow: with scores in the thousands (e^lse beyond float64) the merge stays finite and exact", None,
-          judge_merge_overflow),
+    Check("no overflow: scores in the thousands (float64) and hundreds (float32), e^lse beyond the dtype: finite, exact "
+          "to the dtype's rounding, in the blocks' dtype", None, judge_merge_overflow),
 ]
 BUGS["merge"] = [
     Bug("a sign", "return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
@@ -1202,9 +1614,39 @@ BUGS["merge"] = [
         "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
         "block_lse)\n", "    a, b = torch.exp(lse), torch.exp(block_lse)\n    return (a[..., None] * out + "
         "b[..., None] * block_out) / (a + b)[..., None], torch.log(a + b)\n",
-        r"scores up to .* out off by .* NaN or infinite", None),
+        r"float64 scores up to .* out off by .* NaN or infinite", None),
     Bug("lse' the larger of the two", "lse - F.logsigmoid(lse - block_lse)", "torch.maximum(lse, block_lse)",
         r"lse off by .* the larger of the two", None),
+    Bug("logsigmoid's sign flipped", "lse - F.logsigmoid(lse - block_lse)", "lse + F.logsigmoid(lse - block_lse)",
+        r"two blocks merged: lse off by .* logsigmoid's sign flipped", None),
+    Bug("the weight not broadcast over D", "torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
+        "torch.sigmoid(block_lse - lse) * (out - block_out)",
+        r"RuntimeError: two blocks merged: lse is \[B, H, c\] and out \[B, H, c, D\]: .*\[\.\.\., None\]", None),
+    Bug("no empty start", "ring-flash-attention).\"\"\"\n    if out is None:\n        return block_out, block_lse\n",
+        "ring-flash-attention).\"\"\"\n",
+        r"TypeError: the empty start: out and lse are None .*: return the block itself",
+        None),
+    Bug("the running terms cast to float64 (a float32 merge returns float64)",
+        "    return out - torch.sigmoid(", "    out, lse = out.double(), lse.double()\n    return out - torch.sigmoid(",
+        r"float32 scores up to .*: out in torch.float64 where the blocks are torch.float32", None),
+]
+VARIANTS["merge"] = [
+    Variant("in place: the running out and lse updated and returned",
+            "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
+            "block_lse)\n",
+            "    w = torch.sigmoid(block_lse - lse).unsqueeze(-1)\n    out.sub_(w * (out - block_out))\n"
+            "    lse.sub_(F.logsigmoid(lse - block_lse))\n    return out, lse\n"),
+    Variant("both shares written out, lse by logaddexp",
+            "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
+            "block_lse)\n",
+            "    mine = torch.sigmoid(lse - block_lse)[..., None]      # e^lse / (e^lse + e^lse_b)\n"
+            "    return mine * out + (1 - mine) * block_out, torch.logaddexp(lse, block_lse)\n"),
+    Variant("the running maximum subtracted (the online softmax)",
+            "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
+            "block_lse)\n",
+            "    m = torch.maximum(lse, block_lse)\n    a, b = torch.exp(lse - m), torch.exp(block_lse - m)\n"
+            "    new = (a[..., None] * out + b[..., None] * block_out) / (a + b)[..., None]\n"
+            "    return new, m + torch.log(a + b)\n"),
 ]
 
 
