@@ -124,9 +124,10 @@ def data_scales(P: int) -> list:
             (1 / P, f"1/{P} of the expected: divided by P once too often")] if P > 1 else []
 
 
-def slice_pattern(got, want, before, n, P, rank) -> str:
+def slice_pattern(got, want, before, n, P, rank, scales=()) -> str:
     """A flat buffer of P slices of n elements (rank r owns [r·n, (r+1)·n)) after a step, on rank `rank`: each slice
-    read on its update (got − before against want − before) — right, stale, another slice's update, or a pattern."""
+    read on its update (got − before against want − before) — right, stale, another slice's update, or a pattern
+    (scales: [(factor, explanation)] read before data_scales(P)'s)."""
     dg, dw = got - before, want - before
     moves = [bool(dw[j * n:(j + 1) * n].abs().max() > 0) for j in range(P)]
     parts = []
@@ -141,7 +142,7 @@ def slice_pattern(got, want, before, n, P, rank) -> str:
         elif moves[j] and g.abs().max() == 0:
             parts.append("stale")
         else:
-            parts.append(pattern(g, w, data_scales(P)))
+            parts.append(pattern(g, w, list(scales) + data_scales(P)))
     if P > 1 and parts[rank] == "ok" and all(p == "stale" for j, p in enumerate(parts) if j != rank):
         return (f"only this rank's slice [{rank * n}, {(rank + 1) * n}) was updated, the other ranks' slices are as "
                 f"before the step: their new values never arrived (the all-gather after the step is missing)")

@@ -28,6 +28,7 @@ import functools
 import itertools
 import math
 import re
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -94,8 +95,8 @@ VARIANTS: dict[str, list[Variant]] = {}
 
 @contextlib.contextmanager
 def explained(*rules, prefix=""):
-    """An error raised inside, said with its case (prefix) and, where a rule's pattern matches its message, the
-    likely cause first — re-raised with its own traceback, so the grader still names the learner's line. A mismatch
+    """An error raised inside, said with its case (prefix) and, where a rule (pattern, cause[, a function the
+    traceback must pass through]) matches its message, the likely cause first — re-raised with its own traceback, so the grader still names the learner's line. A mismatch
     the watch found, and the blank's NotImplementedError, pass unchanged."""
     try:
         yield
@@ -103,7 +104,9 @@ def explained(*rules, prefix=""):
         raise
     except (RuntimeError, TypeError, AttributeError, ValueError, IndexError) as e:
         msg = (str(e).strip().splitlines() or [""])[0]
-        why = next((cause for pat, cause in rules if re.search(pat, msg)), "")
+        frames = {f.name for f in traceback.extract_tb(e.__traceback__)}
+        why = next((rule[1] for rule in rules if re.search(rule[0], msg) and (len(rule) < 3 or rule[2] in frames)),
+                   "")
         text = f"{prefix}{why}: {msg}" if why else f"{prefix}{msg}"
         try:
             new = type(e)(text)
@@ -177,9 +180,10 @@ def _grads(model):
 
 
 @functools.cache
-def one_process(seed=0, steps=2, cfg="tiny", B=B, S=S, m=1):
+def one_process(seed=0, steps=2, cfg="tiny", B=B, S=S, m=1, frozen=()):
     """THE single-process run (lab.baseline.single_process, with SGD): states [before, after step 1, ...], each
-    step's gradients, losses. m > 1: a batch's loss is the mean of its m micro-batches' means (a pipeline's)."""
+    step's gradients, losses. m > 1: a batch's loss is the mean of its m micro-batches' means (a pipeline's);
+    frozen: names of parameters with requires_grad False."""
     from lab.baseline import single_process, snapshot
     from lab.model import build_model
     batches = [_batch(s, B, S, seed) for s in range(steps)]
@@ -187,6 +191,8 @@ def one_process(seed=0, steps=2, cfg="tiny", B=B, S=S, m=1):
     def loss_fn(model, batch):
         return sum(model(a, b) for a, b in zip(batch[0].chunk(m), batch[1].chunk(m))) / m
     model = build_model(cfg, seed=0, dtype=F64)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
     states, out = [snapshot(model)], None
     for k in range(1, steps + 1):   # (the loop returns the last state: one call per prefix of the batches)
         out = single_process(model, batches[:k], lr=LR, optimizer=SGD, loss_fn=loss_fn, keep_grads=True)
@@ -908,45 +914,75 @@ VARIANTS["bucket"] = [
 
 
 # ---- 2. fsdp: zero_step (fsdp.py: zero_step) -------------------------------------------------------------------------
-# One FlatParameter per module of the tiny float64 model, SGD over the shards for 2 steps on 1, 2 and 4 ranks, at
-# stage 2 and at stage 3 (buffers freed between uses): equal to one process after each step on every rank (the
-# slice that is wrong named); one reduce-scatter and one all-gather of 8Ψ bytes per unit, no all-reduce; after the
-# step gradients on the slices only (Ψ/P elements). The training run serves gather_when_used too.
+# Where the course calls it: the lesson's core on FlatParameters (ZeroOptimizer and train.py run the same three moves
+# unit by unit), at stage 2 (buffers whole between steps) and stage 3 (buffers freed between uses: the next use
+# gathers); on a group that is the world, or a shard group inside a larger mesh (HSDP's dp_shard, train.py's
+# dp_shard_cp: f.rank and f.group_size are the group's, not the world's); with frozen parameters, whose gradient
+# is None (packed as zeros). Graded:
+#   - after the step only the slices hold gradients: Ψ/P elements, none on the whole parameters (stage 2), and at
+#     stage 3 nothing gathered at rest — first, as a gradient left behind also spoils the next step;
+#   - stages 2 and 3 equal to one process in float64 after each of 2 SGD steps, on every rank (the slice that is
+#     wrong named);
+#   - inside a larger mesh on 4 ranks: Mesh(dp_replicate=2, dp_shard=2)'s shard groups [0, 1] and [2, 3], each on
+#     its own data, with a frozen parameter: equal to one process on that group's data (the same frozen);
+#   - per rank and step: stage 2 one reduce-scatter and one all-gather of 8Ψ per unit, no all-reduce; stage 3 the
+#     reduce-scatter alone (no all-gather into a freed buffer). The training run serves gather_when_used too.
 
 def _units(model):
     return [("tok_embeddings", model.tok_embeddings)] + [(f"layers.{i}", m) for i, m in enumerate(model.layers)] + \
         [("norm", model.norm), ("output", model.output)]
 
 
-def _zero_train(P, stage):
-    """fsdp's core on the tiny float64 model, one FlatParameter per module, SGD over the shards, 2 steps."""
+ZERO_ERRORS = [(r"setStorage|storage of size 0|numel\(\) == 0|Trying to resize storage|size 0",
+                "a freed buffer used (stage 3: f.buf has no bytes between uses): all-gather only into a gathered "
+                "buffer — the next use gathers a freed one"),
+               (r"'NoneType' object has no attribute", "a parameter without a gradient (frozen, or unused here): pack "
+                "zeros for it (f.pack does), every rank hands over the same sizes")]
+ZERO_FROZEN = ("layers.0.attn.wq.weight",)
+_STORAGE = r"setStorage|storage of size 0|numel\(\) == 0|Trying to resize storage"
+GATHER_ERRORS = [(_STORAGE, "all-gathered into a freed buffer: flat.unshard() gives flat.buf its bytes back, then "
+                  "gathers", "all_gather"),
+                 (_STORAGE, "a unit's parameters read while its buffer is freed: gather right BEFORE its forward and "
+                  "before its backward (the pre-hooks), free right AFTER each")]
+
+
+def _zero_train(P, stage, mesh=None):
+    """fsdp's core on the tiny float64 model, one FlatParameter per module, SGD over the shards, 2 steps; with a Mesh,
+    over its dp_shard group on the data of its replica, a parameter frozen."""
     from fsdp import FlatParameter, gather_when_used, zero_step
     from lab.model import build_model
     model = build_model("tiny", seed=0, dtype=F64)
+    frozen = ZERO_FROZEN if mesh is not None else ()
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
+    group = mesh.group("dp_shard") if mesh is not None else None
+    seed = mesh.coords["dp_replicate"] if mesh is not None else 0
     units = _units(model)
-    flats = [FlatParameter(m.parameters()) for _, m in units]
+    flats = [FlatParameter(m.parameters(), group) for _, m in units]
     opt = _sgd([f.shard for f in flats])
-    gathered = [0]
+    gathered = [0, 0]   # the most units whole at once in forward, in backward
     if stage == 3:
         for (_, m), f in zip(units, flats):
             gather_when_used(m, f)
             f.free()
         _watch_gathered(units, flats, gathered)
     out = dict(flats=[], names=[[f"{u}.{n}" for n, _ in m.named_parameters()] for u, m in units],
-               labels=[u for u, _ in units],
+               labels=[u for u, _ in units], seed=seed, frozen=frozen, G=flats[0].group_size, stage=stage,
                N=[f.flat_numel for f in flats], n=[f.shard_numel for f in flats])
+    batch = functools.partial(_batch, seed=seed, rank=flats[0].rank, size=flats[0].group_size)
     for s in range(2):
         with Count() as c:
-            model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
+            with explained(*GATHER_ERRORS):
+                model(*batch(s)).backward()
             if s == 0:
-                out["peak_forward"] = gathered[0]
-            with Count() as step:
+                out["peak_forward"], out["peak_backward"] = gathered
+            with Count() as step, explained(*ZERO_ERRORS):
                 zero_step(flats, opt)
         if s == 0:
             out.update(comm=step.summary(), comm_all=c.summary(),
                        full_grads=sum(p.grad.numel() for f in flats for p in f.params if p.grad is not None),
-                       shard_grads=sum(f.shard.grad.numel() for f in flats if f.shard.grad is not None))
-        out["at_rest"] = sum(f.buf.untyped_storage().nbytes() for f in flats)
+                       shard_grads=sum(f.shard.grad.numel() for f in flats if f.shard.grad is not None),
+                       at_rest=sum(f.buf.untyped_storage().nbytes() for f in flats))
         for f in flats:
             f.shard.grad = None
         if stage == 3:
@@ -956,17 +992,24 @@ def _zero_train(P, stage):
         if stage == 3:
             for f in flats:
                 f.free()
+            if s == 0:   # an evaluation between steps: forward hooks, no backward
+                with torch.no_grad(), explained(*GATHER_ERRORS):
+                    model(*batch(1))
+                out["after_eval"] = sum(f.buf.untyped_storage().nbytes() for f in flats)
     return out
 
 
 def _watch_gathered(units, flats, gathered):
-    """Hooks registered AFTER gather_when_used's, so they run after its gather and its free: in forward, the most
-    units holding their whole buffer at once."""
-    def after(*_):
-        gathered[0] = max(gathered[0], sum(f.buf.untyped_storage().size() > 0 for f in flats))
+    """Hooks registered AFTER gather_when_used's, so they run after its gather and its free: in forward and in
+    backward, the most units holding their whole buffer at once."""
+    def after(i, *_):
+        if i == 1 or torch.is_grad_enabled():   # (not an evaluation's forward)
+            gathered[i] = max(gathered[i], sum(f.buf.untyped_storage().size() > 0 for f in flats))
     for _, m in units:
-        m.register_forward_pre_hook(after)
-        m.register_forward_hook(after)
+        m.register_forward_pre_hook(functools.partial(after, 0))
+        m.register_forward_hook(functools.partial(after, 0))
+        m.register_full_backward_pre_hook(functools.partial(after, 1))
+        m.register_full_backward_hook(functools.partial(after, 1))
 
 
 def run_zero2(P):
@@ -977,9 +1020,14 @@ def run_zero3(P):
     return _zero_train(P, 3)
 
 
-def _ref_flats(names, N, step):
+def run_zero_mesh(P):
+    from mesh import Mesh
+    return _zero_train(P, 2, Mesh(dp_replicate=2, dp_shard=2))
+
+
+def _ref_flats(names, N, step, seed=0, frozen=()):
     """The one-process parameters after `step` steps as the units' flat buffers (zero padding to N)."""
-    state = one_process(steps=2, B=B)[0][step]
+    state = one_process(seed, steps=2, B=B, frozen=frozen)[0][step]
     out = []
     for ns, n in zip(names, N):
         v = torch.cat([state[k].flatten() for k in ns])
@@ -990,18 +1038,24 @@ def _ref_flats(names, N, step):
 def judge_zero_equal(P, res):
     for s in range(2):
         for r, x in enumerate(res):
-            want, before = _ref_flats(x["names"], x["N"], s + 1), _ref_flats(x["names"], x["N"], s)
+            ref = functools.partial(_ref_flats, x["names"], x["N"], seed=x["seed"], frozen=x["frozen"])
+            want, before = ref(s + 1), ref(s)
             failing = [u for u, (got, w) in enumerate(zip(x["flats"][s], want)) if not close(got, w)]
             if not failing:
                 continue
             # read the pattern on a unit whose every slice changes (the embedding's rows of unused bytes do not)
-            n_ = x["n"]
+            n_, G = x["n"], x["G"]
             whole = [u for u in failing if all((want[u] - before[u])[j * n_[u]:(j + 1) * n_[u]].abs().max() > 0
-                                               for j in range(P))]
+                                               for j in range(G))]
             u = (whole or failing)[0]
             got, w, b0 = x["flats"][s][u], want[u], before[u]
-            return [f"rank {r}, unit {u} ({x['labels'][u]}), step {s + 1}: off by {(got - w).abs().max().item():.2e} "
-                    f"— {slice_pattern(got, w, b0, n_[u], P, r)}"] + (
+            scales = [(G / P, f"{G}/{P} of the expected: divided by the world's size {P}, not the group's {G} "
+                       f"(f.group_size)")] if G != P else []
+            scales += [(k, f"{k}× the expected update: the optimizer stepped {k} times — once per unit? step once, "
+                        f"after every unit's gradient is reduced") for k in range(2, len(x["N"]) + 1) if k != G]
+            where = f" of group {r // G * G}..{r // G * G + G - 1}" if G != P else ""
+            return [f"rank {r}{where}, unit {u} ({x['labels'][u]}), step {s + 1}: off by "
+                    f"{(got - w).abs().max().item():.2e} — {slice_pattern(got, w, b0, n_[u], G, r % G, scales)}"] + (
                 [f"{len(failing)} of {len(want)} units differ on rank {r}"] if len(failing) > 1 else [])
     return []
 
@@ -1020,9 +1074,13 @@ def judge_zero_bytes(P, res):
                          f"where a reduce-scatter belongs")
         if not lines and ar["calls"]:
             lines = [f"rank {r}: no all-reduce expected in ZeRO's step, measured {ar['calls']} of {ar['bytes']:,} bytes"]
-        lines = lines or formula_line(f"rank {r}: all-gathers after the step (8Ψ bytes, one per unit: stage 2)",
-                                      (units, 8 * N), (ag["calls"], ag["bytes"]),
-                                      "every rank needs every new slice before the next forward")
+        if x["stage"] == 2:
+            lines = lines or formula_line(f"rank {r}: all-gathers after the step (8Ψ bytes, one per unit: stage 2)",
+                                          (units, 8 * N), (ag["calls"], ag["bytes"]),
+                                          "every rank needs every new slice before the next forward")
+        else:
+            lines = lines or formula_line(f"rank {r}: all-gathers in the step at stage 3 (none: a freed unit is "
+                                          f"gathered by its next use)", (0, 0), (ag["calls"], ag["bytes"]))
         if lines:
             return lines
     return []
@@ -1032,21 +1090,31 @@ def judge_zero_memory(P, res):
     for r, x in enumerate(res):
         n = sum(x["n"])
         if x["full_grads"] or x["shard_grads"] != n:
-            return [f"rank {r}: after the step, gradients held: whole parameters {x['full_grads']:,} elements "
-                    f"(expected 0: set p.grad = None), slices {x['shard_grads']:,} (expected Ψ/P = {n:,})"]
+            return [f"rank {r}, stage {x['stage']}: after the step, gradients held: whole parameters "
+                    f"{x['full_grads']:,} elements (expected 0: set p.grad = None), slices {x['shard_grads']:,} "
+                    f"(expected Ψ/P = {n:,})"]
+        if x["stage"] == 3 and x["at_rest"]:
+            return [f"rank {r}, stage 3: after the step the flat buffers hold {x['at_rest']:,} bytes, expected 0: a "
+                    f"freed unit stays freed until its next use"]
     return []
 
 
 CHECKS["zero_step"] = [
+    Check("after the step only the slices hold gradients: Ψ/P elements, none on the whole parameters (stage 2); at "
+          "stage 3 nothing gathered at rest", run_zero2, judge_zero_memory),
     Check("stage 2: equal to one process in float64 after each of 2 SGD steps, on every rank (one FlatParameter per "
           "module)", run_zero2, judge_zero_equal),
-    Check("stage 3 (buffers freed between uses): equal to one process after each of 2 steps", run_zero3,
-          judge_zero_equal),
+    Check("stage 3 (buffers freed between uses): equal to one process after each of 2 steps, nothing gathered at "
+          "rest", run_zero3, judge_zero_equal),
+    Check("inside a larger mesh: Mesh(dp_replicate=2, dp_shard=2)'s shard groups [0, 1] and [2, 3], each on its own "
+          "data, a parameter frozen: equal to one process on that group's data", run_zero_mesh, judge_zero_equal,
+          worlds=(4,)),
     Check("per step one reduce-scatter of 8Ψ bytes and one all-gather of 8Ψ per unit after the step, no all-reduce "
-          "(ZeRO §7: 2Ψ elements)", run_zero2, judge_zero_bytes, worlds=(2, 4)),
-    Check("after the step only the slices hold gradients: Ψ/P elements, none on the whole parameters", run_zero2,
-          judge_zero_memory),
+          "(ZeRO §7: 2Ψ elements); stage 3: the reduce-scatter alone", run_zero2, judge_zero_bytes, worlds=(2, 4)),
+    Check("stage 3's step: the reduce-scatter alone, no all-gather (the next use gathers), 0 bytes at rest", run_zero3,
+          judge_zero_bytes, worlds=(2, 4)),
 ]
+_ZERO_GATHER = "        if f.buf.untyped_storage().size():\n            f.all_gather()\n"
 BUGS["zero_step"] = [
     Bug("forgot to divide by P", "        f.shard.grad.div_(f.group_size)               # gloo has no "
         "ReduceOp.AVG: sum, then divide\n", "", r"unit 1 \(layers.0\), step 1: .* every slice: 2× the expected"),
@@ -1059,16 +1127,60 @@ BUGS["zero_step"] = [
         "g = f.pack(f.shard.dtype)\n        dist.all_reduce(g, group=f.group)\n        r = (f.rank + 1) % "
         "f.group_size\n        f.shard.grad = g[r * f.shard_numel:(r + 1) * f.shard_numel].clone()",
         r"rank 0, unit 1 \(layers.0\), step 1: .* got the update of slice 1: the wrong shard"),
-    Bug("no all-gather after the step", "        if f.buf.untyped_storage().size():\n            f.all_gather()\n",
-        "        pass\n", r"rank 0, unit 1 \(layers.0\), step 1: .* no slice changed, this rank's own neither: .*the "
+    Bug("no all-gather after the step", _ZERO_GATHER, "        pass\n",
+        r"rank 0, unit 1 \(layers.0\), step 1: .* no slice changed, this rank's own neither: .*the "
         r"all-gather after the step is missing"),
+    Bug("always all-gathered, a freed buffer too", _ZERO_GATHER, "        f.all_gather()\n",
+        r"RuntimeError: a freed buffer used \(stage 3: f.buf has no bytes between uses\)"),
+    Bug("divided by the world's size, not the group's", "f.shard.grad.div_(f.group_size)",
+        "f.shard.grad.div_(dist.get_world_size())", r"rank 0 of group 0..1, unit 1 \(layers.0\), step 1: .* every "
+        r"slice: 2/4 of the expected: divided by the world's size 4, not the group's 2", 4),
+    Bug("the whole parameters' gradients kept", "        for p in f.params:\n            p.grad = None              "
+        "                # stages 2-3 keep only the reduced slice\n", "",
+        r"rank 0, stage 2: after the step, gradients held: whole parameters [\d,]+ elements \(expected 0: set p.grad "
+        r"= None\)"),
+    Bug("the optimizer stepped inside the loop, once per unit", "            p.grad = None                              "
+        "# stages 2-3 keep only the reduced slice\n    optimizer.step()\n",
+        "            p.grad = None\n        optimizer.step()\n",
+        r"rank 0, unit \d \(.*\), step 1: .* \d× the expected update: the optimizer stepped \d times — once per unit\?"),
+    Bug("a pack of its own, which skips no parameter", "f.reduce_scatter(f.pack(f.shard.dtype))",
+        "f.reduce_scatter(torch.cat([p.grad.reshape(-1) for p in f.params]\n            + [f.buf.new_zeros("
+        "f.flat_numel - sum(f.numels))]))", r"AttributeError: a parameter without a gradient \(frozen, or unused here\): "
+        r"pack zeros for it", 4),
+]
+VARIANTS["zero_step"] = [
+    Variant("every reduce-scatter launched, then every one waited for; the gathers likewise", (
+        "    for f in flats:\n        f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))\n"
+        "        f.shard.grad.div_(f.group_size)               # gloo has no ReduceOp.AVG: sum, then divide\n"
+        "        for p in f.params:\n            p.grad = None                              # stages 2-3 keep only "
+        "the reduced slice\n    optimizer.step()\n" + "    for f in flats:\n" + _ZERO_GATHER),
+        "    pending = []\n    for f in flats:\n        g = f.pack(f.shard.dtype)\n        for p in f.params:\n"
+        "            p.grad = None\n        pending.append((f, *f.reduce_scatter(g, async_op=True)))\n"
+        "    for f, mine, work in pending:\n        work.wait()\n        f.shard.grad = mine / f.group_size\n"
+        "    optimizer.step()\n    works = [f.all_gather(async_op=True) for f in flats if "
+        "f.buf.untyped_storage().size() > 0]\n    for work in works:\n        work.wait()\n"),
+    Variant("the collectives called directly, each gradient divided before it is summed", (
+        "    for f in flats:\n        f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))\n"
+        "        f.shard.grad.div_(f.group_size)               # gloo has no ReduceOp.AVG: sum, then divide\n"
+        "        for p in f.params:\n            p.grad = None                              # stages 2-3 keep only "
+        "the reduced slice\n    optimizer.step()\n" + "    for f in flats:\n" + _ZERO_GATHER),
+        "    for f in flats:\n        g = f.pack(f.shard.dtype).div_(f.group_size)\n"
+        "        out = g.new_empty(f.shard_numel)\n        reduce_scatter_single(out, g, group=f.group)\n"
+        "        f.shard.grad = out\n        for p in f.params:\n            p.grad = None\n    optimizer.step()\n"
+        "    for f in flats:\n        if f.buf.untyped_storage().size() > 0:\n"
+        "            all_gather_single(f.buf, f.shard.detach(), group=f.group)\n"),
 ]
 
 
 # ---- 2. fsdp: gather_when_used (fsdp.py: gather_when_used) -----------------------------------------------------------
-# Stage 3 with gather_when_used's hooks (zero_step's run) on 1, 2 and 4 ranks: equal to one process after each of 2
-# steps; each unit all-gathered before its forward and before its backward (2·8Ψ bytes per step); one unit whole at
-# a time in forward, nothing gathered at rest.
+# Where the course calls it: the lesson's stage 3 on each unit of a model (section 4's hooks do the same with
+# prefetching for real training): a unit whose inputs need no gradient (the token embedding: its full backward hook
+# fires as soon as its output's gradient arrives), forwards under no_grad between steps (an evaluation: forward hooks
+# run, no backward). Graded on zero_step's stage-3 run with an evaluation forward added:
+#   - stage 3 equal to one process in float64 after each of 2 SGD steps, on every rank;
+#   - a unit whole only while it runs: one unit gathered at a time in forward and in backward, nothing at rest after
+#     the step, nor after an evaluation forward;
+#   - per rank and step each unit all-gathered twice, before its forward and before its backward: 2·8Ψ bytes.
 
 def run_gather(P):
     return _zero_train(P, 3)
@@ -1079,7 +1191,10 @@ def judge_gather_bytes(P, res):
         N, units = sum(x["N"]), len(x["N"])
         ag = x["comm_all"].get("all_gather", dict(calls=0, bytes=0))
         lines = formula_line(f"rank {r}: all-gathers per step (each unit before its forward and before its backward: "
-                             f"2·8Ψ bytes)", (2 * units, 2 * 8 * N), (ag["calls"], ag["bytes"]))
+                             f"2·8Ψ bytes)", (2 * units, 2 * 8 * N), (ag["calls"], ag["bytes"]),
+                             "more: a unit gathered again while gathered — hooks on its submodules too "
+                             "(module.modules()), or a gather where a free belongs" if ag["calls"] > 2 * units else
+                             "fewer: a unit not gathered before its forward or before its backward")
         if lines:
             return lines
     return []
@@ -1087,71 +1202,145 @@ def judge_gather_bytes(P, res):
 
 def judge_gather_memory(P, res):
     for r, x in enumerate(res):
-        if x["peak_forward"] != 1:
-            return [f"rank {r}: in forward, up to {x['peak_forward']} units held their whole buffer at once; expected 1 "
-                    f"(free a unit right after its forward)"]
+        for when in ("forward", "backward"):
+            if x[f"peak_{when}"] != 1:
+                return [f"rank {r}: in {when}, up to {x[f'peak_{when}']} units held their whole buffer at once; "
+                        f"expected 1 (free a unit right after its {when})"]
         if x["at_rest"]:
             return [f"rank {r}: after the step the flat buffers hold {x['at_rest']:,} bytes, expected 0 (free each "
                     f"unit right after its backward)"]
+        if x["after_eval"]:
+            return [f"rank {r}: after an evaluation's forward (under torch.no_grad, no backward) the flat buffers "
+                    f"hold {x['after_eval']:,} bytes, expected 0: free a unit after its forward whatever follows"]
     return []
 
 
 CHECKS["gather_when_used"] = [
     Check("stage 3 equal to one process in float64 after each of 2 SGD steps, on every rank", run_gather,
           judge_zero_equal),
+    Check("a unit whole only while it runs: one unit gathered at a time in forward and in backward, 0 bytes gathered "
+          "at rest after the step and after an evaluation's forward", run_gather, judge_gather_memory),
     Check("per step each unit all-gathered twice, before its forward and before its backward: 2·8Ψ bytes (ZeRO §7's "
           "3Ψ with the reduce-scatter)", run_gather, judge_gather_bytes, worlds=(2, 4)),
-    Check("a unit whole only while it runs: one unit gathered at a time in forward, 0 bytes gathered at rest",
-          run_gather, judge_gather_memory),
 ]
+_HOOKS = ("    module.register_forward_pre_hook(gather)\n    module.register_forward_hook(free)\n"
+          "    module.register_full_backward_pre_hook(gather)\n    module.register_full_backward_hook(free)\n")
 BUGS["gather_when_used"] = [
     Bug("never freed after forward", "    module.register_forward_hook(free)\n", "",
         r"rank 0: in forward, up to 5 units held their whole buffer at once; expected 1", 1),
     Bug("not gathered before backward", "    module.register_full_backward_pre_hook(gather)\n", "",
         r"every rank: RuntimeError: .*"),
     Bug("never freed after backward", "    module.register_full_backward_hook(free)\n", "",
-        r"all-gathers per step .* expected \(10, .*\), measured \(15, "),
+        r"rank 0: in backward, up to [2-5] units held their whole buffer at once; expected 1 \(free a unit right after "
+        r"its backward\)"),
+    Bug("gathered after the forward, not before", "module.register_forward_pre_hook(gather)",
+        "module.register_forward_hook(gather)", r"every rank: RuntimeError: a unit's parameters read while its buffer is "
+        r"freed: gather right BEFORE its forward"),
+    Bug("all_gather() where unshard() belongs", "        flat.unshard()\n", "        flat.all_gather()\n",
+        r"every rank: RuntimeError: all-gathered into a freed buffer: flat.unshard\(\) gives flat.buf its bytes back"),
+    Bug("the hooks on every submodule too", _HOOKS, "    for m in module.modules():\n" + _HOOKS.replace(
+        "    module.", "        m."), r"all-gathers per step .* expected \(10, .*\), measured \(\d\d+, .* hooks on its "
+        r"submodules too"),
+]
+VARIANTS["gather_when_used"] = [
+    Variant("one loop over (register, action) pairs, lambdas that return None", "    def gather(*_):\n"
+            "        flat.unshard()\n\n    def free(*_):\n        flat.free()\n" + _HOOKS,
+            "    for register, act in ((module.register_forward_pre_hook, flat.unshard),\n"
+            "                          (module.register_forward_hook, flat.free),\n"
+            "                          (module.register_full_backward_pre_hook, flat.unshard),\n"
+            "                          (module.register_full_backward_hook, flat.free)):\n"
+            "        register(lambda *_, act=act: act() and None)   # a hook's return value would replace its input\n"),
+    Variant("the backward hooks first; gather only when freed; free by resizing the storage", "    def gather(*_):\n"
+            "        flat.unshard()\n\n    def free(*_):\n        flat.free()\n" + _HOOKS,
+            "    def gather(*_):\n        if flat.buf.untyped_storage().size() == 0:\n            flat.unshard()\n\n"
+            "    def free(*_):\n        flat.buf.untyped_storage().resize_(0)\n"
+            "    module.register_full_backward_pre_hook(gather)\n    module.register_full_backward_hook(free)\n"
+            "    module.register_forward_pre_hook(gather)\n    module.register_forward_hook(free)\n"),
 ]
 
 
 # ---- 3. hsdp: across_replicas (hsdp.py: across_replicas) -------------------------------------------------------------
-# shard_hybrid on Mesh(dp_replicate=2, dp_shard=P/2) for 2 SGD steps, 2 replicas × 1 shard on 2 ranks and 2 × 2 on
-# 4: equal to one process after each step on every rank; across replicas only the reduced shards and the
-# used-flags, 8Ψ/S + 4k bytes all-reduced over the replicate group.
+# Where the course calls it: hsdp.shard_hybrid hands it to fsdp's after_reduce seam, which calls it on every reduced
+# gradient shard (in the master's dtype: fp32 under bf16 compute, float64 here) and on the used-flags (int32), in
+# place, the sum then divided by S·R — at stage 3 (the lesson's HSDP) and at stages 1-2 (train.py's --zero-stage
+# with dp_replicate > 1, over dp_shard_cp); a parameter that only another replica's data reaches gets its gradient
+# through the flags. Graded on Mesh(dp_replicate=2, dp_shard=P/2): 2 replicas × 1 shard on 2 ranks, 2 × 2 on 4, the
+# tiny float64 model inside a wrapper whose extra parameter only replica 0's loss uses:
+#   - per rank: across replicas only the reduced shards and the flags cross, 8Ψ/S + 4k bytes all-reduced over the
+#     replicate group, nothing else crosses (first: a missing or misplaced sum is named by where it went);
+#   - stage 3 and stage 2 equal to one process after each of 2 SGD steps, on every rank, the extra parameter
+#     included (stepped on every replica).
+
+R_EXTRA = 0.1   # replica 0's loss adds R_EXTRA·Σ extra²
+
+
+class _ReplicaExtra(torch.nn.Module):
+    """The tiny model, and a parameter `extra` that only the ranks of replica 0 use."""
+
+    def __init__(self, uses: bool):
+        super().__init__()
+        from lab.model import build_model
+        self.model, self.uses = build_model("tiny", seed=0, dtype=F64), uses
+        self.extra = torch.nn.Parameter(torch.arange(1.0, 5.0, dtype=F64))
+
+    def forward(self, x, y):
+        loss = self.model(x, y)
+        return loss + R_EXTRA * (self.extra ** 2).sum() if self.uses else loss
+
 
 def run_hsdp(P):
-    from hsdp import shard_hybrid
-    from lab.model import build_model
+    import hsdp
     from mesh import Mesh
     mesh = Mesh(dp_replicate=2, dp_shard=P // 2)
-    model = build_model("tiny", seed=0, dtype=F64)
-    opt = shard_hybrid(model, mesh, optimizer_cls=SGD, lr=LR)
-    out = dict(states=[], rep=mesh.ranks("dp_replicate"), shard=mesh.ranks("dp_shard"), S=P // 2,
-               numel=sum(u.flat_numel for u in opt.units), k=sum(len(u.params) for u in opt.units))
-    for s in range(2):
-        with Count() as c:
-            model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
-            opt.step()
-        opt.zero_grad()
-        if s == 0:
-            out["events"] = [(e["op"], tuple(e["group"]), e["bytes"]) for e in c.events]
-        out["states"].append(opt.full_state_dict())
+    out = dict(rep=mesh.ranks("dp_replicate"), shard=mesh.ranks("dp_shard"), S=P // 2,
+               returned=callable(hsdp.across_replicas(mesh.group("dp_replicate"))))
+    for stage in (3, 2):
+        model = _ReplicaExtra(uses=mesh.coords["dp_replicate"] == 0)
+        opt = hsdp.shard_hybrid(model, mesh, stage=stage, optimizer_cls=SGD, lr=LR)
+        states = []
+        for s in range(2):
+            with Count() as c:
+                model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
+                opt.step()
+            opt.zero_grad()
+            if s == 0 and stage == 3:
+                out.update(events=[(e["op"], tuple(e["group"]), e["bytes"], e["dtype"]) for e in c.events],
+                           numel=sum(u.flat_numel for u in opt.units), k=sum(len(u.params) for u in opt.units))
+            states.append({k.removeprefix("model."): v for k, v in opt.full_state_dict().items()})
+        out[stage] = states
     return out
 
 
-def judge_hsdp_equal(P, res):
+def _extra_after(step):
+    """extra after `step` SGD steps: only replica 0's S ranks add 2·R_EXTRA·extra, divided by S·R = 2S."""
+    return torch.arange(1.0, 5.0, dtype=F64) * (1 - LR * 2 * R_EXTRA / 2) ** step
+
+
+def judge_hsdp_equal(P, res, stage=3):
     R = 2
+    crossed = [sum(b for op, g, b, _ in x["events"] if g == tuple(x["rep"]) and op == "all_reduce") for x in res]
     for s in range(2):
-        lines = compare_named(P, [dict(x={k: v for k, v in r_["states"][s].items() if k in one_process()[0][0]})
-                                  for r_ in res], "x",
-                              lambda r, n: one_process()[0][s + 1][n], what=f" (parameter after step {s + 1})",
-                              before_of=lambda r, n: one_process()[0][s][n],
+        def want(r, n):
+            return _extra_after(s + 1) if n == "extra" else one_process()[0][s + 1][n]
+
+        def before(r, n):
+            return _extra_after(s) if n == "extra" else one_process()[0][s][n]
+
+        def cands(r, n):
+            if n == "extra":
+                return [("unchanged: not stepped on this replica — the used-flags were not summed across replicas, so "
+                         "a parameter only another replica's data reached has no gradient here (the flags, int32, "
+                         "take the same road)", before(r, n))]
+            never = ("the shards were never summed across the replicas" if not crossed[r] else
+                     "the sum crossed the replicas but never reached t: all-reduce t itself, in place (the seam "
+                     "ignores a return value)")
+            return [(f"this replica's own gradient ÷ {R}: {never}", _replica_alone(P, r)[n])] if s == 0 else []
+        lines = compare_named(P, [dict(x=r_[stage][s]) for r_ in res], "x", want,
+                              what=f" (stage {stage}, parameter after step {s + 1})", before_of=before,
                               scales=[(1 / R, f"1/{R} of the expected update: divided by R once too often "
                                        f"(shard_hybrid divides the sum by S·R afterwards)"),
                                       (R, f"{R}× the expected update: summed across replicas twice")],
-                              candidates_of=(lambda r, n: [(f"this replica's own gradient ÷ {R}: the shards were never "
-                                                            f"summed across the replicas", _replica_alone(P, r)[n])])
-                              if s == 0 else None)
+                              candidates_of=cands)
         if lines:
             return lines
     return []
@@ -1173,51 +1362,90 @@ def _replica_alone(P, rank):
 def judge_hsdp_bytes(P, res):
     for r, x in enumerate(res):
         rep, shard = tuple(x["rep"]), tuple(x["shard"])
-        other = sorted({(op, g) for op, g, _ in x["events"] if g not in (rep, shard) and len(g) > 1})
+        other = sorted({(op, g) for op, g, _, _ in x["events"] if g not in (rep, shard) and len(g) > 1})
         if other:
             op, g = other[0]
             return [f"rank {r}: a {op} over ranks {list(g)}: only the shard group {list(shard)} and the replicate group "
                     f"{list(rep)} may talk (across replicas, the replicate group alone)"]
-        got = sum(b for op, g, b in x["events"] if g == rep and op == "all_reduce")
+        got = sum(b for op, g, b, _ in x["events"] if g == rep and op == "all_reduce")
+        flags = sum(b for op, g, b, d in x["events"] if g == rep and op == "all_reduce" and d == "int32")
         want = 8 * x["numel"] // x["S"] + 4 * x["k"]
-        crossing = [op for op, g, _ in x["events"] if g == rep and op != "all_reduce"]
+        crossing = [op for op, g, _, _ in x["events"] if g == rep and op != "all_reduce"]
         if crossing:
             return [f"rank {r}: a {crossing[0]} across replicas: only the reduced shards and the flags cross them"]
+        why = ("across_replicas returned None: return the function the seam calls (a closure over "
+               "replicate_group)" if not x["returned"] else
+               "nothing crossed: the shards were not summed across replicas" if got == 0 else
+               f"the used-flags (int32, 4k = {4 * x['k']} bytes) did not cross: they take the same road as the "
+               f"shards — sum them too" if got == want - 4 * x["k"] and not flags else "")
         lines = formula_line(f"rank {r}: all-reduce bytes across replicas {list(rep)} per step (the reduced shards "
-                             f"8Ψ/S + the used-flags 4k)", want, got,
-                             "nothing crossed: the shards were not summed across replicas" if got == 0 else "")
+                             f"8Ψ/S + the used-flags 4k)", want, got, why)
         if lines:
             return lines
     return []
 
 
 CHECKS["across_replicas"] = [
-    Check("HSDP equal to one process in float64 after each of 2 SGD steps, on every rank: 2 replicas × 1 shard "
-          "(2 ranks), 2 × 2 (4 ranks)", run_hsdp, judge_hsdp_equal, worlds=(2, 4)),
     Check("across replicas only the reduced shards and the used-flags: 8Ψ/S + 4k bytes all-reduced over the "
           "replicate group per step, nothing else crosses", run_hsdp, judge_hsdp_bytes, worlds=(2, 4)),
+    Check("HSDP at stage 3 equal to one process in float64 after each of 2 SGD steps, on every rank: 2 replicas × 1 "
+          "shard (2 ranks), 2 × 2 (4 ranks), a parameter only replica 0 uses", run_hsdp, judge_hsdp_equal,
+          worlds=(2, 4)),
+    Check("the same at stage 2 (train.py's --zero-stage 2 with dp_replicate > 1)", run_hsdp,
+          functools.partial(judge_hsdp_equal, stage=2), worlds=(2, 4)),
 ]
+_ACROSS = "        dist.all_reduce(t, group=replicate_group)\n"
 BUGS["across_replicas"] = [
-    Bug("forgot the all-reduce", "        dist.all_reduce(t, group=replicate_group)\n", "        pass\n",
-        r"rank 0, .*: off by .* this replica's own gradient ÷ 2: the shards were never summed across the replicas"),
+    Bug("forgot the all-reduce", _ACROSS, "        pass\n",
+        r"rank 0: all-reduce bytes across replicas .* measured 0 — nothing crossed: the shards were not summed"),
     Bug("all-reduced over the whole world", "dist.all_reduce(t, group=replicate_group)", "dist.all_reduce(t)",
-        r"rank 0, .*: off by", 4),
-    Bug("divided inside (shard_hybrid divides afterwards)", "        dist.all_reduce(t, group=replicate_group)\n",
-        "        dist.all_reduce(t, group=replicate_group)\n        if t.is_floating_point():\n"
+        r"rank 0: a all_reduce over ranks \[0, 1, 2, 3\]: only the shard group \[0, 1\] and the replicate group "
+        r"\[0, 2\] may talk", 4),
+    Bug("divided inside (shard_hybrid divides afterwards)", _ACROSS, _ACROSS + "        if t.is_floating_point():\n"
         "            t /= dist.get_world_size(replicate_group)\n", r"1/2 of the expected update: divided by R once too "
         r"often"),
-    Bug("an all-reduce on some ranks only", "        dist.all_reduce(t, group=replicate_group)\n",
-        "        if dist.get_rank() < 2:\n            dist.all_reduce(t, group=replicate_group)\n",
+    Bug("an all-reduce on some ranks only", _ACROSS, "        if dist.get_rank() < 2:\n    " + _ACROSS,
         r"collectives do not match|rank \d waits at all_reduce .* but rank \d left without it", 4),
+    Bug("the used-flags left out", _ACROSS, "        if t.is_floating_point():   # the gradients\n    " + _ACROSS,
+        r"rank 0: all-reduce bytes .* the used-flags \(int32, 4k = \d+ bytes\) did not cross"),
+    Bug("the sum made on a copy", "    def all_reduce_across(t):\n", "    def all_reduce_across(t):\n"
+        "        t = t.clone()\n", r"rank 0, .*: off by .* the sum crossed the replicas but never reached t: all-reduce t "
+        r"itself, in place"),
+    Bug("the function not returned", "    return all_reduce_across\n", "",
+        r"rank 0: all-reduce bytes .* measured 0 — across_replicas returned None: return the function"),
+]
+VARIANTS["across_replicas"] = [
+    Variant("a class whose instances are called", (
+            "    def all_reduce_across(t):\n", "    return all_reduce_across\n"), (
+            "    class AllReduceAcross:\n        def __call__(self, t):\n"
+            "            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=replicate_group)\n\n"
+            "    def all_reduce_across(t):\n", "    return AllReduceAcross()\n")),
+    Variant("functools.partial of torch's all_reduce", (
+            "    def all_reduce_across(t):\n", "    return all_reduce_across\n"), (
+            "    import functools\n    return functools.partial(dist.all_reduce, group=replicate_group)\n\n"
+            "    def all_reduce_across(t):\n", "")),
+    Variant("asynchronous, waited for at once", _ACROSS, "        dist.all_reduce(t, group=replicate_group, "
+            "async_op=True).wait()\n"),
 ]
 
 
 # ---- 4. tensor parallel: f_and_g (tensor_parallel.py: _all_reduce, F_TP, G_TP) ---------------------------------------
-# The tiny float64 model under apply_tensor_parallel, one step on 2 and 4 ranks: the loss and every gradient of
-# every rank's slice equal to one process; Megatron's 2L + 1 all-reduces each way (+3 for the loss). The run serves
-# pair too.
+# Where the course calls them: enter_tp and exit_tp, around every column/row pair of apply_tensor_parallel (attention,
+# the MLP, the vocab-parallel head), on the tp group — the world in the lesson, a group inside a larger mesh in
+# train.py (tp with dp, cp, pp around it); every activation float64 here (bf16 in training: the all-reduce sums in
+# the activation's dtype, as Megatron). Graded on the tiny float64 model, one step:
+#   - per rank, Megatron's collectives: 2L + 1 all-reduces of B·S·H·b in forward (+3 for the loss), 2L + 1 in
+#     backward (first: a missing or extra sum is named by where it is);
+#   - on 2 and 4 ranks (tp = the world): the loss and every gradient of every rank's slice equal to one process;
+#   - inside a larger mesh on 4 ranks: Mesh(dp_shard=2, tp=2)'s tp groups [0, 1] and [2, 3]: only the tp group
+#     talks, and the loss and gradients equal to one process. The runs serve pair too.
 
 TP_B, TP_S = 2, 8
+TP_ERRORS = [(r"NoneType|returned None|got None", "a (forward, backward) function returned None: return the tensor "
+              "(_all_reduce: the summed clone)"),
+             (r"must match the size of tensor", "shapes differ after a pair: under sequence parallel a pair enters from "
+              "[B, S/t, H] (all-gather) and exits to [B, S/t, H] (reduce-scatter) — each linear enters and exits as its "
+              "input_op and sp say")]
 
 
 @functools.cache
@@ -1229,19 +1457,42 @@ def _tp_reference():
     return one["losses"][0], one["grads"][0]
 
 
-def _tp(P, sp):
+@contextlib.contextmanager
+def _counted_linears(calls):
+    """The pair's swappable matmul (Column/RowParallelLinear.linear, which float8 and zero bubble replace) counted."""
+    import tensor_parallel as tp
+    olds = {cls: cls.__dict__["linear"] for cls in (tp.ColumnParallelLinear, tp.RowParallelLinear)}
+
+    def counted(inner):
+        def linear(x, w, *args, **kwargs):
+            calls[0] += 1
+            return inner(x, w, *args, **kwargs)
+        return staticmethod(linear)
+    for cls, old in olds.items():
+        cls.linear = counted(old.__func__)
+    try:
+        yield
+    finally:
+        for cls, old in olds.items():
+            cls.linear = old
+
+
+def _tp(P, sp, group=None):
     import tensor_parallel as tp
     from lab.model import build_model
     x, y = _batch(0, TP_B, TP_S, seed=3)
-    model = tp.apply_tensor_parallel(build_model("tiny", seed=0, dtype=F64), None, sequence_parallel=sp)
-    with Count() as fwd:
-        loss = model(x, y)
-    with Count() as bwd:
-        loss.backward()
+    model = tp.apply_tensor_parallel(build_model("tiny", seed=0, dtype=F64), group, sequence_parallel=sp)
+    pairs, calls = sum(isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear)) for m in model.modules()), [0]
+    with explained(*TP_ERRORS), _counted_linears(calls):
+        with Count() as fwd:
+            loss = model(x, y)
+        with Count() as bwd:
+            loss.backward()
     tp.finish_grads(model)
     return dict(loss=loss.detach(), grads={n: p.grad.detach().clone() for n, p in model.named_parameters()},
                 slices={n: getattr(p, "tp_slice", None) for n, p in model.named_parameters()},
-                fwd=fwd.summary(), bwd=bwd.summary(), sp=sp)
+                fwd=fwd.summary(), bwd=bwd.summary(), sp=sp, groups=sorted(set(fwd.groups() + bwd.groups())),
+                linears=(pairs, calls[0]))
 
 
 def run_tp(P):
@@ -1252,23 +1503,40 @@ def run_sp(P):
     return _tp(P, True)
 
 
-def judge_tp_equal(P, res):
+def _tp_mesh(P, sp):
+    """4 ranks as Mesh(dp_shard=2, tp=2), each tp pair on the same batch."""
+    from mesh import Mesh
+    mesh = Mesh(dp_shard=2, tp=2)
+    return {sp: dict(_tp(P, sp, mesh.group("tp")), tp=mesh.ranks("tp"))}
+
+
+def run_tp_mesh(P):
+    return _tp_mesh(P, False)
+
+
+def run_sp_mesh(P):
+    return _tp_mesh(P, True)
+
+
+def judge_tp_equal(P, res, t=None):
+    t = t or P
     loss, grads = _tp_reference()
     for r, x in enumerate(res):
         if not close(x["loss"], torch.tensor(loss, dtype=F64)):
-            return [f"rank {r}: the loss {x['loss'].item():.10f} where one process has {loss:.10f}: the forward "
-                    f"already differs — a pair's output must be the SUM of the ranks' partial outputs (g's forward), "
-                    f"its input the same x on every rank (f's forward: the identity)"]
+            ratio = x["loss"].item() / loss
+            return [f"rank {r}: the loss {x['loss'].item():.10f} where one process has {loss:.10f} ({ratio:.4g}×): "
+                    f"the forward already differs — a pair's output must be the SUM of the ranks' partial outputs "
+                    f"(g's forward), its input the same x on every rank (f's forward: the identity)"]
 
     def want(r, n):
         sl = res[r]["slices"][n]
         full = grads[n]
         return full if sl is None else full.narrow(sl[0], sl[1], sl[2] - sl[1])
     L = 2 * 2 + 2
-    scales = [(float(P) ** k, f"{P ** k}× the expected (= t^{k}, t = tp size {P}: summed over tp {k} time(s) where "
+    scales = [(float(t) ** k, f"{t ** k}× the expected (= t^{k}, t = tp size {t}: summed over tp {k} time(s) where "
                f"it was whole — a backward that should be the identity all-reduces)") for k in range(1, L + 1)]
     lines = compare_named(P, res, "grads", want, what=" (gradient of this rank's slice)", reverse=True,
-                          scales=scales + [(1 / P, f"1/{P} of the expected: a partial gradient never summed over tp")])
+                          scales=scales + [(1 / t, f"1/{t} of the expected: a partial gradient never summed over tp")])
     return lines + (["(the loss is right: the backward differs — f's backward sums x's gradient over tp, every rank "
                      "having used all of x; g's backward is the identity)"] if lines else [])
 
@@ -1286,10 +1554,17 @@ def judge_tp_formula(P, res):
             f, b = x["fwd"].get(op, {}).get("calls", 0), x["bwd"].get(op, {}).get("calls", 0)
             wf, wb = 2 * L + 1 + (3 if op == "all_reduce" else 0), 2 * L + 1
             if (f, b) != (wf, wb):
+                loss = ", + the loss 3" if op == "all_reduce" else ""
+                why = [("more than g's in forward: f's forward is the identity, every rank holds all of x already"
+                        if f > wf else "g's forward missing: a pair's output is the sum of the ranks' partial outputs "
+                        "(g exits each pair: exit_tp in the row-parallel linear)" if f < wf else ""),
+                       ("more than f's in backward: g's backward is the identity, and a pair is entered once (input_op "
+                        "None: its caller entered already)" if b > wb else "f's backward missing: every rank used all "
+                        "of x, its gradient is their sum (f enters each pair: enter_tp in the column-parallel linear, "
+                        "unless input_op is None)" if b < wb else "")]
+                why = " — " + "; ".join(w for w in why if w)
                 return [f"rank {r}: {op} calls in forward / backward: expected {wf} / {wb} (Megatron: f and g, 2 per "
-                        f"layer + the embedding's g forward, the head's f backward{', + the loss 3' if op == 'all_reduce' else ''}"
-                        f"), measured {f} / {b}" + (" — an all-reduce in backward where g's is the identity"
-                                                     if b > wb else " — f's backward all-reduce missing" if b < wb else "")]
+                        f"layer + the embedding's g forward, the head's f backward{loss}), measured {f} / {b}{why}"]
         for op, (calls, nbytes) in want.items():
             got = (x["fwd"].get(op, {}).get("calls", 0) + x["bwd"].get(op, {}).get("calls", 0),
                    x["fwd"].get(op, {}).get("bytes", 0) + x["bwd"].get(op, {}).get("bytes", 0))
@@ -1299,67 +1574,207 @@ def judge_tp_formula(P, res):
     return []
 
 
+def judge_tp_mesh(P, res, modes=(False,)):
+    for sp in modes:
+        per = [x[sp] for x in res]
+        name = "sequence parallel" if sp else "tensor parallel"
+        for r, x in enumerate(per):
+            bad = [list(g) for g in x["groups"] if list(g) != x["tp"]]
+            if bad:
+                return [f"Mesh(dp_shard=2, tp=2), {name}, rank {r}: collectives over ranks {bad}: tensor parallel's run "
+                        f"over the tp group {x['tp']} it is given (the `group` argument), never the world"]
+        lines = judge_tp_equal(P, per, t=2)
+        if lines:
+            return [f"Mesh(dp_shard=2, tp=2), {name}, {lines[0]}"] + lines[1:]
+    return []
+
+
 CHECKS["f_and_g"] = [
-    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
-          run_tp, judge_tp_equal, worlds=(2, 4)),
     Check("Megatron's collectives: 2L + 1 all-reduces of B·S·H·b in forward (+3 for the loss), 2L + 1 in backward",
           run_tp, judge_tp_formula, worlds=(2, 4)),
+    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
+          run_tp, judge_tp_equal, worlds=(2, 4)),
+    Check("inside a larger mesh: Mesh(dp_shard=2, tp=2)'s tp groups [0, 1] and [2, 3] alone talk, the loss and "
+          "gradients equal to one process", run_tp_mesh, judge_tp_mesh, worlds=(4,)),
 ]
+_AR = ("    x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: not on autograd's tensor\n"
+       "    dist.all_reduce(x, group=group)\n    return x\n")
 BUGS["f_and_g"] = [
     Bug("f and g swapped", "F_TP = (_identity,           _all_reduce)", "F_TP = (_all_reduce, _identity)",
-        r"rank 0: the loss .* where one process has"),
+        r"rank 0: all_reduce calls .* measured 13 / 0 — more than g's in forward: f's forward is the identity"),
     Bug("g's backward all-reduces too", "G_TP = (_all_reduce,         _identity)",
-        "G_TP = (_all_reduce, _all_reduce)", r"rank 0, .*: off by .* 2× the expected \(= t\^1, t = tp size 2: summed "
-        r"over tp 1 time\(s\) where it was whole"),
+        "G_TP = (_all_reduce, _all_reduce)", r"rank 0: all_reduce calls in forward / backward: expected 8 / 5 .*, "
+        r"measured 8 / 10 — more than f's in backward: g's backward is the identity"),
     Bug("f's backward is the identity", "F_TP = (_identity,           _all_reduce)",
-        "F_TP = (_identity, _identity)", r"rank 0, .*: off by"),
+        "F_TP = (_identity, _identity)", r"rank 0: all_reduce calls in forward / backward: expected 8 / 5 .*, measured "
+        r"8 / 0 — f's backward missing"),
+    Bug("the all-reduce over the whole world", "    dist.all_reduce(x, group=group)\n    return x\n",
+        "    dist.all_reduce(x)\n    return x\n", r"Mesh\(dp_shard=2, tp=2\), tensor parallel, rank 0: collectives "
+        r"over ranks \[\[0, 1, 2, 3\]\]: tensor parallel's run over the tp group \[0, 1\]", 4),
+    Bug("the all-reduce averages", "    dist.all_reduce(x, group=group)\n    return x\n",
+        "    dist.all_reduce(x, group=group)\n    return x / dist.get_world_size(group)\n",
+        r"rank 0: the loss .* where one process has .*: the forward already differs — a pair's output must be the SUM"),
+    Bug("_all_reduce returns nothing", "    dist.all_reduce(x, group=group)\n    return x\n",
+        "    dist.all_reduce(x, group=group)\n", r"every rank: \w+: a \(forward, backward\) function returned None"),
+]
+VARIANTS["f_and_g"] = [
+    Variant("the identity as a lambda; the sum into a new contiguous tensor", (
+            _AR, "F_TP = (_identity,           _all_reduce)", "G_TP = (_all_reduce,         _identity)"), (
+            "    y = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)\n"
+            "    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)\n    return y\n",
+            "F_TP = (lambda x, group: x, _all_reduce)", "G_TP = (_all_reduce, lambda x, group: x)")),
+    Variant("lists, not tuples; the all-reduce asynchronous, waited for at once", (
+            _AR, "F_TP = (_identity,           _all_reduce)", "G_TP = (_all_reduce,         _identity)"), (
+            "    out = x.contiguous().clone()\n    dist.all_reduce(out, group=group, async_op=True).wait()\n"
+            "    return out\n", "F_TP = [_identity, _all_reduce]", "G_TP = [_all_reduce, _identity]")),
 ]
 
 
 # ---- 4. tensor parallel: pair (tensor_parallel.py: ColumnParallelLinear.forward, RowParallelLinear.forward) ----------
-# f_and_g's run on 1, 2 and 4 ranks, and with sequence parallel on 2 and 4: the loss and every slice's gradient
-# equal to one process; Megatron's collectives, 2L + 1 each way: all-reduces (tensor parallel), all-gathers and
-# reduce-scatters (sequence parallel).
+# Where the course calls them: every column/row pair of apply_tensor_parallel — attention's wq, wk, wv (entered once
+# for all: input_op None) and wo, the MLP's w1, w3 and w2, the vocab-parallel head (input_op "copy") — with and without
+# sequence parallel ("gather", sp), on the tp group (inside a larger mesh in train.py); float8 training and zero
+# bubble replace the pair's matmul, self.linear, on a layer. Graded on f_and_g's runs:
+#   - per rank, Megatron's collectives, 2L + 1 each way: all-reduces (tensor parallel), all-gathers and
+#     reduce-scatters (sequence parallel), each before the equality it explains;
+#   - tensor parallel on 1, 2 and 4 ranks and sequence parallel on 2 and 4: the loss and every slice's gradient equal
+#     to one process;
+#   - inside a larger mesh on 4 ranks (Mesh(dp_shard=2, tp=2)), both modes: only the tp group talks, equal to one
+#     process;
+#   - every matmul through self.linear (the swappable one), one call per linear per forward.
+
+def judge_linears(P, res):
+    for r, x in enumerate(res):
+        want, got = x["linears"]
+        if got != want:
+            return [f"rank {r}: {got} of the {want} parallel linears' matmuls went through self.linear — call "
+                    f"self.linear(x, self.weight), not F.linear or x @ W.T: float8 training and zero bubble swap "
+                    f"self.linear on a layer"]
+    return []
+
 
 CHECKS["pair"] = [
-    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
-          run_tp, judge_tp_equal),
-    Check("sequence parallel equal to one process: the loss and every gradient", run_sp, judge_tp_equal,
-          worlds=(2, 4)),
     Check("Megatron's collectives: 2L + 1 in forward and in backward (TP: all-reduces; SP: all-gathers and "
           "reduce-scatters of the same wire bytes)", run_tp, judge_tp_formula, worlds=(2, 4)),
+    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
+          run_tp, judge_tp_equal),
     Check("sequence parallel's collectives: 2L + 1 all-gathers and 2L + 1 reduce-scatters each way", run_sp,
           judge_tp_formula, worlds=(2, 4)),
+    Check("sequence parallel equal to one process: the loss and every gradient", run_sp, judge_tp_equal,
+          worlds=(2, 4)),
+    Check("inside a larger mesh: Mesh(dp_shard=2, tp=2)'s tp groups alone talk, tensor parallel equal to one process",
+          run_tp_mesh, judge_tp_mesh, worlds=(4,)),
+    Check("the same with sequence parallel", run_sp_mesh, functools.partial(judge_tp_mesh, modes=(True,)),
+          worlds=(4,)),
+    Check("every matmul through self.linear (float8 and zero bubble swap it): one call per parallel linear", run_tp,
+          judge_linears),
 ]
+_COL = ("        if self.input_op is not None:\n            x = enter_tp(x, self.group, sp=self.input_op == \"gather\")\n"
+        "        return self.linear(x, self.weight)                              # [B, S, F/t]\n")
+_ROW = "        return exit_tp(self.linear(x, self.weight), self.group, self.sp)   # [B, S, H] or [B, S/t, H]\n"
 BUGS["pair"] = [
     Bug("the row-parallel linear never sums its partial outputs",
         "return exit_tp(self.linear(x, self.weight), self.group, self.sp)", "return self.linear(x, self.weight)",
-        r"rank 0: the loss .* where one process has"),
+        r"rank 0: all_reduce calls .* measured 4 / 5 — g's forward missing: a pair's output is the sum"),
     Bug("the column-parallel linear never enters the pair",
         "        if self.input_op is not None:\n            x = enter_tp(x, self.group, sp=self.input_op == "
-        "\"gather\")\n", "", r"rank 0, .*: off by"),
+        "\"gather\")\n", "", r"rank 0: all_reduce calls in forward / backward: expected 8 / 5 .*, measured \d / \d — "
+        r"f's backward missing"),
     Bug("the row-parallel linear ignores sequence parallel", "exit_tp(self.linear(x, self.weight), self.group, "
-        "self.sp)", "exit_tp(self.linear(x, self.weight), self.group, False)", r"every rank: RuntimeError"),
+        "self.sp)", "exit_tp(self.linear(x, self.weight), self.group, False)", r"every rank: RuntimeError: shapes "
+        r"differ after a pair: under sequence parallel"),
+    Bug("F.linear called directly, not the swappable self.linear", "        return self.linear(x, self.weight)       "
+        "                       # [B, S, F/t]\n", "        return F.linear(x, self.weight)\n",
+        r"rank 0: \d+ of the \d+ parallel linears' matmuls went through self.linear — call self.linear"),
+    Bug("the column-parallel linear always enters, input_op None too",
+        "        if self.input_op is not None:\n            x = enter_tp(x, self.group, sp=self.input_op == "
+        "\"gather\")\n", "        x = enter_tp(x, self.group, sp=self.input_op == \"gather\")\n",
+        r"rank 0: all_reduce calls in forward / backward: expected 8 / 5 .*, measured 8 / \d+ — more than f's in "
+        r"backward: .* a pair is entered once"),
+    Bug("the row-parallel linear exits over the default group",
+        "exit_tp(self.linear(x, self.weight), self.group, self.sp)", "exit_tp(self.linear(x, self.weight), None, "
+        "self.sp)", r"Mesh\(dp_shard=2, tp=2\), tensor parallel, rank 0: collectives over ranks \[\[0, 1, 2, 3\]\]", 4),
+]
+VARIANTS["pair"] = [
+    Variant("each input_op its own branch; the partial product named", (_COL, _ROW), (
+            "        if self.input_op == \"copy\":\n            x = enter_tp(x, self.group, False)\n"
+            "        elif self.input_op == \"gather\":\n            x = enter_tp(x, self.group, True)\n"
+            "        y = self.linear(x, self.weight)\n        return y\n",
+            "        partial = self.linear(x, self.weight)        # my columns' share of y\n"
+            "        return exit_tp(partial, self.group, sp=bool(self.sp))\n")),
+    Variant("a conditional expression; keyword arguments", (_COL, _ROW), (
+            "        entered = x if self.input_op is None else enter_tp(x, self.group, self.input_op == \"gather\")\n"
+            "        return self.linear(entered, self.weight)\n",
+            "        return exit_tp(x=self.linear(x, self.weight), group=self.group, sp=self.sp)\n")),
 ]
 
 
 # ---- 5. pipeline: one_f_one_b (pipeline.py: one_f_one_b_plain) -------------------------------------------------------
-# A 4-layer float64 model cut into p stages, one step of m micro-batches (m = 2 on 1 rank; 1 and 4 on 2; 2 and 4 on
-# 4: m < p and m ≥ p): every stage's gradients and the last stage's loss equal to one process; each rank's order of
-# F and B 1F1B's; at most min(p−r, m) micro-batches' activations held; per boundary m activations forward and m
-# gradients back, [B/m, S, H]·b bytes each.
+# Where the course calls it: the lesson's core on the pipeline of all ranks, and pipeline_demo's pipelines inside a
+# larger mesh (pp with dp: a pipeline's ranks are not consecutive, its peers pipe.prev and pipe.next are global
+# ranks); m < p and m ≥ p micro-batches; stages in the model's dtype (float64 here: every received buffer in the
+# stage's dtype). It exists for 1F1B's memory: at most min(p−r, m) micro-batches in flight on rank r (no overlap of
+# its own). Graded on a 4-layer float64 model cut into p stages, one step of m micro-batches (m = 2 on 1 rank; 1 and 4
+# on 2; 2 and 4 on 4), each m on fresh copies of the batch:
+#   - every stage's gradients and the last stage's loss equal to one process, on every rank;
+#   - each rank's order of F and B 1F1B's; at most min(p−r, m) micro-batches' activations held (per rank);
+#   - per rank and boundary m activations forward and m gradients back, [B/m, S, H]·b bytes each;
+#   - inside a larger mesh on 4 ranks: Mesh(pp=2, dp_shard=2)'s pipelines [0, 2] and [1, 3], each on its own data:
+#     equal to one process on that data, every transfer to the rank's neighbours in its own pipeline.
+# A received activation that does not require grad (its gradient could never go back) and a transfer to a rank that
+# is not the neighbour are named where they happen.
 
 PIPE_MS = {1: (2,), 2: (1, 4), 4: (2, 4)}
 
 
-def run_pipe(P):
+@contextlib.contextmanager
+def _neighbours_only(pipe):
+    """Every transfer's peer checked before it is posted: pipe.prev or pipe.next, never another rank."""
+    me, names = dist.get_rank(), ("batch_isend_irecv", "isend", "irecv", "send", "recv")
+    inner = {n: getattr(dist, n) for n in names}
+
+    def check(kind, peer):
+        if peer is None or peer == me or peer not in (pipe.prev, pipe.next):
+            raise ValueError(f"rank {me} posts a {kind} {'to' if 'send' in kind else 'from'} rank {peer}, which is not "
+                             f"its neighbour in its pipeline {pipe.ranks} (position r = {pipe.r}: prev {pipe.prev}, "
+                             f"next {pipe.next}) — pipe.prev and pipe.next are the neighbours' global ranks; r ± 1 is "
+                             f"a position, not a rank")
+
+    def batch(ops):
+        for op in ops:
+            check("send" if "send" in getattr(op.op, "__name__", "") else "receive", getattr(op, "peer", None))
+        return inner["batch_isend_irecv"](ops)
+
+    def single(name):
+        def call(tensor, peer=None, *args, **kwargs):
+            check("send" if "send" in name else "receive", peer)
+            return inner[name](tensor, peer, *args, **kwargs)
+        return call
+    dist.batch_isend_irecv = batch
+    for n in names[1:]:
+        setattr(dist, n, single(n))
+    try:
+        yield
+    finally:
+        for n, f in inner.items():
+            setattr(dist, n, f)
+
+
+def _received_needs_grad(stage, r):
+    def check(mod, args):
+        if not stage.is_first and torch.is_grad_enabled() and not args[0].requires_grad:
+            raise RuntimeError(f"the activation stage {r} received does not require grad: its gradient could never be "
+                               f"sent back — requires_grad_() on a received activation before its forward")
+    stage.register_forward_pre_hook(check)
+
+
+def _pipe_run(pipe, ms, seed=0):
     from lab.model import get_config
-    from pipeline import PipeGroup, one_f_one_b_plain
+    from pipeline import one_f_one_b_plain
     cfg, out = get_config("tiny", n_layers=4), {}
-    pipe = PipeGroup.from_ranks(list(range(P)))
-    x, y = _batch(0, B, S)
-    for m in PIPE_MS[P]:
-        stage = _stage(cfg, pipe.r, P)
+    for m in ms:
+        x, y = _batch(0, B, S, seed=seed)   # fresh for each m: a core may change what it is handed
+        stage = _stage(cfg, pipe.r, pipe.p)
         log = []
 
         def fwd_hook(mod, args, output, log=log):
@@ -1368,11 +1783,25 @@ def run_pipe(P):
             if output.requires_grad:
                 output.register_hook(lambda g, i=i: log.append(("B", i)))
         stage.register_forward_hook(fwd_hook)
-        with Count() as c:
+        _received_needs_grad(stage, pipe.r)
+        with Count() as c, _neighbours_only(pipe):
             loss = one_f_one_b_plain(stage, pipe, x, y, m)
         out[m] = dict(grads=_grads(stage), loss=None if loss is None else float(loss), log=log,
-                      sent=(c.calls("send"), c.bytes("send")))
+                      sent=(c.calls("send"), c.bytes("send")), seed=seed)
     return out
+
+
+def run_pipe(P):
+    from pipeline import PipeGroup
+    return _pipe_run(PipeGroup.from_ranks(list(range(P))), PIPE_MS[P])
+
+
+def run_pipe_mesh(P):
+    """4 ranks as Mesh(pp=2, dp_shard=2): pipelines [0, 2] and [1, 3], the pipeline at dp index d on data seed d."""
+    from mesh import Mesh
+    from pipeline import PipeGroup
+    mesh = Mesh(pp=2, dp_shard=2)
+    return _pipe_run(PipeGroup.from_ranks(mesh.ranks("pp")), (2,), seed=mesh.coords["dp_shard"])
 
 
 def _stage(cfg, r, p):
@@ -1393,19 +1822,30 @@ def _stage(cfg, r, p):
     return stage
 
 
-def judge_pipe_equal(P, res):
-    for m in PIPE_MS[P]:
-        _, grads, losses = one_process(steps=1, cfg=_pipe_cfg(), m=m)
-        lines = compare_named(P, [x[m] for x in res], "grads", lambda r, n: grads[0][n],
+def judge_pipe_equal(P, res, ms=None, p=None, last=None):
+    """ms: the micro-batch counts; p: the pipeline's length; last: the ranks of the last stages."""
+    ms, p, last = ms or PIPE_MS[P], p or P, last or [P - 1]
+    for m in ms:
+        lines = compare_named(P, [x[m] for x in res], "grads",
+                              lambda r, n: one_process(res[r][m]["seed"], steps=1, cfg=_pipe_cfg(), m=m)[1][0][n],
                               what=f" (m = {m} micro-batches)",
                               scales=[(m, f"{m}× the expected ({m} = m, the micro-batches): each micro-batch's loss "
                                        f"must be scaled by 1/m")] if m > 1 else [])
         if lines:
             return lines
-        got = res[-1][m]["loss"]
-        if got is None or abs(got - losses[0]) > 1e-9:
-            return [f"rank {P - 1} (the last stage), m = {m}: loss {got} where one process has {losses[0]:.10f}"]
+        for r in last:
+            want = one_process(res[r][m]["seed"], steps=1, cfg=_pipe_cfg(), m=m)[2][0]
+            got = res[r][m]["loss"]
+            if got is None or abs(got - want) > 1e-9:
+                why = (f" ({got / want:.4g}× = m: return the mean of the micro-batches' losses, not their sum)"
+                       if got is not None and m > 1 and abs(got / want - m) < 1e-9 else "")
+                return [f"rank {r} (the last stage), m = {m}: loss {got} where one process has {want:.10f}{why}"]
     return []
+
+
+def judge_pipe_mesh(P, res):
+    lines = judge_pipe_equal(P, res, ms=(2,), p=2, last=[2, 3])
+    return [f"Mesh(pp=2, dp_shard=2), pipelines [0, 2] and [1, 3]: {lines[0]}"] + lines[1:] if lines else []
 
 
 @functools.cache
@@ -1470,7 +1910,25 @@ CHECKS["one_f_one_b"] = [
           run_pipe, judge_pipe_memory, worlds=(2, 4)),
     Check("per boundary m activations forward and m gradients back, each [B/m, S, H]·b bytes", run_pipe,
           judge_pipe_sends, worlds=(2, 4)),
+    Check("inside a larger mesh: Mesh(pp=2, dp_shard=2)'s pipelines [0, 2] and [1, 3], each on its own data, equal to "
+          "one process on that data; every transfer between neighbours of one pipeline", run_pipe_mesh,
+          judge_pipe_mesh, worlds=(4,)),
 ]
+_PIPE_TAIL = """    w = min(pipe.p - pipe.r - 1, m)
+    inp = xs[0] if stage.is_first else p2p(recv_from=pipe.prev)
+    for i in range(w):                                            # warm-up
+        p2p(forward(i, inp), pipe.next)
+        if i + 1 < m:
+            inp = xs[i + 1] if stage.is_first else p2p(recv_from=pipe.prev)
+    for i in range(w, m):                                         # steady: F i, then B i-w
+        grad = p2p(forward(i, inp), pipe.next, pipe.next)             # send F i's output, get B i-w's gradient
+        more = i + 1 < m
+        inp = p2p(backward(grad), pipe.prev, pipe.prev if more else None)   # send B i-w's, get F i+1's input
+        inp = xs[i + 1] if stage.is_first and more else inp
+    for _ in range(w):                                            # cool-down
+        p2p(backward(p2p(recv_from=pipe.next)), pipe.prev)
+    return torch.stack(losses).mean() if stage.is_last else None
+"""
 BUGS["one_f_one_b"] = [
     Bug("the micro-batch losses not scaled by 1/m",
         "outputs.append(out / m if stage.is_last else out)", "outputs.append(out)",
@@ -1484,6 +1942,51 @@ BUGS["one_f_one_b"] = [
         "        for op in ops:\n            for work in dist.batch_isend_irecv([op]):\n                work.wait()\n",
         r"a hang, stopped: deadlock: every rank here waits for a peer that waits elsewhere .* rank 0 waits to send .* rank 1 waits "
         r"to send .* post each send together with the receive it waits for"),
+    Bug("a received activation without requires_grad_", "return buf if buf is None else buf.requires_grad_(recv_from "
+        "== pipe.prev)", "return buf", r"rank 1: RuntimeError: the activation stage 1 received does not require grad: "
+        r"its gradient could never be sent back"),
+    Bug("the receive buffer in the default dtype", "buf = None if recv_from is None else torch.empty(shape, "
+        "dtype=dtype, device=x.device)", "buf = None if recv_from is None else torch.empty(shape)", r"rank 0 sends .* float64 .* but rank 1's receive .* float32 .*: a transfer's two sides "
+        r"must agree"),
+    Bug("the neighbours as r ± 1", _PIPE_TAIL, "    prv, nxt = pipe.r - 1 if pipe.r > 0 else None, pipe.r + 1 if pipe.r "
+        "< pipe.p - 1 else None\n" + _PIPE_TAIL.replace("pipe.next", "nxt").replace("pipe.prev", "prv"),
+        r"rank 0: ValueError: rank 0 posts a send to rank 1, which is not its neighbour in its pipeline \[0, 2\]", 4),
+    Bug("the micro-batches' losses summed, not averaged", "return torch.stack(losses).mean() if stage.is_last",
+        "return torch.stack(losses).sum() if stage.is_last", r"rank 1 \(the last stage\), m = 4: loss .* \(4× = m: "
+        r"return the mean of the micro-batches' losses, not their sum\)"),
+]
+VARIANTS["one_f_one_b"] = [
+    Variant("warm-up min(p − r, m) − 1, one loop around it; each send and receive posted on its own", _PIPE_TAIL,
+            "    w = min(pipe.p - pipe.r, m) - 1                # forwards before the first backward, less one\n"
+            "    inp = xs[0] if stage.is_first else p2p(recv_from=pipe.prev)\n"
+            "    for i in range(m):\n        p2p(forward(i, inp), pipe.next)\n"
+            "        if i >= w:                                 # steady: the oldest micro-batch's backward\n"
+            "            p2p(backward(p2p(recv_from=pipe.next)), pipe.prev)\n        if i + 1 < m:\n"
+            "            inp = xs[i + 1] if stage.is_first else p2p(recv_from=pipe.prev)\n"
+            "    for _ in range(w):                             # cool-down\n"
+            "        p2p(backward(p2p(recv_from=pipe.next)), pipe.prev)\n"
+            "    return torch.stack(losses).mean() if stage.is_last else None\n",
+            until="the collective watch matches a send only with a receive posted in one batch (a send and the "
+                  "matching receive in two batch_isend_irecv calls deadlock the watch itself): the grader's machinery"),
+    Variant("a deque of micro-batches in flight; a while loop for the warm-up; the loss summed, then divided",
+            (_PIPE_TAIL, "    inputs, outputs, losses = [], [], []\n", "        inp, out = inputs.pop(0), outputs.pop(0)"),
+            ("    w, i = min(pipe.p - pipe.r - 1, m), 0\n    inp = xs[0] if stage.is_first else p2p(recv_from=pipe.prev)\n"
+             "    while i < w:\n        p2p(forward(i, inp), pipe.next)\n        i += 1\n        if i < m:\n"
+             "            inp = xs[i] if stage.is_first else p2p(recv_from=pipe.prev)\n"
+             "    while i < m:\n        grad = p2p(forward(i, inp), pipe.next, pipe.next)\n        i += 1\n"
+             "        inp = p2p(backward(grad), pipe.prev, pipe.prev if i < m else None)\n"
+             "        if stage.is_first and i < m:\n            inp = xs[i]\n"
+             "    for _ in range(w):\n        p2p(backward(p2p(recv_from=pipe.next)), pipe.prev)\n"
+             "    return sum(losses) / m if stage.is_last else None\n",
+             "    import collections\n    inputs, outputs, losses = collections.deque(), collections.deque(), []\n",
+             "        inp, out = inputs.popleft(), outputs.popleft()")),
+    Variant("the transfers by dist.irecv and dist.isend, the receive posted first", (
+            "        for work in dist.batch_isend_irecv(ops) if ops else []:\n            work.wait()\n"), (
+            "        works = [dist.irecv(buf, recv_from)] if buf is not None else []\n"
+            "        if send is not None and to is not None:\n            works.append(dist.isend(send, to))\n"
+            "        for work in works:\n            work.wait()\n"),
+            until="dist.isend and dist.irecv are not watched: their sends are not counted (and a hang in them is not "
+                  "named): the grader's machinery"),
 ]
 
 
@@ -1651,29 +2154,100 @@ VARIANTS["merge"] = [
 
 
 # ---- 6. ring attention: ring (ring_attention.py: RingAttention.forward) ----------------------------------------------
-# A seeded float64 sequence (B=1, S=16, 4 heads, 2 kv heads) sharded contiguous and causal, zigzag and causal,
-# zigzag and not causal, on 1, 2 and 4 ranks: the output, and dq, dk, dv from the lesson's backward, equal to
-# whole-sequence SDPA on every rank; forward sends (cp−1)·2 blocks of B·c·d_kv·b bytes per rank.
+# Where the course calls it: ContextParallelAttention in every attention block of train.py (cp > 1), over the cp group
+# — a group inside the larger mesh — or the ring group of Ulysses + ring; layouts contiguous and zigzag (train.py's),
+# causal or not, GQA (fewer kv heads); bf16 inputs in training: the merges in fp32 at least, the k, v block travelling
+# in its own dtype, out and lse saved in the work dtype for the lesson's backward, the output in q's dtype. It exists
+# for overlap: the next block travels while the current one is computed. Graded on a seeded sequence (B=1, S=16, 4
+# heads, 2 kv heads):
+#   - float64, contiguous and causal, zigzag and causal, zigzag and not causal, on 1, 2 and 4 ranks: the output, and
+#     dq, dk, dv from the lesson's backward, equal to whole-sequence SDPA on every rank;
+#   - per rank, forward sends (cp−1)·2 blocks of B·c·d_kv·b bytes (float64 and bf16: b = 2, the block in its own
+#     dtype);
+#   - overlap, judged by what is in flight: each block's transfer is posted before a block is computed and waited for
+#     after — at least one block_forward runs while it travels;
+#   - bf16 inputs: the output in bf16, out and lse saved in float32 (what the backward computes in), the output equal
+#     to SDPA within bf16's rounding;
+#   - inside a larger mesh on 4 ranks: Mesh(dp_shard=2, cp=2)'s cp groups [0, 1] and [2, 3], contiguous and causal:
+#     equal to SDPA on the group's sequence, every transfer inside the cp group.
 
 RING_CASES = [("contiguous", True), ("zigzag", True), ("zigzag", False)]
 RING_SHAPE = dict(B=1, S=16, H=4, Hkv=2, D=8)
+BF16 = ("zigzag", True, "bf16")
+
+
+@contextlib.contextmanager
+def _in_flight(log, fn):
+    """log gets ("post", i) for each transfer posted (batch_isend_irecv, isend, irecv), ("wait", i) the first time
+    one of its works is waited for, and ("compute",) for each block_forward the function fn calls."""
+    names = ("batch_isend_irecv", "isend", "irecv")
+    inner = {n: getattr(dist, n) for n in names}
+    where = fn.__globals__
+    block_forward = where["block_forward"]
+
+    class Work:
+        def __init__(self, work, i):
+            self.work, self.i = work, i
+
+        def wait(self, *args, **kwargs):
+            if ("wait", self.i) not in log:
+                log.append(("wait", self.i))
+            return self.work.wait(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.work, name)
+
+    def posting(name):
+        def call(*args, **kwargs):
+            i = sum(e[0] == "post" for e in log)
+            log.append(("post", i))
+            out = inner[name](*args, **kwargs)
+            return [Work(w, i) for w in out] if isinstance(out, list) else Work(out, i)
+        return call
+
+    def counted(*args, **kwargs):
+        log.append(("compute",))
+        return block_forward(*args, **kwargs)
+    for n in names:
+        setattr(dist, n, posting(n))
+    where["block_forward"] = counted
+    try:
+        yield
+    finally:
+        for n, f in inner.items():
+            setattr(dist, n, f)
+        where["block_forward"] = block_forward
+
+
+def _ring_case(P, r, group, layout, causal, dtype=F64):
+    from lab.ring_attention_demo import seeded_inputs
+    from ring_attention import RingAttention, shard_sequence
+    sh, log = RING_SHAPE, []
+    q, k, v, dout = (shard_sequence(t, P, r, layout, dim=2).to(dtype).requires_grad_(i < 3) for i, t in
+                     enumerate(seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)))
+    with Count() as c, _in_flight(log, RingAttention.forward):
+        o = RingAttention.apply(q, k, v, group, layout, causal)
+    saved = [str(t.dtype) for t in o.grad_fn.saved_tensors]
+    o.backward(dout)
+    return dict(out=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, sends=(c.calls("send"), c.bytes("send")),
+                peers=sorted({e["group"][1] for e in c.events if e["op"] in ("send", "recv")}), log=log,
+                saved=saved, dtype=str(o.dtype))
 
 
 def run_ring(P):
     """Each case: this rank's shard of the seeded q, k, v through RingAttention, forward and backward."""
-    from lab.ring_attention_demo import seeded_inputs
-    from ring_attention import RingAttention, shard_sequence
-    out, r, world = {}, dist.get_rank(), dist.group.WORLD
-    sh = RING_SHAPE
-    for layout, causal in RING_CASES:
-        q, k, v, dout = (shard_sequence(t, P, r, layout, dim=2).requires_grad_(i < 3) for i, t in
-                         enumerate(seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)))
-        with Count() as c:
-            o = RingAttention.apply(q, k, v, world, layout, causal)
-        o.backward(dout)
-        out[(layout, causal)] = dict(out=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad,
-                                     sends=(c.calls("send"), c.bytes("send")))
+    r, world = dist.get_rank(), dist.group.WORLD
+    out = {(layout, causal): _ring_case(P, r, world, layout, causal) for layout, causal in RING_CASES}
+    out[BF16] = _ring_case(P, r, world, BF16[0], BF16[1], torch.bfloat16)
     return out
+
+
+def run_ring_mesh(P):
+    """4 ranks as Mesh(dp_shard=2, cp=2): each cp pair holds the seeded sequence, contiguous and causal."""
+    from mesh import Mesh
+    mesh = Mesh(dp_shard=2, cp=2)
+    res = _ring_case(2, mesh.rank("cp"), mesh.group("cp"), "contiguous", True)
+    return {("contiguous", True): res, "cp": mesh.ranks("cp"), "cp_rank": mesh.rank("cp")}
 
 
 @functools.cache
@@ -1700,22 +2274,25 @@ def _ring_alone(P, r, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def _judge_ring(P, res, names):
-    for layout, causal in RING_CASES:
-        want = _ring_reference(P, layout, causal)
+def _judge_ring(P, res, names, cases=RING_CASES, ring=None, rank_of=None, label=""):
+    """ring: the ring's size (P unless it is a group inside the world); rank_of(r): rank r's place in its ring."""
+    ring, rank_of = ring or P, rank_of or (lambda r: r)
+    for layout, causal in cases:
+        want = _ring_reference(ring, layout, causal)
 
         def cands(r, n):
-            if n != "out" or layout != "contiguous" or P == 1:
+            if n != "out" or layout != "contiguous" or ring == 1:
                 return []
             return [("this rank's queries against its own keys only: the other ranks' blocks were never folded in (the "
-                     "ring stops short)", _ring_alone(P, r, causal))] + (
+                     "ring stops short)", _ring_alone(ring, rank_of(r), causal))] + (
                 [("its own block seen without the causal mask: a query reads the keys after it (a diagonal pair needs "
-                  "the mask: block_forward(..., diagonal))", _ring_alone(P, r, False))] if causal and r == 0 else [])
+                  "the mask: block_forward(..., diagonal))", _ring_alone(ring, rank_of(r), False))]
+                if causal and rank_of(r) == 0 else [])
         lines = compare_named(P, [{"t": {n: x[(layout, causal)][n] for n in names}} for x in res], "t",
-                              lambda r, n: want[r][n], what=f" ({layout}, {'causal' if causal else 'not causal'})",
+                              lambda r, n: want[rank_of(r)][n], what=f" ({layout}, {'causal' if causal else 'not causal'})",
                               candidates_of=cands)
         if lines:
-            return lines
+            return [label + lines[0]] + lines[1:]
     return []
 
 
@@ -1729,18 +2306,64 @@ def judge_ring_backward(P, res):
 
 def judge_ring_bytes(P, res):
     c = RING_SHAPE["S"] // P
-    block = RING_SHAPE["B"] * c * RING_SHAPE["Hkv"] * RING_SHAPE["D"] * 8
-    for layout, causal in RING_CASES:
+    for case in RING_CASES + [BF16]:
+        b = 2 if case == BF16 else 8
+        block = RING_SHAPE["B"] * c * RING_SHAPE["Hkv"] * RING_SHAPE["D"] * b
         for r, x in enumerate(res):
-            got = x[(layout, causal)]["sends"]
+            got = x[case]["sends"]
             want = (2 * (P - 1), 2 * (P - 1) * block)
-            lines = formula_line(f"rank {r} ({layout}): sends in forward ((cp−1)·2 blocks k, v of B·c·d_kv·b = "
-                                 f"{block:,} bytes)", want, got,
-                                 "one pass too many: the last step needs no next block" if got[0] > want[0] else
-                                 "k and v must travel all the way round the ring" if got[0] < want[0] else "")
+            why = ("one pass too many: the last step needs no next block" if got[0] > want[0] else
+                   "k and v must travel all the way round the ring" if got[0] < want[0] else
+                   f"{got[1] // max(1, got[0]) // (block // b)}-byte elements: the block travels in its own dtype "
+                   f"({'bfloat16' if b == 2 else 'float64'}), cast only when computed" if got[1] != want[1] else "")
+            lines = formula_line(f"rank {r} ({case[0]}{', bf16' if case == BF16 else ''}): sends in forward "
+                                 f"((cp−1)·2 blocks k, v of B·c·d_kv·b = {block:,} bytes)", want, got, why)
             if lines:
                 return lines
     return []
+
+
+def judge_ring_overlap(P, res):
+    for case in RING_CASES:
+        for r, x in enumerate(res):
+            log = x[case]["log"]
+            posts = [e[1] for e in log if e[0] == "post"]
+            for i in posts:
+                start = log.index(("post", i))
+                end = log.index(("wait", i)) if ("wait", i) in log else len(log)
+                if not any(e[0] == "compute" for e in log[start:end]):
+                    return [f"rank {r} ({case[0]}, {'causal' if case[1] else 'not causal'}): transfer #{i + 1} was "
+                            f"{'waited for' if end < len(log) else 'posted'} with no block computed while it travelled: "
+                            f"nothing in flight during the compute — post the next block's transfer (RingPass) before "
+                            f"the current block's block_forward, and wait for it after"]
+    return []
+
+
+def judge_ring_bf16(P, res):
+    want = _ring_reference(P, BF16[0], BF16[1])
+    for r, x in enumerate(res):
+        y = x[BF16]
+        if y["dtype"] != "torch.bfloat16":
+            return [f"rank {r}: the output in {y['dtype']} for bfloat16 inputs: return out in q's dtype"]
+        if len(y["saved"]) < 5 or y["saved"][3:5] != ["torch.float32", "torch.float32"]:
+            return [f"rank {r}: saved for backward {y['saved']}: out and lse must be saved in the work dtype (float32 "
+                    f"for bfloat16 inputs: promote_types(q.dtype, float32)) — the lesson's backward computes in the "
+                    f"dtype of the out it saved"]
+        if not close(y["out"].double(), want[r]["out"], 2e-2):
+            return [f"rank {r} (bf16, zigzag, causal): out off by "
+                    f"{(y['out'].double() - want[r]['out']).abs().max().item():.2e} — "
+                    f"{pattern(y['out'].double(), want[r]['out'])}"]
+    return []
+
+
+def judge_ring_mesh(P, res):
+    for r, x in enumerate(res):
+        bad = [q for q in x[("contiguous", True)]["peers"] if q not in x["cp"]]
+        if bad:
+            return [f"Mesh(dp_shard=2, cp=2), rank {r}: transfers with rank(s) {bad}, outside its cp group {x['cp']}: the "
+                    f"ring runs over the group it is given (dist.get_rank(group), dist.get_global_rank(group, ...))"]
+    return _judge_ring(P, res, ("out", "dq", "dk", "dv"), cases=[("contiguous", True)], ring=2,
+                       rank_of=lambda r: res[r]["cp_rank"], label="Mesh(dp_shard=2, cp=2), ")
 
 
 CHECKS["ring"] = [
@@ -1748,9 +2371,18 @@ CHECKS["ring"] = [
           "zigzag, causal and not, GQA", run_ring, judge_ring_forward),
     Check("the lesson's backward, from what your forward saved (out, lse), gives SDPA's dq, dk, dv", run_ring,
           judge_ring_backward),
-    Check("forward passes each k, v block cp−1 times: (cp−1)·2 sends of B·c·d_kv·b bytes per rank", run_ring,
-          judge_ring_bytes, worlds=(2, 4)),
+    Check("forward passes each k, v block cp−1 times: (cp−1)·2 sends of B·c·d_kv·b bytes per rank, the block in its "
+          "own dtype (bf16: b = 2)", run_ring, judge_ring_bytes, worlds=(2, 4)),
+    Check("overlap: each block's transfer in flight while a block is computed (posted before a block_forward, waited "
+          "for after)", run_ring, judge_ring_overlap, worlds=(2, 4)),
+    Check("bf16 inputs: the output in bf16, out and lse saved in float32 for the backward, equal to SDPA within bf16's "
+          "rounding", run_ring, judge_ring_bf16),
+    Check("inside a larger mesh: Mesh(dp_shard=2, cp=2)'s cp groups [0, 1] and [2, 3], every transfer inside the group, "
+          "output and gradients equal to SDPA", run_ring_mesh, judge_ring_mesh, worlds=(4,)),
 ]
+_RING_NEXT = "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next block moves while we compute\n"
+_RING_TAKE = ("*block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n            if nxt is not None:\n"
+              "                kb, vb = nxt.wait()\n")
 BUGS["ring"] = [
     Bug("the blocks never passed on", "nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
         "nxt = None      # the next", r"rank 1, out \(contiguous, causal\): off by"),
@@ -1768,6 +2400,49 @@ BUGS["ring"] = [
         r"block seen without the causal mask"),
     Bug("the wrong lse saved for the backward", "ctx.save_for_backward(q, k, v, out, lse)",
         "ctx.save_for_backward(q, k, v, out, lse * 0)", r"rank 0, dq \(contiguous, causal\): off by"),
+    Bug("the next block waited for before the current one is computed", (_RING_NEXT, _RING_TAKE), (
+        _RING_NEXT + "            arrived = nxt.wait() if nxt is not None else None\n",
+        "*block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n            if nxt is not None:\n"
+        "                kb, vb = arrived\n"), r"rank 0 \(contiguous, causal\): transfer #1 was waited for with no "
+        r"block computed while it travelled"),
+    Bug("computed in q's dtype (bf16), not at least fp32", "work_dtype, scale = torch.promote_types(q.dtype, "
+        "torch.float32), q.shape[-1] ** -0.5", "work_dtype, scale = q.dtype, q.shape[-1] ** -0.5",
+        r"rank 0: saved for backward .*torch.bfloat16.*: out and lse must be saved in the work dtype"),
+    Bug("the rank in the world, not in the group", "cp, rank = dist.get_world_size(group), dist.get_rank(group)",
+        "cp, rank = dist.get_world_size(group), dist.get_rank()", r"Mesh\(dp_shard=2, cp=2\)", 4),
+    Bug("the block cast to the work dtype before it travels", _RING_NEXT,
+        _RING_NEXT.replace("[kb, vb]", "[kb.to(work_dtype), vb.to(work_dtype)]"),
+        r"rank 0 \(zigzag, bf16\): sends in forward .* 4-byte elements: the block travels in its own dtype"),
+]
+_RING_LOOP = (_RING_NEXT + "            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)\n"
+              "            for i, j, diagonal in pairs:\n                outs[i], lses[i] = merge(outs[i], lses[i], "
+              + _RING_TAKE)
+VARIANTS["ring"] = [
+    Variant("the transfers posted by hand (batch_isend_irecv into fresh buffers), the chunks sliced per pair",
+            _RING_LOOP,
+            "            works = None\n            if t < cp - 1:                       # post the next block first\n"
+            "                to = dist.get_global_rank(group, (rank + 1) % cp)\n"
+            "                frm = dist.get_global_rank(group, (rank - 1) % cp)\n"
+            "                sent = [kb.contiguous(), vb.contiguous()]\n"
+            "                bufs = [torch.empty_like(x) for x in sent]\n"
+            "                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group) for x in sent]\n"
+            "                                               + [dist.P2POp(dist.irecv, x, frm, group) for x in bufs])\n"
+            "            for i, j, diagonal in pairs:\n"
+            "                kj = kb.to(work_dtype).chunk(n, dim=2)[j]\n                vj = vb.to(work_dtype).chunk(n, dim=2)[j]\n"
+            "                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], kj, vj, scale, diagonal))\n"
+            "            if works is not None:\n                for w in works:\n                    w.wait()\n"
+            "                kb, vb = bufs\n"),
+    Variant("the pairs key-chunk first; a dict of running (out, lse) per query chunk", (
+            "        kb, vb = k, v                                      # the block in hand travels in its own dtype\n",
+            _RING_LOOP), ("        kb, vb, running = k, v, {}\n",
+            "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None\n"
+            "            ks, vs = (x.to(work_dtype).chunk(n, dim=2) for x in (kb, vb))\n"
+            "            for i, j, diagonal in sorted(pairs, key=lambda p: (p[1], p[0])):\n"
+            "                o, l = block_forward(qs[i], ks[j], vs[j], scale, diagonal)\n"
+            "                acc = running.get(i)\n"
+            "                running[i] = (o, l) if acc is None else merge(*acc, o, l)\n"
+            "            if nxt is not None:\n                kb, vb = nxt.wait()\n"
+            "        outs, lses = [running[i][0] for i in range(n)], [running[i][1] for i in range(n)]\n")),
 ]
 
 
