@@ -1716,9 +1716,10 @@ VARIANTS["pair"] = [
 # stage's dtype). It exists for 1F1B's memory: at most min(p−r, m) micro-batches in flight on rank r (no overlap of
 # its own). Graded on a 4-layer float64 model cut into p stages, one step of m micro-batches (m = 2 on 1 rank; 1 and 4
 # on 2; 2 and 4 on 4), each m on fresh copies of the batch:
-#   - every stage's gradients and the last stage's loss equal to one process, on every rank;
-#   - each rank's order of F and B 1F1B's; at most min(p−r, m) micro-batches' activations held (per rank);
+#   - each rank's order of F and B 1F1B's; at most min(p−r, m) micro-batches' activations held (per rank) — first:
+#     a schedule's mistake is named by its order;
 #   - per rank and boundary m activations forward and m gradients back, [B/m, S, H]·b bytes each;
+#   - every stage's gradients and the last stage's loss equal to one process, on every rank;
 #   - inside a larger mesh on 4 ranks: Mesh(pp=2, dp_shard=2)'s pipelines [0, 2] and [1, 3], each on its own data:
 #     equal to one process on that data, every transfer to the rank's neighbours in its own pipeline.
 # A received activation that does not require grad (its gradient could never go back) and a transfer to a rank that
@@ -1730,7 +1731,8 @@ PIPE_MS = {1: (2,), 2: (1, 4), 4: (2, 4)}
 @contextlib.contextmanager
 def _neighbours_only(pipe):
     """Every transfer's peer checked before it is posted: pipe.prev or pipe.next, never another rank."""
-    me, names = dist.get_rank(), ("batch_isend_irecv", "isend", "irecv", "send", "recv")
+    # (not dist.isend / irecv: a P2POp accepts only the very functions torch.distributed defines)
+    me, names = dist.get_rank(), ("batch_isend_irecv", "send", "recv")
     inner = {n: getattr(dist, n) for n in names}
 
     def check(kind, peer):
@@ -1902,14 +1904,14 @@ def judge_pipe_sends(P, res):
 
 
 CHECKS["one_f_one_b"] = [
-    Check("every stage's gradients, and the last stage's loss, equal one process on the whole batch in float64 (m < p "
-          "and m ≥ p)", run_pipe, judge_pipe_equal),
     Check("the order of F and B on each rank is 1F1B's: warm-up min(p−r−1, m) forwards, one F one B, cool-down",
           run_pipe, judge_pipe_order),
     Check("activations held: at most min(p−r, m) micro-batches on rank r (1F1B's memory, Narayanan et al. §2.2)",
           run_pipe, judge_pipe_memory, worlds=(2, 4)),
     Check("per boundary m activations forward and m gradients back, each [B/m, S, H]·b bytes", run_pipe,
           judge_pipe_sends, worlds=(2, 4)),
+    Check("every stage's gradients, and the last stage's loss, equal one process on the whole batch in float64 (m < p "
+          "and m ≥ p)", run_pipe, judge_pipe_equal),
     Check("inside a larger mesh: Mesh(pp=2, dp_shard=2)'s pipelines [0, 2] and [1, 3], each on its own data, equal to "
           "one process on that data; every transfer between neighbours of one pipeline", run_pipe_mesh,
           judge_pipe_mesh, worlds=(4,)),
@@ -1934,9 +1936,11 @@ BUGS["one_f_one_b"] = [
         "outputs.append(out / m if stage.is_last else out)", "outputs.append(out)",
         r"rank \d, .*: off by .* 4× the expected \(4 = m, the micro-batches\)"),
     Bug("the newest micro-batch's backward first (LIFO)", "inp, out = inputs.pop(0), outputs.pop(0)",
-        "inp, out = inputs.pop(), outputs.pop()", r"rank \d, .*: off by"),
+        "inp, out = inputs.pop(), outputs.pop()", r"rank 0 of 2, m = 4: F0 F1 B1 .* where 1F1B is F0 F1 B0 .* the oldest "
+        r"micro-batch first"),
     Bug("the warm-up one forward too long (off by one)", "w = min(pipe.p - pipe.r - 1, m)",
-        "w = min(pipe.p - pipe.r, m)", r"."),
+        "w = min(pipe.p - pipe.r, m)", r"rank 0 of 2, m = 4: F0 F1 F2 B0 .* where 1F1B is F0 F1 B0 F2 .* warm-up "
+        r"min\(p−r−1, m\) = 1 forward"),
     Bug("sends and receives posted one after the other (a deadlock)",
         "        for work in dist.batch_isend_irecv(ops) if ops else []:\n            work.wait()\n",
         "        for op in ops:\n            for work in dist.batch_isend_irecv([op]):\n                work.wait()\n",
@@ -2160,12 +2164,12 @@ VARIANTS["merge"] = [
 # in its own dtype, out and lse saved in the work dtype for the lesson's backward, the output in q's dtype. It exists
 # for overlap: the next block travels while the current one is computed. Graded on a seeded sequence (B=1, S=16, 4
 # heads, 2 kv heads):
+#   - per rank, forward sends (cp−1)·2 blocks of B·c·d_kv·b bytes (float64 and bf16: b = 2, the block in its own
+#     dtype) — first: a block not passed, or passed once too often, is named by its count;
 #   - float64, contiguous and causal, zigzag and causal, zigzag and not causal, on 1, 2 and 4 ranks: the output, and
 #     dq, dk, dv from the lesson's backward, equal to whole-sequence SDPA on every rank;
-#   - per rank, forward sends (cp−1)·2 blocks of B·c·d_kv·b bytes (float64 and bf16: b = 2, the block in its own
-#     dtype);
-#   - overlap, judged by what is in flight: each block's transfer is posted before a block is computed and waited for
-#     after — at least one block_forward runs while it travels;
+#   - overlap, judged by what is in flight: in every step that computes, the next block's transfer is posted before a
+#     block is computed and waited for after — at least one block_forward runs while it travels;
 #   - bf16 inputs: the output in bf16, out and lse saved in float32 (what the backward computes in), the output equal
 #     to SDPA within bf16's rounding;
 #   - inside a larger mesh on 4 ranks: Mesh(dp_shard=2, cp=2)'s cp groups [0, 1] and [2, 3], contiguous and causal:
@@ -2178,9 +2182,10 @@ BF16 = ("zigzag", True, "bf16")
 
 @contextlib.contextmanager
 def _in_flight(log, fn):
-    """log gets ("post", i) for each transfer posted (batch_isend_irecv, isend, irecv), ("wait", i) the first time
-    one of its works is waited for, and ("compute",) for each block_forward the function fn calls."""
-    names = ("batch_isend_irecv", "isend", "irecv")
+    """log gets ("post", i) for each batch of transfers posted (batch_isend_irecv), ("wait", i) the first time one of
+    its works is waited for, and ("compute",) for each block_forward the function fn calls. (Not dist.isend / irecv: a
+    P2POp accepts only the very functions torch.distributed defines.)"""
+    names = ("batch_isend_irecv",)
     inner = {n: getattr(dist, n) for n in names}
     where = fn.__globals__
     block_forward = where["block_forward"]
@@ -2301,7 +2306,9 @@ def judge_ring_forward(P, res):
 
 
 def judge_ring_backward(P, res):
-    return _judge_ring(P, res, ("dq", "dk", "dv"))
+    lines = _judge_ring(P, res, ("dq", "dk", "dv"))
+    return lines + ["(the output is right: the lesson's backward works from what forward saved — q, k, v, out and lse "
+                    "over all the keys, in the work dtype)"] if lines else []
 
 
 def judge_ring_bytes(P, res):
@@ -2324,6 +2331,8 @@ def judge_ring_bytes(P, res):
 
 
 def judge_ring_overlap(P, res):
+    """A transfer posted in a step that computes anything (a causal contiguous rank 0 has empty steps) must be in
+    flight during some of that compute: a block_forward between its post and its wait."""
     for case in RING_CASES:
         for r, x in enumerate(res):
             log = x[case]["log"]
@@ -2331,7 +2340,9 @@ def judge_ring_overlap(P, res):
             for i in posts:
                 start = log.index(("post", i))
                 end = log.index(("wait", i)) if ("wait", i) in log else len(log)
-                if not any(e[0] == "compute" for e in log[start:end]):
+                step_end = log.index(("post", i + 1)) if ("post", i + 1) in log else len(log)
+                computes = any(e[0] == "compute" for e in log[start:step_end])
+                if computes and not any(e[0] == "compute" for e in log[start:end]):
                     return [f"rank {r} ({case[0]}, {'causal' if case[1] else 'not causal'}): transfer #{i + 1} was "
                             f"{'waited for' if end < len(log) else 'posted'} with no block computed while it travelled: "
                             f"nothing in flight during the compute — post the next block's transfer (RingPass) before "
@@ -2362,17 +2373,25 @@ def judge_ring_mesh(P, res):
         if bad:
             return [f"Mesh(dp_shard=2, cp=2), rank {r}: transfers with rank(s) {bad}, outside its cp group {x['cp']}: the "
                     f"ring runs over the group it is given (dist.get_rank(group), dist.get_global_rank(group, ...))"]
-    return _judge_ring(P, res, ("out", "dq", "dk", "dv"), cases=[("contiguous", True)], ring=2,
-                       rank_of=lambda r: res[r]["cp_rank"], label="Mesh(dp_shard=2, cp=2), ")
+    lines = _judge_ring(P, res, ("out", "dq", "dk", "dv"), cases=[("contiguous", True)], ring=2,
+                        rank_of=lambda r: res[r]["cp_rank"], label="Mesh(dp_shard=2, cp=2), ")
+    if lines:   # which ranks: those whose place in the group is not their rank in the world?
+        want = _ring_reference(2, "contiguous", True)
+        wrong = [r for r, x in enumerate(res) if not close(x[("contiguous", True)]["out"], want[x["cp_rank"]]["out"])]
+        moved = [r for r, x in enumerate(res) if x["cp_rank"] != r]
+        if wrong == moved:
+            return [f"Mesh(dp_shard=2, cp=2): the output is wrong on ranks {wrong} alone, the ranks whose place in their "
+                    f"cp group is not their rank in the world: the ring's rank is dist.get_rank(group)"] + lines
+    return lines
 
 
 CHECKS["ring"] = [
+    Check("forward passes each k, v block cp−1 times: (cp−1)·2 sends of B·c·d_kv·b bytes per rank, the block in its "
+          "own dtype (bf16: b = 2)", run_ring, judge_ring_bytes, worlds=(2, 4)),
     Check("ring attention's output equals whole-sequence attention (SDPA) in float64 on every rank: contiguous and "
           "zigzag, causal and not, GQA", run_ring, judge_ring_forward),
     Check("the lesson's backward, from what your forward saved (out, lse), gives SDPA's dq, dk, dv", run_ring,
           judge_ring_backward),
-    Check("forward passes each k, v block cp−1 times: (cp−1)·2 sends of B·c·d_kv·b bytes per rank, the block in its "
-          "own dtype (bf16: b = 2)", run_ring, judge_ring_bytes, worlds=(2, 4)),
     Check("overlap: each block's transfer in flight while a block is computed (posted before a block_forward, waited "
           "for after)", run_ring, judge_ring_overlap, worlds=(2, 4)),
     Check("bf16 inputs: the output in bf16, out and lse saved in float32 for the backward, equal to SDPA within bf16's "
@@ -2385,7 +2404,8 @@ _RING_TAKE = ("*block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n          
               "                kb, vb = nxt.wait()\n")
 BUGS["ring"] = [
     Bug("the blocks never passed on", "nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
-        "nxt = None      # the next", r"rank 1, out \(contiguous, causal\): off by"),
+        "nxt = None      # the next", r"rank 0 \(contiguous\): sends in forward .* expected \(2, 2048\), measured "
+        r"\(0, 0\) — k and v must travel all the way round the ring"),
     Bug("the last step dropped (off by one)", "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n"
         "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
         "for t, src, pairs in ring_schedule(cp, rank, layout, causal)[:-1]:\n"
@@ -2409,7 +2429,8 @@ BUGS["ring"] = [
         "torch.float32), q.shape[-1] ** -0.5", "work_dtype, scale = q.dtype, q.shape[-1] ** -0.5",
         r"rank 0: saved for backward .*torch.bfloat16.*: out and lse must be saved in the work dtype"),
     Bug("the rank in the world, not in the group", "cp, rank = dist.get_world_size(group), dist.get_rank(group)",
-        "cp, rank = dist.get_world_size(group), dist.get_rank()", r"Mesh\(dp_shard=2, cp=2\)", 4),
+        "cp, rank = dist.get_world_size(group), dist.get_rank()", r"Mesh\(dp_shard=2, cp=2\): the output is wrong on "
+        r"ranks \[2, 3\] alone, the ranks whose place in their cp group is not their rank in the world", 4),
     Bug("the block cast to the work dtype before it travels", _RING_NEXT,
         _RING_NEXT.replace("[kb, vb]", "[kb.to(work_dtype), vb.to(work_dtype)]"),
         r"rank 0 \(zigzag, bf16\): sends in forward .* 4-byte elements: the block travels in its own dtype"),
@@ -2447,21 +2468,33 @@ VARIANTS["ring"] = [
 
 
 # ---- 7. expert parallel: all_to_all (expert_parallel.py: AllToAll.forward, AllToAll.backward) ------------------------
-# The expert-parallel layer (4 experts, top-2) on uneven tokens per rank, dropless and with capacity factor 1.0, on
-# 1, 2 and 4 ranks: the output and the gradients of the tokens, the router and every expert equal to the
-# single-device MoE; the all-to-alls' bytes: counts, dispatch, combine, and both again in backward with the splits
-# swapped. The run and checks serve dispatch_combine too.
+# Where the course calls it: ExpertParallelMoE's dispatch and combine (its backward: the same exchange, splits
+# swapped), on the ep group — the world in the lesson, ep consecutive dp ranks inside a larger mesh in train.py —
+# with uneven splits (tokens per rank differ, routing differs) and empty ones (an expert's capacity reached); rows in
+# the activations' dtype. Graded with the expert-parallel layer (4 experts, top-2) on uneven tokens per rank:
+#   - dropless and with capacity factor 1.0 on 1, 2 and 4 ranks: the output and the gradients of the tokens, the
+#     router and every expert equal to the single-device MoE, on every rank;
+#   - per rank, every all-to-all's bytes: counts, dispatch, combine, and in backward both again with the splits
+#     swapped;
+#   - inside a larger mesh on 4 ranks: Mesh(dp_shard=4, ep=2)'s ep groups [0, 1] and [2, 3] (dropless): every
+#     all-to-all over the ep group, equal to the single-device MoE on all the ranks' tokens.
+# The run and checks serve dispatch_combine too.
 
 EP_SIZES = {1: [10], 2: [7, 12], 4: [7, 12, 5, 9]}   # tokens per rank: uneven, so the splits are too
+EP_ERRORS = [(r"list index out of range", "an all-to-all whose splits name fewer ranks than its group has: the "
+              "exchange runs over the group the splits are for (the ep group)", "_check_splits"),
+             (r"shape '\[\d+, \d+\]' is invalid for input of size", "the experts split by rank do not fit: ep is the "
+              "ep group's size (self.ep), not the world's")]
 
 
-def _ep_case(P, capacity):
+def _ep_case(P, capacity, mesh=None):
     from copy import deepcopy
     from types import SimpleNamespace
     from expert_parallel import parallelize_experts, sync_gradients
     from lab.model import build_model, get_config
     from mesh import Mesh
-    mesh = Mesh(dp_shard=P, ep=P)
+    inside = mesh is not None
+    mesh = mesh or Mesh(dp_shard=P, ep=P)
     cfg = get_config("tiny", n_experts=4, top_k=2, capacity_factor=capacity)
     ref = build_model(cfg, seed=0, dtype=F64).layers[0].mlp
     holder = SimpleNamespace(layers=[SimpleNamespace(mlp=deepcopy(ref))])
@@ -2479,8 +2512,10 @@ def _ep_case(P, capacity):
     sl = slice(sum(sizes[:r]), sum(sizes[:r + 1]))
     x = x_all[sl].clone().requires_grad_()
     with Count() as c:
-        out = layer(x)
-        ((out * dy[sl]).sum() * D / N + layer.aux_loss).backward()
+        with explained(*EP_ERRORS, prefix="forward: "):
+            out = layer(x)
+        with explained(*EP_ERRORS, prefix="backward (the all-to-alls' gradients): "):
+            ((out * dy[sl]).sum() * D / N + layer.aux_loss).backward()
         sync_gradients(layer, mesh.group("dp_cp"), mesh.group("edp_cp"), D)
     lo, n = layer.first, layer.n_local
     pairs = dict(out=(out, out_ref[sl]), x_grad=(x.grad / D, x_ref.grad[sl]),
@@ -2488,22 +2523,28 @@ def _ep_case(P, capacity):
     for name, p, q in zip(("w1", "w3", "w2"), layer.expert_parameters(), (ref.w1, ref.w3, ref.w2)):
         pairs[name + "_grad"] = (p.grad, q.grad[lo:lo + n])
     _, weights, experts, _ = ref.route(x_all.view(-1, cfg.dim))
-    unweighted = None
+    unweighted = one = None
     if capacity is None:   # what a combine that forgets the router's weights gives: the k experts' outputs summed
-        with torch.no_grad():
+        with torch.no_grad():   # (and one that overwrites: each token's result from one expert alone)
             xs = x_all.view(-1, cfg.dim)
-            unweighted = sum(torch.stack([ref.expert(int(e), xs[t]) for t, e in enumerate(experts[:, j])])
-                             for j in range(cfg.top_k))[sl].view_as(out)
+            each = [torch.stack([ref.expert(int(e), xs[t]) for t, e in enumerate(experts[:, j])])
+                    for j in range(cfg.top_k)]
+            unweighted = sum(each)[sl].view_as(out)
+            one = [torch.stack([weights[t, j] * each[j][t] for t, j in enumerate(pick.tolist())])[sl].view_as(out)
+                   for pick in (experts.argmax(1), experts.argmin(1))]
+    rows, kept = _expected_rows(experts, ref.capacity(N), sizes, n, P) if not inside else (None, None)
     return dict(got={k: a.detach().clone() for k, (a, _) in pairs.items()},
-                want={k: b.detach().clone() for k, (_, b) in pairs.items()}, unweighted=unweighted,
+                want={k: b.detach().clone() for k, (_, b) in pairs.items()}, unweighted=unweighted, one=one,
                 a2a=[(e["bytes"], c.wire(e)) for e in c.events if e["op"] == "all_to_all"],
-                rows=_expected_rows(experts, ref.capacity(N), sizes, n, P), dropped=layer.dropped,
-                ref_dropped=ref.dropped, n_local=n)
+                a2a_groups=sorted({tuple(e["group"]) for e in c.events if e["op"] == "all_to_all"}),
+                ep=mesh.ranks("ep"), rows=rows, kept=kept, dropped=layer.dropped, ref_dropped=ref.dropped,
+                tokens_per_expert=[int(t) for t in layer.tokens_per_expert], first=lo, n_local=n,
+                assignments=sizes[r] * cfg.top_k)
 
 
 def _expected_rows(experts, cap, sizes, n_local, ep):
     """rows[d][j]: rank d's assignments kept by the experts of rank j, every expert taking its first `cap` in token
-    order over the group's tokens (rank order)."""
+    order over the group's tokens (rank order); kept[e]: the assignments expert e keeps."""
     rows, taken, bounds = [[0] * ep for _ in sizes], {}, list(itertools.accumulate(sizes))
     for t, chosen in enumerate(experts.tolist()):
         d = next(i for i, b in enumerate(bounds) if t < b)
@@ -2511,23 +2552,35 @@ def _expected_rows(experts, cap, sizes, n_local, ep):
             if cap is None or taken.get(e, 0) < cap:
                 taken[e] = taken.get(e, 0) + 1
                 rows[d][e // n_local] += 1
-    return rows
+    return rows, [taken.get(e, 0) for e in range(n_local * ep)]
 
 
 def run_ep(P):
     return {"dropless": _ep_case(P, None), "capacity 1.0": _ep_case(P, 1.0)}
 
 
-def judge_ep_equal(P, res):
-    for case in ("dropless", "capacity 1.0"):
+def run_ep_mesh(P):
+    from mesh import Mesh
+    return {"dropless": _ep_case(P, None, Mesh(dp_shard=4, ep=2))}
+
+
+def judge_ep_equal(P, res, cases=("dropless", "capacity 1.0"), label=""):
+    for case in cases:
         lines = compare_named(P, [x[case] for x in res], "got", lambda r, n: res[r][case]["want"][n],
                               what=f" ({case})", scales=[(P, f"{P}× the expected ({P} = ep)")] if P > 1 else [],
                               candidates_of=lambda r, n: [("the k experts' outputs summed without the router's weights: "
                                                            "weight each result by weights[t, slot] before summing it "
-                                                           "into its token", res[r][case]["unweighted"])]
+                                                           "into its token", res[r][case]["unweighted"])] + [
+                                  ("each token's result from one of its k experts alone, the other overwritten (index_copy "
+                                   "or an indexed assignment): ADD a token's results (index_add)", one)
+                                  for one in res[r][case]["one"]]
                               if n == "out" and res[r][case]["unweighted"] is not None else [])
         if lines:
-            return lines + ["(expected: the single-device MoE of lab/model.py on all the ranks' tokens)"]
+            if case != cases[0]:   # dropless was right: which assignments an expert keeps
+                lines[0] += (" — dropless is right: with a capacity each expert keeps its FIRST C assignments in token "
+                             "order, rank by rank (a stable sort by expert keeps that order)")
+            return [label + lines[0]] + lines[1:] + ["(expected: the single-device MoE of lab/model.py on all the ranks' "
+                                                     "tokens)"]
     return []
 
 
@@ -2553,30 +2606,83 @@ def judge_ep_bytes(P, res):
     return []
 
 
+def judge_ep_mesh(P, res):
+    for r, x in enumerate(res):
+        bad = [list(g) for g in x["dropless"]["a2a_groups"] if list(g) != x["dropless"]["ep"]]
+        if bad:
+            return [f"Mesh(dp_shard=4, ep=2), rank {r}: all-to-alls over ranks {bad}: the exchange runs over the ep "
+                    f"group {x['dropless']['ep']} it is given"]
+    return judge_ep_equal(P, res, cases=("dropless",), label="Mesh(dp_shard=4, ep=2), ")
+
+
 CHECKS["all_to_all"] = [
     Check("the expert-parallel layer equals the single-device MoE in float64: output, and the gradients of the tokens, "
           "the router and every expert, dropless and with a capacity, uneven tokens per rank", run_ep, judge_ep_equal),
     Check("all-to-all bytes: counts, dispatch (my kept rows·H·b), combine (the rows I received), and backward both "
           "again with the splits swapped", run_ep, judge_ep_bytes, worlds=(2, 4)),
+    Check("inside a larger mesh: Mesh(dp_shard=4, ep=2)'s ep groups [0, 1] and [2, 3], every all-to-all over the ep "
+          "group, equal to the single-device MoE on all the ranks' tokens", run_ep_mesh, judge_ep_mesh, worlds=(4,)),
 ]
+_A2A_BWD = "        return _all_to_all(grad, *ctx.splits, ctx.group), None, None, None\n"
 BUGS["all_to_all"] = [
     Bug("the backward's splits not swapped", "ctx.splits, ctx.group = (in_splits, out_splits), group",
         "ctx.splits, ctx.group = (out_splits, in_splits), group",
-        r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
+        r"rank 0: RuntimeError: backward \(the all-to-alls' gradients\): all_to_all_single: the input has \d+ rows but "
+        r"input_split_sizes .* add up to \d+"),
     Bug("the backward passes the gradient through", "return _all_to_all(grad, *ctx.splits, ctx.group), None, "
-        "None, None", "return grad, None, None, None", r"RuntimeError: .*AllToAll"),
+        "None, None", "return grad, None, None, None", r"rank 0: RuntimeError: backward \(the all-to-alls' gradients\): "
+        r"Function AllToAllBackward returned an invalid gradient"),
     Bug("the forward's splits swapped", "return _all_to_all(x, out_splits, in_splits, group)",
         "return _all_to_all(x, in_splits, out_splits, group)",
         r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
+    Bug("the backward over the default group (ctx.group not used)", _A2A_BWD,
+        "        return _all_to_all(grad, *ctx.splits, None), None, None, None\n",
+        r"every rank: IndexError: backward .*: an all-to-all whose splits name fewer ranks than its group has", 4),
+    Bug("the backward returns the gradient alone", _A2A_BWD, "        return _all_to_all(grad, *ctx.splits, ctx.group)\n",
+        r"every rank: RuntimeError: backward .*: function AllToAllBackward returned an incorrect number of gradients"),
+    Bug("the splits saved with save_for_backward", "        ctx.splits, ctx.group = (in_splits, out_splits), group\n",
+        "        ctx.save_for_backward(in_splits, out_splits)\n        ctx.splits, ctx.group = (in_splits, out_splits), "
+        "group\n", r"every rank: TypeError: forward: save_for_backward can only save variables"),
+]
+VARIANTS["all_to_all"] = [
+    Variant("torch's all_to_all_single called directly, the splits kept by name", (
+            "        ctx.splits, ctx.group = (in_splits, out_splits), group\n"
+            "        return _all_to_all(x, out_splits, in_splits, group)\n", _A2A_BWD), (
+            "        ctx.sent, ctx.got, ctx.group = list(in_splits), list(out_splits), group\n"
+            "        out = x.new_empty((sum(out_splits), *x.shape[1:]))\n"
+            "        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)\n"
+            "        return out\n",
+            "        back = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))\n"
+            "        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.got, group=ctx.group)\n"
+            "        return back, None, None, None\n")),
+    Variant("the backward as the same Function applied with the splits swapped", _A2A_BWD,
+            "        back, forth = ctx.splits       # the forward's in_splits and out_splits: here the other way\n"
+            "        return AllToAll.apply(grad, back, forth, ctx.group), None, None, None\n"),
 ]
 
 
 # ---- 7. expert parallel: dispatch_combine (expert_parallel.py: ExpertParallelMoE.dispatch_combine) -------------------
-# all_to_all's run and checks, and: the ranks' dropped assignments add up to the single device's (capacity
-# C = ⌈T·k/E·cf⌉ per expert).
+# Where the course calls it: ExpertParallelMoE.forward on every MoE layer of train.py and the lesson — alone (the aux
+# loss over the ep group) or composed (parallelize_experts: the aux loss over dp × cp, the gradient divisor D),
+# dropless or with a capacity, tokens per rank uneven (sequence lengths, tp's token split), the ep group inside a
+# larger mesh. Graded on all_to_all's runs, and:
+#   - per rank: the assignments it dropped (its own that no expert kept) and tokens_per_expert (what its experts
+#     kept, from every rank), against the single device's routing with capacity C = ⌈T·k/E·cf⌉ per expert; the ranks'
+#     drops adding up to the single device's.
 
 def judge_ep_dropped(P, res):
     for case in ("dropless", "capacity 1.0"):
+        for r, x in enumerate(res):
+            y = x[case]
+            want = y["assignments"] - sum(y["rows"][r])
+            if y["dropped"] != want:
+                return [f"rank {r} ({case}): dropped {y['dropped']} of its {y['assignments']} assignments, expected "
+                        f"{want} (the single device's routing: each expert keeps its first C = ⌈T·k/E·cf⌉ in token "
+                        f"order)"]
+            mine = y["kept"][y["first"]:y["first"] + y["n_local"]]
+            if y["tokens_per_expert"] != mine:
+                return [f"rank {r} ({case}): tokens_per_expert {y['tokens_per_expert']} where its experts kept {mine} "
+                        f"(the rows each of MY experts received, from every rank: keep_recv.sum(0))"]
         total = sum(x[case]["dropped"] for x in res)
         want = res[0][case]["ref_dropped"]
         if total != want:
@@ -2585,8 +2691,8 @@ def judge_ep_dropped(P, res):
 
 
 CHECKS["dispatch_combine"] = CHECKS["all_to_all"] + [
-    Check("drops: the ranks' dropped assignments add up to the single device's (capacity C = ⌈T·k/E·cf⌉ per expert)",
-          run_ep, judge_ep_dropped),
+    Check("per rank: the assignments dropped and tokens_per_expert as the single device routes them (capacity "
+          "C = ⌈T·k/E·cf⌉ per expert); the drops adding up to the single device's", run_ep, judge_ep_dropped),
 ]
 BUGS["dispatch_combine"] = [
     Bug("the results not weighted by the router", "index_add(0, tok, back * weights.flatten()[sel, None])",
@@ -2595,7 +2701,39 @@ BUGS["dispatch_combine"] = [
         "back = self.all_to_all(y, recv, send, self.ep_group)",
         r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
     Bug("index_copy: a token's k results overwrite each other", "torch.zeros_like(x).index_add(0, tok, ",
-        "torch.zeros_like(x).index_copy(0, tok, ", r"rank 0, out \(dropless\): off by"),
+        "torch.zeros_like(x).index_copy(0, tok, ", r"rank 0, out \(dropless\): off by .* each token's result from one "
+        r"of its k experts alone, the other overwritten"),
+    Bug("an unstable sort by expert", "order = torch.argsort(flat, stable=True)", "order = torch.argsort(flat)",
+        r"\(capacity 1.0\): off by .* dropless is right: with a capacity each expert keeps its FIRST C assignments in "
+        r"token order"),
+    Bug("tokens_per_expert: what this rank sends, not what its experts received",
+        "self.tokens_per_expert, self.dropped = aux, keep_recv.sum(0), T * k - len(sel)",
+        "self.tokens_per_expert, self.dropped = aux, keep_send, T * k - len(sel)",
+        r"rank 0 \(dropless\): tokens_per_expert \[.*\] where its experts kept \[.*\]"),
+    Bug("one assignment too many kept per expert (<=)", "sel = order[pos < keep_send[sorted_e]]",
+        "sel = order[pos <= keep_send[sorted_e]]", r"all_to_all_single: the input has \d+ rows but input_split_sizes"),
+    Bug("ep as the world's size", "T, k, n_local, ep = x.shape[0], self.top_k, self.n_local, self.ep",
+        "T, k, n_local, ep = x.shape[0], self.top_k, self.n_local, dist.get_world_size()",
+        r"every rank: RuntimeError: the experts split by rank do not fit: ep is the ep group's size", 4),
+]
+_DC_SELECT = ("        order = torch.argsort(flat, stable=True)             # [T·k]\n        sorted_e = flat[order]\n"
+              "        pos = torch.arange(T * k, device=x.device) - (counts.cumsum(0) - counts)[sorted_e]\n"
+              "        sel = order[pos < keep_send[sorted_e]]               # [N_send] kept, grouped by owner rank\n")
+_DC_EXPERTS = ("        perm = torch.argsort(row_expert, stable=True)        # expert-major: one matmul per expert\n"
+               "        ys = self.experts(rows[perm].split(keep_recv.sum(0).tolist()))\n"
+               "        y = torch.cat(ys)[torch.argsort(perm)]               # back to arrival order [N_recv, H]\n")
+VARIANTS["dispatch_combine"] = [
+    Variant("each expert's first keep_send[e] assignments by nonzero, in expert order; the drops counted from the "
+            "counts", (_DC_SELECT, "T * k - len(sel)"), (
+            "        sel = torch.cat([(flat == e).nonzero().flatten()[:int(keep_send[e])]\n"
+            "                         for e in range(self.n_experts)])\n", "int(counts.sum() - keep_send.sum())")),
+    Variant("my experts run one by one on their rows, in place; the combine by scatter_add", (
+            _DC_EXPERTS, "        out = torch.zeros_like(x).index_add(0, tok, back * weights.flatten()[sel, None])\n"), (
+            "        y = torch.empty_like(rows)\n        for e, w in enumerate(zip(self.w1, self.w3, self.w2)):\n"
+            "            idx = (row_expert == e).nonzero().flatten()\n"
+            "            y[idx] = F.silu(rows[idx] @ w[0].T) * (rows[idx] @ w[1].T) @ w[2].T\n",
+            "        weighted = back * weights.flatten()[sel].unsqueeze(1)\n"
+            "        out = torch.zeros_like(x).scatter_add(0, tok[:, None].expand_as(weighted), weighted)\n")),
 ]
 
 assert set(CHECKS) == set(BY_NAME), set(BY_NAME) ^ set(CHECKS)
