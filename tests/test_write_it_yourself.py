@@ -1,13 +1,15 @@
 """Write it yourself (lab/exercises.py, lab/grader.py, lab/exercise_checks.py, lab/collective_watch.py): the grader is
 proven, not assumed.
 
-For every exercise the reference core passes every check on every world size it is graded on, the blank fails with
-"not implemented yet: exercise NAME", and at least three seeded bugs typical of learners (BUGS, beside each
-exercise's checks in lab/exercise_checks.py) each fail with the diagnosis the grader promises (a mutant the grader
-lets pass is a defect of the grader). All versions of all cores are graded in ONE spawned group of ranks per world
-size (lab.grader.evaluate), as the grader itself does for one version.
-Then the command line as a learner runs it, in a copy of the repository: start, grade the blank, a wrong attempt, a
-right one, compare, and the refusals.
+For every exercise the reference core passes every check on every world size it is graded on, and so does each of at
+least two correct variants written differently (VARIANTS: another loop shape, in place, another legal order, an
+equivalent formula); the blank fails with "not implemented yet: exercise NAME"; and at least five seeded bugs typical
+of learners (BUGS, beside each exercise's checks in lab/exercise_checks.py, covering the situations the exercise's
+block lists) each fail with the diagnosis the grader promises in the first line of the first failing check (a mutant
+the grader lets pass, or one it blames on something else, is a defect of the grader). All versions of all cores are
+graded in ONE spawned group of ranks per world size (lab.grader.evaluate), as the grader itself does for one version.
+Then the command line as a learner runs it, in a copy of the repository: start (the blanked core shown before the
+lesson is read), grade the blank, a wrong attempt, a right one, compare, and the refusals.
 """
 import os
 import re
@@ -141,13 +143,20 @@ def test_a_seeded_bug_fails_with_its_diagnosis(name, label, graded):
     assert "not implemented yet" not in first
 
 
-def test_every_exercise_has_three_seeded_bugs_and_the_proof_is_cheap(graded):
+def test_every_exercise_has_five_seeded_bugs_two_variants_and_the_proof_is_cheap(graded):
     _, took = graded
-    assert set(BUGS) == set(exercises.BY_NAME)
-    assert all(len(b) >= 3 for b in BUGS.values())
+    assert set(BUGS) == set(VARIANTS) == set(exercises.BY_NAME)
+    assert all(len(b) >= 5 for b in BUGS.values()), {n: len(b) for n, b in BUGS.items()}
+    assert all(len(v) >= 2 for v in VARIANTS.values()), {n: len(v) for n, v in VARIANTS.items()}
     assert len(exercises.EXERCISES) >= 12 and {e.lesson for e in exercises.EXERCISES} >= {
         "mesh", "ddp", "fsdp", "hsdp", "tensor_parallel", "pipeline", "ring_attention", "expert_parallel"}
-    print(f"every variant graded in {took:.0f} s")
+    print(f"every version graded in {took:.0f} s")
+
+
+def test_hints_say_the_moves_in_words():
+    """A hint describes the idea and the moves, not the calls to type: no call, no torch or dist function named."""
+    for ex in exercises.EXERCISES:
+        assert not re.search(r"\w\(|\b(dist|torch|F)\.\w", ex.hint), (ex.name, ex.hint)
 
 
 def test_a_deadlock_is_named_within_seconds(graded):
@@ -218,6 +227,10 @@ def test_a_learner_session_on_the_command_line():
             return run_command(["-m", "lab.exercises", *args], cwd=tmp, timeout=300, expect_fail=fail)
         out = cli("start", "average")
         assert "average_gradients blanked in yours/ddp.py (a copy of ddp.py)" in out and "grade average" in out
+        # the exercise before the answer: write it before reading ddp.py; the blanked core shown, where it is
+        assert "Write it there BEFORE you read it in ddp.py" in out, out
+        assert re.search(r"yours/ddp.py, line \d+:\n    @torch.no_grad\(\)\n    def average_gradients\(", out), out
+        assert 'raise NotImplementedError("not implemented yet: exercise average' in out, out
         mine = os.path.join(tmp, "yours", "ddp.py")
         out = cli("grade", "average", fail=True)
         assert "FAIL  1 rank" in out and "rank 0: not implemented yet: exercise average" in out, out
