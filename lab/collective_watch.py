@@ -1,30 +1,46 @@
-"""A hang is a diagnosis: every collective and transfer of a rank checked against its peers' BEFORE it runs, for grading.
+"""A hang is a diagnosis: every collective and transfer of a rank checked against its peers' BEFORE it runs.
 
 Ranks pair the collectives on a group by the order they issue them and by nothing else (lesson 0), and a send
 completes only when its receive is posted. A learner's code that makes one more collective on one rank, another
 size, another order, or a send nobody receives, would abort gloo, swap data silently, or wait out the collective
-timeout (minutes). With `install()` every collective of `torch.distributed` (all_reduce, broadcast, the all-gathers,
-the reduce-scatters, the all-to-alls, barrier) first says in one line what it is about to do, through the job's
-key-value store (as mesh.agree; not a collective, so the bytes on the wire are unchanged), and waits for its
-group's lines; transfers (batch_isend_irecv, send, recv) publish each send and receive and wait for the other side's.
+timeout (minutes). With `install()`:
+
+- every collective of `torch.distributed` (all_reduce, broadcast, the all-gathers, the reduce-scatters, the
+  all-to-alls, barrier) first says in one line what it is about to do, through the job's key-value store (as
+  mesh.agree; not a collective, so the bytes on the wire are unchanged), and waits for its group's lines;
+- every transfer (whatever call posts it: isend, irecv, send, recv, batch_isend_irecv, P2POp — all reach a process
+  group's send and recv) publishes its side when it is posted and does not wait there: the n-th send from rank s to
+  rank d on a group and tag meets d's n-th receive from s, whatever batch or call each sits in, as gloo matches
+  them. A rank waits where it really waits — the returned work's wait(), or inside a blocking send/recv — and
+  there the watch waits first for the other side to be posted, then for gloo, at most `patience` + 5 s.
+
 Then, within `patience` seconds and usually within a fraction of one, every rank stops with one message:
 
     the lines differ         each rank's collective named (op, size, dtype, group), and what differs
     an all-to-all's splits   "rank 0 sends 7 rows to rank 1, which expects 5 from it"
-    a transfer's sizes       the send and the receive named, with both sizes
-    a deadlock               every rank named with what it waits for, when each waits on a peer that waits
-                             elsewhere (two ranks both sending first: "post a send with the receive it waits for")
-    a peer that left         it raised (its error named) or finished the check without this collective
+    a transfer's sizes       the send and the receive named, with both sizes (refused before gloo sees both sides:
+                             gloo aborts the receiving process when more bytes arrive than it posted room for)
+    a deadlock               every rank named with what it waits for and its other transfers not yet met, when each
+                             waits on a peer that waits elsewhere (two ranks both sending first: "post a send with the
+                             receive it waits for")
+    a peer that left         it raised (its error named) or finished the scope without this collective
     a peer that never came   after `patience` s: its last collective on the group, and that it is not waiting at one
+    gloo gave up             a wait the watch let through failed inside gloo (a peer's process stopped answering):
+                             GlooFailed, with what this rank waited for and from whom (explain() words gloo's errors)
 
-Grading calls begin_check() and end_check() around each check, identically on every rank: keys are scoped by
-the check, so a check that failed half-way leaves nothing behind for the next. `events` logs this rank's
-collectives (op, group, elements, dtype, asynchronous?, inside backward?) for the checks' formulas.
+Scopes: begin_check() and end_check() around a unit of work (a grading check; a training step could be one), called
+identically on every rank: keys and gloo's tags are scoped, so a scope that failed half-way leaves nothing behind for
+the next (a transfer posted that no peer met never meets a later one), and unusable() says when gloo itself failed
+in it (a timeout closes the connection between two ranks): then the process group must be rebuilt before the next.
+`events` logs this rank's collectives and transfers (op, group, elements, dtype, asynchronous?, inside backward?) for
+formulas; in_flight() the asynchronous collectives not yet waited; set_drop_hook(fn) hears of one dropped in flight
+(its tensors may be freed while gloo writes into them); stats() the watch's own cost (calls, seconds).
 Install BEFORE importing the lessons (mesh.py binds all_gather_single at import); install() also re-points
 names already bound in the course's modules.
 """
 from __future__ import annotations
 
+import datetime
 import inspect
 import json
 import sys
@@ -35,9 +51,10 @@ import torch.distributed as dist
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                "reduce_scatter_tensor", "all_to_all_single", "all_gather", "reduce_scatter", "all_to_all", "barrier")
-TRANSFERS = ("batch_isend_irecv", "send", "recv")
 _ORIGINAL: dict[str, object] = {}
-_S = dict(check=0, seq={}, sent={}, received={}, n=0, patience=10.0, events=[], probe=None)
+_PG_ORIGINAL: dict[str, object] = {}   # ProcessGroup.send / .recv: where every transfer is posted
+_S = dict(check=0, seq={}, posted={}, pending=[], n=0, patience=10.0, events=[], probe=None, broken=None, works={},
+          on_drop=None, calls=0, spent=0.0, unusable={})
 events: list[dict] = _S["events"]
 
 
@@ -49,27 +66,34 @@ class PeerLeft(CollectiveMismatch):
     """A peer left the check (it raised, or finished) while this rank waited for it at a collective."""
 
 
+class GlooFailed(RuntimeError):
+    """A collective or transfer the watch let through failed inside gloo: what this rank waited for, then gloo's cause
+    in words (explain)."""
+
+
 # ---- install / uninstall --------------------------------------------------------------------------------------
 
-def _course_modules():
+def course_modules():
+    """The course's modules loaded now: the lessons, lab's, and a learner's (yours_*)."""
     return [m for name, m in list(sys.modules.items()) if m is not None and (
         name in ("mesh", "ddp", "fsdp", "hsdp", "tensor_parallel", "pipeline", "ring_attention", "expert_parallel",
                  "train") or name.startswith(("lab.", "yours_")))]
 
 
 def _repoint(old, new) -> None:
-    for m in _course_modules():
+    for m in course_modules():
         for k, v in list(vars(m).items()):
             if v is old:
                 setattr(m, k, new)
 
 
 def install(patience: float = 10.0) -> None:
-    """Wrap torch.distributed's collectives and transfers (and the names the course's modules bound to them)."""
+    """Wrap torch.distributed's collectives (and the names the course's modules bound to them), and the process
+    groups' send and recv (every transfer passes there)."""
     _S["patience"] = float(patience)
     if _ORIGINAL:
         return
-    for name in COLLECTIVES + TRANSFERS:
+    for name in COLLECTIVES:
         orig = getattr(dist, name, None)
         if orig is None:
             continue
@@ -77,6 +101,9 @@ def install(patience: float = 10.0) -> None:
         wrapped = _wrap(name, orig)
         setattr(dist, name, wrapped)
         _repoint(orig, wrapped)
+    for kind in ("send", "recv"):
+        _PG_ORIGINAL[kind] = getattr(dist.ProcessGroup, kind)
+        setattr(dist.ProcessGroup, kind, _wrap_transfer(kind, _PG_ORIGINAL[kind]))
 
 
 def uninstall() -> None:
@@ -84,7 +111,19 @@ def uninstall() -> None:
         wrapped = getattr(dist, name)
         setattr(dist, name, orig)
         _repoint(wrapped, orig)
+    for kind, orig in _PG_ORIGINAL.items():
+        setattr(dist.ProcessGroup, kind, orig)
     _ORIGINAL.clear()
+    _PG_ORIGINAL.clear()
+
+
+def _watched(group) -> bool:
+    return dist.is_initialized() and dist.get_backend(group) in ("gloo", "nccl")
+
+
+def _bound() -> datetime.timedelta:
+    """How long a wait the watch let through may take inside gloo: every side of it is posted by then."""
+    return datetime.timedelta(seconds=_S["patience"] + 5)
 
 
 def _wrap(name, orig):
@@ -94,11 +133,16 @@ def _wrap(name, orig):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        if name in TRANSFERS:
-            _transfers(name, a)
-        else:
-            _collective(name, a)
-        return orig(*args, **kwargs)
+        t0 = time.perf_counter()
+        rec = _collective(name, a)
+        _S["calls"], _S["spent"] = _S["calls"] + 1, _S["spent"] + time.perf_counter() - t0
+        if rec is None:
+            return orig(*args, **kwargs)
+        try:
+            work = orig(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - gloo's own failure, said with what this rank waited for
+            raise _failed(rec, e) from e
+        return _Work(work, rec) if a.get("async_op") and work is not None else work
     wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__ = name, orig.__doc__, orig
     return wrapped
 
@@ -177,10 +221,11 @@ def _key(*parts) -> str:
     return "watch/" + "/".join(str(p) for p in (_S["check"], *parts))
 
 
-def _collective(name, a) -> None:
+def _collective(name, a) -> dict | None:
+    """Log the collective and check it against its group's (raise if they differ); its event, None if unwatched."""
     group = _group_of(a.get("group"))
-    if not dist.is_initialized() or dist.get_backend(group) not in ("gloo", "nccl"):
-        return
+    if not _watched(group):
+        return None
     rec = _describe(name, a)
     if rec.get("send") is not None or rec.get("recv") is not None:
         _check_own_splits(rec)
@@ -192,7 +237,7 @@ def _collective(name, a) -> None:
         _S["probe"](rec)
     events.append(rec)
     if len(ranks) == 1 or me not in ranks:
-        return
+        return rec
     gname = group.group_name
     seq = _S["seq"][gname] = _S["seq"].get(gname, -1) + 1
     _S["n"] += 1
@@ -208,6 +253,7 @@ def _collective(name, a) -> None:
         raise CollectiveMismatch(_differ(ranks, said))
     if rec.get("send") is not None or rec.get("recv") is not None:
         _check_splits(ranks, said, rec)
+    return rec
 
 
 def _last_line(gname, seq, r) -> str:
@@ -252,48 +298,207 @@ def _check_splits(ranks, said, rec) -> None:
                     f"every split must be a number the sending rank produced and the receiver was told")
 
 
-# ---- transfers: each send meets its receive ---------------------------------------------------------------------
+# ---- transfers: each side published when posted; the wait is where a rank waits ---------------------------------
 
-def _transfers(name, a) -> None:
-    if not dist.is_initialized():
-        return
-    if name == "batch_isend_irecv":
-        ops = [("send" if op.op is dist.distributed_c10d.isend else "recv", op.tensor, op.peer) for op in a["p2p_op_list"]]
-    elif name == "send":
-        ops = [("send", a["tensor"], a["dst"] if a["dst"] is not None else
-                dist.get_global_rank(a["group"], a["group_dst"]))]
-    else:
-        ops = [("recv", a["tensor"], a["src"] if a["src"] is not None else
-                dist.get_global_rank(a["group"], a["group_src"]))]
-    me, store, keys, peers, mine = dist.get_rank(), _store(), [], [], []
-    for kind, t, peer in ops:
-        pair = (me, peer) if kind == "send" else (peer, me)
-        book = _S["sent" if kind == "send" else "received"]
-        k = book[pair] = book.get(pair, -1) + 1
-        what = f"{t.numel():,} {_dt(t)} elements {tuple(t.shape)}"
-        store.set(_key("p", f"{pair[0]}>{pair[1]}", k, kind), json.dumps(dict(what=what, numel=t.numel(), dtype=_dt(t))))
-        other = "recv" if kind == "send" else "send"
-        keys.append(_key("p", f"{pair[0]}>{pair[1]}", k, other))
-        peers.append(peer)
-        mine.append((kind, t, peer, k, what))
-        rec = dict(op=kind, group=[me, peer], numel=t.numel(), dtype=_dt(t), asynchronous=name != "send", bytes=_nb(t),
-                   in_backward=torch._C._current_graph_task_id() != -1, t=time.monotonic(), line=what)
-        if _S["probe"] is not None:
-            _S["probe"](rec)
-        events.append(rec)
+_BLOCKING = None   # the code objects of torch's blocking send and recv (a transfer they post is waited at once)
+
+
+def _wrap_transfer(kind, orig):
+    def wrapped(group, tensors, peer, tag=0):
+        if not _watched(group):
+            return orig(group, tensors, peer, tag)
+        t0 = time.perf_counter()
+        op = _post(group, kind, tensors[0], peer, tag)
+        _S["calls"], _S["spent"] = _S["calls"] + 1, _S["spent"] + time.perf_counter() - t0
+        return _Work(orig(group, tensors, peer, _scoped(group, tag)), op)
+    wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__ = kind, orig.__doc__, orig
+    return wrapped
+
+
+def _scoped(group, tag: int) -> int:
+    """gloo's tag for a transfer of this scope: a side posted in an earlier scope that no peer met (the scope failed
+    half-way) can never meet one of this scope's, which gloo would otherwise pair with it (same peer, same tag)."""
+    if 0 <= tag < 2 ** 16 and dist.get_backend(group) == "gloo":
+        return tag + (_S["check"] % 2 ** 15) * 2 ** 16
+    return tag
+
+
+def _blocking() -> bool:
+    """Posted by torch's blocking send or recv (it calls isend or irecv, which call the group's send or recv)?"""
+    global _BLOCKING
+    if _BLOCKING is None:
+        c10d = dist.distributed_c10d
+        _BLOCKING = {inspect.unwrap(c10d.send).__code__, inspect.unwrap(c10d.recv).__code__}
+    f = sys._getframe(4)   # _blocking <- _post <- the group's send/recv <- isend/irecv <- send/recv?
+    return f is not None and f.f_code in _BLOCKING
+
+
+def _post(group, kind, t, peer, tag) -> dict:
+    """Publish this side of a transfer (kind #n on its pair, group and tag) and log it; refuse it if the other side
+    is posted already with another size. Returns the op the work's wait() will match."""
+    me, other = dist.get_rank(), dist.get_global_rank(group, peer)
+    src, dst = (me, other) if kind == "send" else (other, me)
+    pair = f"{group.group_name}/{src}>{dst}/{tag}"
+    n = _S["posted"][(pair, kind)] = _S["posted"].get((pair, kind), 0) + 1
+    what = f"{t.numel():,} {_dt(t)} elements {tuple(t.shape)}"
+    op = dict(kind=kind, peer=other, me=me, src=src, dst=dst, n=n, what=what, numel=t.numel(), dtype=_dt(t),
+              key=_key("p", pair, n, kind), other=_key("p", pair, n, "recv" if kind == "send" else "send"),
+              matched=False)
+    store = _store()
+    store.set(op["key"], json.dumps(dict(what=what, numel=op["numel"], dtype=op["dtype"])))
+    if store.check([op["other"]]):   # (published before looking: of two sides posted at once, one sees the other)
+        _match(op, store)
+    rec = dict(op=kind, group=[me, other], numel=t.numel(), dtype=_dt(t), asynchronous=not _blocking(), bytes=_nb(t),
+               in_backward=torch._C._current_graph_task_id() != -1, t=time.monotonic(), line=what)
+    if _S["probe"] is not None:
+        _S["probe"](rec)
+    events.append(rec)
     _S["n"] += 1
-    where = "; ".join(f"{'to send' if kind == 'send' else 'to receive'} {what} {'to' if kind == 'send' else 'from'} "
-                      f"rank {peer} ({kind} #{k + 1} from {me if kind == 'send' else peer} to "
-                      f"{peer if kind == 'send' else me})" for kind, t, peer, k, what in mine)
-    _wait(keys, peers, "waits " + where, lambda r: "its transfers so far")
-    for (kind, t, peer, k, what), v in zip(mine, store.multi_get(keys)):
-        theirs = json.loads(v)
-        if (theirs["numel"], theirs["dtype"]) != (t.numel(), _dt(t)):
-            s, r = (me, peer) if kind == "send" else (peer, me)
-            sent, room = (what, theirs["what"]) if kind == "send" else (theirs["what"], what)
-            raise CollectiveMismatch(f"rank {s} sends {sent} to rank {r} (send #{k + 1} from {s} to {r}), but rank "
-                                     f"{r}'s receive #{k + 1} from rank {s} has room for {room}: a transfer's two "
-                                     f"sides must agree on its size")
+    _S["pending"].append(op)
+    return op
+
+
+def _say(op) -> str:
+    """'to receive 512 float64 elements (2, 8, 32) from rank 1 (receive #3 from 1 to 0; rank 1 has posted 2 sends to
+    rank 0)': what a rank waits for, and how far its peer got."""
+    send, had = op["kind"] == "send", op["n"] - 1
+    theirs = ("receive" if send else "send") + ("" if had == 1 else "s") + (" from" if send else " to")
+    return (f"{'to send' if send else 'to receive'} {op['what']} {'to' if send else 'from'} rank {op['peer']} "
+            f"({'send' if send else 'receive'} #{op['n']} from {op['src']} to {op['dst']}; rank {op['peer']} has "
+            f"posted {had} {theirs} rank {op['me']})")
+
+
+def _short(op) -> str:
+    return f"{op['kind'].replace('recv', 'receive')} #{op['n']} from {op['src']} to {op['dst']}"
+
+
+def _match(op, store) -> None:
+    """The other side is posted: the two must agree on the size (gloo aborts a receiver sent more than it has room
+    for, and leaves the rest of a larger one unwritten). Of two sides that differ, the one posted second is refused
+    before gloo sees it."""
+    theirs = json.loads(store.get(op["other"]))
+    if (theirs["numel"], theirs["dtype"]) != (op["numel"], op["dtype"]):
+        sent, room = (op["what"], theirs["what"]) if op["kind"] == "send" else (theirs["what"], op["what"])
+        s, r, n = op["src"], op["dst"], op["n"]
+        raise CollectiveMismatch(f"rank {s} sends {sent} to rank {r} (send #{n} from {s} to {r}), but rank {r}'s "
+                                 f"receive #{n} from rank {s} has room for {room}: a transfer's two sides must agree "
+                                 f"on its size")
+    op["matched"] = True
+
+
+class _Work(dist.Work):
+    """The work of a watched transfer or asynchronous collective: wait() first waits for the transfer's other side
+    (the watch's wait: a deadlock or a missing peer named), then for gloo, bounded."""
+
+    def __init__(self, work, op):
+        super().__init__()
+        self._work, self._op, self._waited = work, op, False
+        if "kind" not in op:   # an asynchronous collective: in flight until waited
+            _S["works"][id(self)] = op
+
+    def wait(self, timeout=datetime.timedelta(0)):
+        op = self._op
+        if "kind" in op and not op["matched"]:
+            t0 = time.perf_counter()
+            _wait([op["other"]], [op["peer"]], "waits " + _say(op),
+                  lambda r: f"{op['n'] - 1} {'receives' if op['kind'] == 'send' else 'sends'} posted with rank "
+                            f"{op['me']}", op)
+            _match(op, _store())
+            _S["spent"] += time.perf_counter() - t0
+        try:
+            done = self._work.wait(timeout or _bound())
+        except Exception as e:  # noqa: BLE001 - gloo gave up: say what this rank waited for
+            raise _failed(op, e) from e
+        self._waited = True
+        _S["works"].pop(id(self), None)
+        if op in _S["pending"]:
+            _S["pending"].remove(op)
+        return done
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def is_success(self):
+        return self._work.is_success()
+
+    def exception(self):
+        return self._work.exception()
+
+    def source_rank(self):
+        return self._work.source_rank()
+
+    def result(self):
+        return self._work.result()
+
+    def synchronize(self):
+        return self._work.synchronize()
+
+    def get_future(self):
+        return self._work.get_future()
+
+    def __del__(self):
+        if self._waited or "kind" in self._op:
+            return
+        _S["works"].pop(id(self), None)
+        if not self._work.is_completed():   # dropped in flight: gloo may still write into its tensors
+            self._op["dropped"] = True
+            if _S["on_drop"] is not None:
+                _S["on_drop"](self._op)
+
+
+def in_flight() -> list[dict]:
+    """The events of this rank's asynchronous collectives launched and not yet waited (their works still held)."""
+    return list(_S["works"].values())
+
+
+def set_drop_hook(fn) -> None:
+    """fn(event) when an asynchronous collective's work is dropped before it completed and was never waited: its
+    tensors may be freed while gloo still writes into them (the likeliest cause if the process then crashes)."""
+    _S["on_drop"] = fn
+
+
+def _failed(op, e) -> Exception:
+    """A collective's or transfer's failure inside gloo, with what this rank waited for; other errors unchanged."""
+    if isinstance(e, GlooFailed) or not is_gloo_error(e):
+        return e
+    _S["broken"] = f"gloo failed: {explain(e)}"
+    what = "waited " + _say(op) if "kind" in op else f"waited in {op['line']} over ranks {op['group']}"
+    return GlooFailed(f"rank {dist.get_rank()} {what}: {explain(e)}")
+
+
+_GLOO = ("gloo", "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "pair closure",
+         "Pair is not connected", "Broken pipe", "Socket Timeout")
+
+
+def is_gloo_error(e) -> bool:
+    """An error of gloo or of the job's store (a peer gone, a timeout), not of the caller's arguments."""
+    return isinstance(e, (GlooFailed, dist.DistError)) or isinstance(e, RuntimeError) and any(
+        s in str(e) for s in _GLOO)
+
+
+def explain(e) -> str:
+    """torch's and gloo's errors in words: what happened, and what the code most likely did."""
+    text = str(e)
+    if isinstance(e, GlooFailed):
+        return text
+    if "Timed out waiting" in text:
+        ms = text.split("Timed out waiting")[1].split("ms")[0].strip()
+        secs = f"{float(ms) / 1000:.0f} s" if ms.replace(".", "").isdigit() else "its timeout"
+        return (f"gloo gave up after {secs}: the peer never completed its side (its process stopped answering, or "
+                f"it dropped the work of what it posted)")
+    if "pair closure" in text or "Pair is not connected" in text:
+        return ("the connection to a peer was closed by an earlier failure (a timeout or a peer that died): nothing "
+                "more can pass over it")
+    if "Connection closed by peer" in text or "Connection reset by peer" in text or "Broken pipe" in text:
+        return "a peer stopped answering: its process died or exited (its connection closed)"
+    if isinstance(e, dist.DistStoreError) or "store" in text.lower() and isinstance(e, dist.DistError):
+        return ("the job's key-value store stopped answering: rank 0, which serves it, died or exited (or a peer "
+                "never came within its timeout)")
+    if "setStorage" in text or "storage of size 0" in text or "out of bounds for storage" in text:
+        return ("a tensor was used over a storage of another size (freed or resized): an asynchronous collective or "
+                "transfer still wrote into it, or its output was freed before its work was waited — wait() on the "
+                "work before using or freeing its tensors")
+    return f"{type(e).__name__}: {(text.strip().splitlines() or [''])[0][:300]}"
 
 
 # ---- waiting, with the deadlock and the missing peer named -------------------------------------------------------
@@ -303,7 +508,13 @@ def _state(r):
     return json.loads(_store().get(key)) if _store().check([key]) else None
 
 
-def _wait(keys, ranks, where, last_of) -> None:
+def _unmet(but=None) -> list:
+    """[[the other side's key, 'send #3 from 0 to 1'], ...]: this rank's transfers posted whose other side was not
+    posted yet when last looked (one not waited may have been met since)."""
+    return [[op["other"], _short(op)] for op in _S["pending"] if not op["matched"] and op is not but]
+
+
+def _wait(keys, ranks, where, last_of, op=None) -> None:
     """Wait until every key is set; meanwhile publish what I wait for, and raise as soon as the wait cannot end."""
     store, me, start = _store(), dist.get_rank(), time.monotonic()
     nap, blocked, seen, next_look = 0.0002, False, None, start + 0.05
@@ -319,7 +530,7 @@ def _wait(keys, ranks, where, last_of) -> None:
         missing = [(r, k) for r, k in zip(ranks, keys) if not store.check([k])]
         if not missing:
             break
-        state = dict(state="blocked", where=where, n=_S["n"], waits=[[r, k] for r, k in missing])
+        state = dict(state="blocked", where=where, n=_S["n"], waits=[[r, k] for r, k in missing], also=_unmet(op))
         store.set(_key("s", me), json.dumps(state))
         blocked = True
         if store.check([_key("verdict")]):
@@ -328,14 +539,19 @@ def _wait(keys, ranks, where, last_of) -> None:
             s = _state(r)
             if s is not None and s["state"] == "done":
                 how = f"it raised {s['error']}" if s.get("error") else "it finished the check"
-                raise PeerLeft(f"rank {me} {_strip(where)}, but rank {r} left without it ({how}); its "
-                                         f"last: {s['where']}. Every rank must make the same collectives and "
-                                         f"transfers, in the same order")
+                if op is None:
+                    raise PeerLeft(f"rank {me} {_strip(where)}, but rank {r} left without it ({how}); its last: "
+                                   f"{s['where']}. Every rank must make the same collectives and transfers, in the "
+                                   f"same order")
+                mine, theirs = ("sends to", "receives from") if op["kind"] == "send" else ("receives from", "sends to")
+                raise PeerLeft(f"rank {me} {_strip(where)}, but rank {r} left without it ({how}): rank {me} posts "
+                               f"more {mine} rank {r} than rank {r} posts {theirs} it — a step one of them skips, or "
+                               f"one transfer more on one side")
         cycle = _deadlock(me)
         if cycle is not None and cycle == seen:
             msg = ("deadlock: every rank here waits for a peer that waits elsewhere — "
                    + "; ".join(f"rank {r} {_strip(s['where'], 'waits at ')}, waiting for rank(s) "
-                               f"{[w for w, _ in s['waits']]}" for r, s in sorted(cycle.items())) + ". "
+                               f"{[w for w, _ in s['waits']]}" + _also(s) for r, s in sorted(cycle.items())) + ". "
                    + _advice(cycle) + f" (found after {time.monotonic() - start:.2f} s)")
             store.set(_key("verdict"), msg)
             raise CollectiveMismatch(msg)
@@ -352,10 +568,20 @@ def _strip(where, prefix="waits at "):
     return where if where.startswith("waits ") else prefix + where
 
 
+def _also(s) -> str:
+    also = [what for key, what in s.get("also", []) if not _store().check([key])]
+    return f" (its other transfers not met yet: {', '.join(also[:4])}{' …' if len(also) > 4 else ''})" if also else ""
+
+
 def _advice(cycle) -> str:
-    if all("to send" in s["where"] and "to receive" not in s["where"] for s in cycle.values()):
+    wheres = [s["where"] for s in cycle.values()]
+    if all("to send" in w and "to receive" not in w for w in wheres):
         return ("A send completes only when its receive is posted, and none of these ranks posts one: post each "
                 "send together with the receive it waits for (one batch_isend_irecv).")
+    if all(" to receive " in w or " to send " in w for w in wheres):
+        return ("The n-th send from one rank to another meets that rank's n-th receive from it, whatever batch or "
+                "call each sits in; here each rank waits for a transfer its peer has not posted: count each rank's "
+                "sends and receives with each peer (one skipped, or one more on one side).")
     return "Every rank must make the same collectives and transfers in the same order."
 
 
@@ -377,12 +603,13 @@ def _deadlock(me):
     return {r: s for r, s in seen.items() if s["state"] == "blocked"} or None
 
 
-# ---- one check after another ---------------------------------------------------------------------------------------
+# ---- scopes: one check (or step) after another ---------------------------------------------------------------------
 
 def begin_check() -> None:
-    """Before a check, on every rank alike: fresh keys, counters and events."""
+    """Before a scope (a grading check; a training step), on every rank alike: fresh keys, counters and events."""
     _S["check"] += 1
-    _S["seq"].clear(), _S["sent"].clear(), _S["received"].clear()
+    _S["seq"].clear(), _S["posted"].clear(), _S["pending"].clear(), _S["works"].clear()
+    _S["broken"] = None
     events.clear()
     _S["probe"] = None
 
@@ -392,20 +619,50 @@ def set_probe(fn) -> None:
     _S["probe"] = fn
 
 
-def end_check(error: str | None, wait: float | None = None) -> dict:
-    """After a check: say I am done (and how), and wait (at most `wait` s, default patience + 5) for every rank to be
+def stats() -> dict:
+    """The watch's own cost since install: calls watched, and seconds spent in it (its store round trips, and its
+    waits for peers, which the collective itself would otherwise have spent in gloo)."""
+    return dict(calls=_S["calls"], seconds=_S["spent"])
+
+
+def end_check(error: str | None, wait: float | None = None, broken: str | None = None) -> dict:
+    """After a scope: say I am done (and how), and wait (at most `wait` s, default patience + 5) for every rank to be
     done. Returns {rank: its error or None}, the same on every rank (one not done in time: "never finished the
-    check")."""
+    check"); unusable() then says whether the process group can serve the next scope. `broken`: a failure of gloo
+    this rank met outside the watch."""
+    _S["unusable"] = {}
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {0: error}
     store, me, P = _store(), dist.get_rank(), dist.get_world_size()
     last = events[-1]["line"] if events else "none"
-    store.set(_key("s", me), json.dumps(dict(state="done", error=error, where=last, n=_S["n"], waits=[])))
+    store.set(_key("s", me), json.dumps(dict(state="done", error=error, where=last, n=_S["n"], waits=[],
+                                             broken=broken or _S["broken"], also=_unmet())))
     deadline = time.monotonic() + (_S["patience"] + 5 if wait is None else wait)
     while True:
         states = {r: _state(r) for r in range(P)}
         if all(s is not None and s["state"] == "done" for s in states.values()):
-            return {r: s["error"] for r, s in states.items()}
+            break
         if time.monotonic() > deadline:
-            return {r: s["error"] if s and s["state"] == "done" else "never finished the check" for r, s in states.items()}
+            break
         time.sleep(0.01)
+    errors, dirty = {}, {}
+    for r, s in states.items():
+        if s is None or s["state"] != "done":
+            errors[r] = dirty[r] = "never finished the check"
+        else:
+            errors[r] = s["error"]
+            if s.get("broken"):
+                dirty[r] = s["broken"]
+    if dirty:   # (a rank that finishes late reads the others' verdict)
+        store.set(_key("unusable"), json.dumps(dirty))
+    elif store.check([_key("unusable")]):
+        dirty = {int(r): why for r, why in json.loads(store.get(_key("unusable"))).items()}
+    _S["unusable"] = dirty
+    return errors
+
+
+def unusable() -> dict:
+    """{rank: why}: the ranks whose process group the last scope left unusable (gloo failed inside it, a pair of
+    ranks closed by a timeout, or a rank never finished the scope): the group must be rebuilt. The same on every
+    rank. (A transfer posted that no peer met leaves nothing behind: each scope's transfers carry their own tags.)"""
+    return dict(_S["unusable"])
