@@ -94,8 +94,9 @@ VARIANTS: dict[str, list[Variant]] = {}
 @contextlib.contextmanager
 def explained(*rules, prefix=""):
     """An error raised inside, said with its case (prefix) and, where a rule (pattern, cause[, a function the
-    traceback must pass through]) matches its message, the likely cause first — re-raised with its own traceback, so the grader still names the learner's line. A mismatch
-    the watch found, and the blank's NotImplementedError, pass unchanged."""
+    traceback must pass through]) matches its message, the likely cause first — re-raised with its own traceback,
+    so the grader still names the learner's line. A mismatch the watch found, and the blank's NotImplementedError,
+    pass unchanged."""
     try:
         yield
     except (NotImplementedError, watch.CollectiveMismatch):
@@ -284,9 +285,10 @@ def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
     out = []
     if sorted(map(sorted, got)) == sorted(map(sorted, want)):
         if sorted(got) == sorted(want):
-            out.append(("order", "the right groups in another order: every rank must build the groups in the same order — the "
-                       "other axes in grid order, first axis slowest"))
-        out.append(("members", "the right members, out of grid order inside a group: keep the `along` axes in their grid order"))
+            out.append(("order", "the right groups in another order: every rank must build the groups in the same "
+                                 "order — the other axes in grid order, first axis slowest"))
+        out.append(("members", "the right members, out of grid order inside a group: keep the `along` axes in "
+                               "their grid order"))
     moved = grid.permute([names.index(n) for n in others + along])
     if got == moved.reshape(size, -1).tolist():
         out.append(("size-1", f"the permuted grid read as [size, -1]: each row must be one group, reshape(-1, size)"))
@@ -453,8 +455,8 @@ def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradi
     world = None
     if seeds is not None:  # what averaging over the whole world would give
         g = {s: one_process(s)[1][0] for s in {seed_of(r) for r in range(len(res))}}
-        world = lambda nm: (f"the average over ALL {P} ranks, not over this rank's group: all-reduce over the group "  # noqa: E731
-                            f"you are given", sum(g[seed_of(r)][nm] for r in range(len(res))) / len(res))
+        world = lambda nm: (f"the average over ALL {P} ranks, not over this rank's group: all-reduce over the "  # noqa: E731
+                            f"group you are given", sum(g[seed_of(r)][nm] for r in range(len(res))) / len(res))
     scales = ([(n / P, f"{n}/{P} of the expected: divided by the world's size {P}, not the group's {n} "
                 f"(dist.get_world_size(group))")] if n != P else []) + data_scales(n)
 
@@ -563,8 +565,9 @@ BUGS["average"] = [
         r"Mesh\(dp_replicate=2, cp=2\), rank 0: the all-reduce ran over ranks \[\[0, 1, 2, 3\]\], expected only over "
         r"its dp group \[0, 2\]", 4),
     Bug("reduced over the dp_shard group, not dp", 'group = resolve_group(group, "dp")\n    params = ',
-        'group = resolve_group(group, "dp_shard")\n    params = ', r"Mesh\(dp_replicate=2, cp=2\), rank 0: the all-reduce ran over ranks \[\[0\]\], expected "
-        r"only over its dp group \[0, 2\]", 4),
+        'group = resolve_group(group, "dp_shard")\n    params = ',
+        r"Mesh\(dp_replicate=2, cp=2\), rank 0: the all-reduce ran over ranks \[\[0\]\], expected only over its dp "
+        r"group \[0, 2\]", 4),
     Bug("skipped the parameters without a gradient (a collective of another size on one rank)",
         "    for p in params:\n        if p.grad is None:\n            p.grad = torch.zeros_like(p)\n",
         "    params = [p for p in params if p.grad is not None]\n",
@@ -1957,8 +1960,8 @@ BUGS["one_f_one_b"] = [
         "== pipe.prev)", "return buf", r"rank 1: RuntimeError: the activation stage 1 received does not require grad: "
         r"its gradient could never be sent back"),
     Bug("the receive buffer in the default dtype", "buf = None if recv_from is None else torch.empty(shape, "
-        "dtype=dtype, device=x.device)", "buf = None if recv_from is None else torch.empty(shape)", r"rank 0 sends .* float64 .* but rank 1's receive .* float32 .*: a transfer's two sides "
-        r"must agree"),
+        "dtype=dtype, device=x.device)", "buf = None if recv_from is None else torch.empty(shape)",
+        r"rank 0 sends .* float64 .* but rank 1's receive .* float32 .*: a transfer's two sides must agree"),
     Bug("the neighbours as r ± 1", _PIPE_TAIL, "    prv, nxt = pipe.r - 1 if pipe.r > 0 else None, pipe.r + 1 if pipe.r "
         "< pipe.p - 1 else None\n" + _PIPE_TAIL.replace("pipe.next", "nxt").replace("pipe.prev", "prv"),
         r"rank 0: ValueError: rank 0 posts a send to rank 1, which is not its neighbour in its pipeline \[0, 2\]", 4),
@@ -2397,7 +2400,8 @@ CHECKS["ring"] = [
     Check("inside a larger mesh: Mesh(dp_shard=2, cp=2)'s cp groups [0, 1] and [2, 3], every transfer inside the group, "
           "output and gradients equal to SDPA", run_ring_mesh, judge_ring_mesh, worlds=(4,)),
 ]
-_RING_NEXT = "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next block moves while we compute\n"
+_RING_NEXT = ("            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next block moves while we "
+              "compute\n")
 _RING_TAKE = ("*block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n            if nxt is not None:\n"
               "                kb, vb = nxt.wait()\n")
 BUGS["ring"] = [
@@ -2452,7 +2456,8 @@ VARIANTS["ring"] = [
             "                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group) for x in sent]\n"
             "                                               + [dist.P2POp(dist.irecv, x, frm, group) for x in bufs])\n"
             "            for i, j, diagonal in pairs:\n"
-            "                kj = kb.to(work_dtype).chunk(n, dim=2)[j]\n                vj = vb.to(work_dtype).chunk(n, dim=2)[j]\n"
+            "                kj = kb.to(work_dtype).chunk(n, dim=2)[j]\n"
+            "                vj = vb.to(work_dtype).chunk(n, dim=2)[j]\n"
             "                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], kj, vj, scale, diagonal))\n"
             "            if works is not None:\n                for w in works:\n                    w.wait()\n"
             "                kb, vb = bufs\n"),
@@ -2464,8 +2469,8 @@ VARIANTS["ring"] = [
             "                          for x in (kb, vb)]\n"
             "            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)\n"
             "            for i, j, diagonal in pairs:\n"
-            "                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n"
-            "            for w in works:\n                w.wait()\n            if works:\n                kb, vb = bufs\n"),
+            "                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, "
+            "diagonal))\n            for w in works:\n                w.wait()\n            if works:\n                kb, vb = bufs\n"),
     Variant("the pairs key-chunk first; a dict of running (out, lse) per query chunk", (
             "        kb, vb = k, v                                      # the block in hand travels in its own dtype\n",
             _RING_LOOP), ("        kb, vb, running = k, v, {}\n",
