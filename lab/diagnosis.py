@@ -4,8 +4,9 @@ read as a pattern.
     close(got, want)                 equal to rounding: every element within TOL·max(1, |want|) (float64)
     pattern(got, want, scales, candidates)
                                      the shape of the difference: another shape, NaN, a typical mistake's result (a
-                                     candidate), zeros, a multiple (P×, 1/P: the scales), a sign, the transpose, or
-                                     which elements are wrong
+                                     candidate), zeros, a multiple (P×, 1/P: the scales), a sign, the transpose, which
+                                     part is wrong (the indices of the dimension that holds every wrong element), the
+                                     right values in another order along a dimension, or a narrower dtype's rounding
     data_scales(P)                   the multiples data parallelism gets wrong: P× (the sum not divided), 1/P (twice)
     slice_pattern(...)               a flat buffer of P slices, one per rank, after a step: a slice stale, or holding
                                      another slice's update (the wrong shard), or the new slices never gathered
@@ -48,7 +49,7 @@ def pattern(got, want, scales=(), candidates=()) -> str:
     if g.abs().max().item() <= 1e-12 * scale:
         return "all zeros where values are expected: nothing arrived, or nothing was written"
     c = (g @ w / (w @ w)).item()
-    if (g - c * w).abs().max().item() <= 1e-6 * scale:
+    if abs(c - 1) > 1e-6 and (g - c * w).abs().max().item() <= 1e-6 * scale:
         for factor, why in scales:
             if abs(c - factor) <= 1e-6 * abs(factor):
                 return why
@@ -57,12 +58,65 @@ def pattern(got, want, scales=(), candidates=()) -> str:
         return f"{c:.4g}× the expected"
     if got.dim() == 2 and got.shape[0] == got.shape[1] and close(got, want.T, 1e-8):
         return "the transpose of the expected"
+    moved = _permuted(got.double(), want.double())
+    if moved:
+        return moved
     wrong = ~torch.isclose(g, w, rtol=1e-7, atol=1e-9 * scale)
     k = int(wrong.sum())
-    if k < g.numel():
+    rel = (g - w).abs().max().item() / scale
+    if 0 < k < g.numel() and not (rel < 2e-2 and k > g.numel() // 2):
         idx = wrong.nonzero().flatten()
-        return f"wrong in {k} of {g.numel()} elements (flat indices {idx[0].item()} to {idx[-1].item()}), right elsewhere"
-    return "wrong everywhere, in no simple pattern (not a multiple, sign or transpose of the expected)"
+        return (f"wrong in {k} of {g.numel()} elements ({_where_wrong(wrong.view(got.shape), idx)}), right "
+                f"elsewhere")
+    if rel < 2e-2:
+        like = "float32" if rel < 1e-5 else "bfloat16 (or float16)"
+        return (f"close to the expected but beyond float64 rounding (largest difference {rel:.1e} of the largest "
+                f"value): like {like} arithmetic somewhere — a cast to a narrower dtype, or a sum kept in one")
+    return (f"wrong everywhere, in no simple pattern (not a multiple, sign, transpose, reordering or rounding of the "
+            f"expected; largest difference at {_index(got.shape, int((g - w).abs().argmax()))})")
+
+
+def _index(shape, flat: int) -> str:
+    """A flat index as the element's index [i, j, ...]."""
+    out = []
+    for n in reversed(tuple(shape)):
+        out.append(flat % n)
+        flat //= n
+    return "[" + ", ".join(map(str, reversed(out))) + "]" if out else "[]"
+
+
+def _where_wrong(wrong, idx) -> str:
+    """Which part holds every wrong element: the indices of the dimension that confines them most, else the flat range."""
+    best = None
+    for d in range(wrong.dim()):
+        if wrong.shape[d] < 2:
+            continue
+        rows = wrong.transpose(0, d).reshape(wrong.shape[d], -1).any(1).nonzero().flatten().tolist()
+        if len(rows) < wrong.shape[d] and (best is None or len(rows) / wrong.shape[d] < best[1]):
+            best = (d, len(rows) / wrong.shape[d], rows)
+    if best is None:
+        return f"flat indices {idx[0].item()} to {idx[-1].item()}"
+    d, _, rows = best
+    shown = ", ".join(map(str, rows[:6])) + (", ..." if len(rows) > 6 else "")
+    return f"only at index{'es' if len(rows) > 1 else ''} {shown} of dimension {d} (of {wrong.shape[d]})"
+
+
+def _permuted(got, want) -> str:
+    """'the slices along dimension d in another order' when got is want with its slices along one dimension moved."""
+    for d in range(got.dim()):
+        n = got.shape[d]
+        if n < 2:
+            continue
+        gs, ws = got.movedim(d, 0).reshape(n, -1), want.movedim(d, 0).reshape(n, -1)
+        tol = 1e-9 * max(1.0, want.abs().max().item())
+        dist = (gs[:, None, :] - ws[None, :, :]).abs().amax(-1)           # [n, n]
+        match = [int(j) for j in dist.argmin(1)]
+        if all(dist[i, j] <= tol for i, j in enumerate(match)) and match != list(range(n)):
+            moves = [f"{i} holds {j}" for i, j in enumerate(match) if i != j][:4]
+            return (f"the right values in another order: along dimension {d} (of {n}), index "
+                    f"{'; '.join(moves)} of the expected" + ("; ..." if sum(i != j for i, j in enumerate(match)) > 4
+                                                            else ""))
+    return ""
 
 
 def data_scales(P: int) -> list:
@@ -70,9 +124,10 @@ def data_scales(P: int) -> list:
             (1 / P, f"1/{P} of the expected: divided by P once too often")] if P > 1 else []
 
 
-def slice_pattern(got, want, before, n, P, rank) -> str:
+def slice_pattern(got, want, before, n, P, rank, scales=()) -> str:
     """A flat buffer of P slices of n elements (rank r owns [r·n, (r+1)·n)) after a step, on rank `rank`: each slice
-    read on its update (got − before against want − before) — right, stale, another slice's update, or a pattern."""
+    read on its update (got − before against want − before) — right, stale, another slice's update, or a pattern
+    (scales: [(factor, explanation)] read before data_scales(P)'s)."""
     dg, dw = got - before, want - before
     moves = [bool(dw[j * n:(j + 1) * n].abs().max() > 0) for j in range(P)]
     parts = []
@@ -87,7 +142,7 @@ def slice_pattern(got, want, before, n, P, rank) -> str:
         elif moves[j] and g.abs().max() == 0:
             parts.append("stale")
         else:
-            parts.append(pattern(g, w, data_scales(P)))
+            parts.append(pattern(g, w, list(scales) + data_scales(P)))
     if P > 1 and parts[rank] == "ok" and all(p == "stale" for j, p in enumerate(parts) if j != rank):
         return (f"only this rank's slice [{rank * n}, {(rank + 1) * n}) was updated, the other ranks' slices are as "
                 f"before the step: their new values never arrived (the all-gather after the step is missing)")

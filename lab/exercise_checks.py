@@ -23,9 +23,12 @@ watch is installed.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
+import re
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from lab import collective_watch as watch
-from lab.diagnosis import close, compare_named, data_scales, formula_line, pattern, slice_pattern
-from lab.workbook import BY_NAME
+from lab.diagnosis import TOL, close, compare_named, data_scales, formula_line, pattern, slice_pattern
+from lab.workbook import BY_NAME, reference_text
 
 F64 = torch.float64
 LR = 0.5          # SGD's learning rate: an update is -LR·g, the gradient's pattern unchanged
@@ -52,18 +55,63 @@ class Check:
 
 
 @dataclass(frozen=True)
-class Bug:
-    """A learner's typical mistake: `old` replaced by `new` inside the core; graded on `world` ranks, it must fail with
-    `expect` (a regular expression) in the first line of the first failing check's diagnosis."""
+class Edit:
+    """A text edit of the reference core: `old` replaced by `new` (tuples of each: several edits, in order)."""
     label: str
-    old: str
-    new: str
+    old: str | tuple
+    new: str | tuple
+
+    def pairs(self) -> list[tuple[str, str]]:
+        return list(zip(self.old, self.new)) if isinstance(self.old, tuple) else [(self.old, self.new)]
+
+    def apply(self, text: str) -> str:
+        for old, new in self.pairs():
+            if text.count(old) != 1:
+                raise ValueError(f"{self.label!r}: {old!r} is in the text {text.count(old)} times, not once")
+            text = text.replace(old, new)
+        return text
+
+
+@dataclass(frozen=True)
+class Bug(Edit):
+    """A learner's typical mistake; graded on `world` ranks (None: a check without ranks), it must fail with `expect`
+    (a regular expression) in the first line of the first failing check's diagnosis."""
     expect: str
     world: int | None = 2
 
 
+@dataclass(frozen=True)
+class Variant(Edit):
+    """A correct core written differently from the reference (another loop shape, in place rather than out of place,
+    another legal order, an equivalent formula): graded on every world size of its exercise, every check passes."""
+
+
 CHECKS: dict[str, list[Check]] = {}
 BUGS: dict[str, list[Bug]] = {}
+VARIANTS: dict[str, list[Variant]] = {}
+
+
+@contextlib.contextmanager
+def explained(*rules, prefix=""):
+    """An error raised inside, said with its case (prefix) and, where a rule (pattern, cause[, a function the
+    traceback must pass through]) matches its message, the likely cause first — re-raised with its own traceback,
+    so the grader still names the learner's line. A mismatch the watch found, and the blank's NotImplementedError,
+    pass unchanged."""
+    try:
+        yield
+    except (NotImplementedError, watch.CollectiveMismatch):
+        raise
+    except (RuntimeError, TypeError, AttributeError, ValueError, IndexError) as e:
+        msg = (str(e).strip().splitlines() or [""])[0]
+        frames = {f.name for f in traceback.extract_tb(e.__traceback__)}
+        why = next((rule[1] for rule in rules if re.search(rule[0], msg) and (len(rule) < 3 or rule[2] in frames)),
+                   "")
+        text = f"{prefix}{why}: {msg}" if why else f"{prefix}{msg}"
+        try:
+            new = type(e)(text)
+        except Exception:  # noqa: BLE001 - an exception class with another constructor
+            new = RuntimeError(text)
+        raise new.with_traceback(e.__traceback__) from None
 
 
 class Count:
@@ -118,8 +166,23 @@ def _tokens():
 
 
 def _batch(step, B=B, S=S, seed=0, rank=0, size=1):
+    """(inputs, targets) of this rank's rows: fresh copies, which a learner's code may change."""
+    return tuple(t.clone() for t in _batch_once(step, B, S, seed, rank, size))
+
+
+@functools.cache
+def _batch_once(step, B, S, seed, rank, size):
     from lab.data import get_batch
     return get_batch(_tokens(), step, B, S, seed, rank, size)
+
+
+@functools.cache
+def _mesh(**sizes):
+    """A Mesh of these sizes, made once in a grading rank and kept for every version graded there (each of its
+    groups a dist.new_group, which every rank makes together: tens of milliseconds each on a busy machine). Made at
+    the start of a run, before any learner code, so every rank makes it at the same point."""
+    from mesh import Mesh
+    return Mesh(**sizes)
 
 
 def _snap(model):
@@ -131,9 +194,10 @@ def _grads(model):
 
 
 @functools.cache
-def one_process(seed=0, steps=2, cfg="tiny", B=B, S=S, m=1):
+def one_process(seed=0, steps=2, cfg="tiny", B=B, S=S, m=1, frozen=()):
     """THE single-process run (lab.baseline.single_process, with SGD): states [before, after step 1, ...], each
-    step's gradients, losses. m > 1: a batch's loss is the mean of its m micro-batches' means (a pipeline's)."""
+    step's gradients, losses. m > 1: a batch's loss is the mean of its m micro-batches' means (a pipeline's);
+    frozen: names of parameters with requires_grad False."""
     from lab.baseline import single_process, snapshot
     from lab.model import build_model
     batches = [_batch(s, B, S, seed) for s in range(steps)]
@@ -141,6 +205,8 @@ def one_process(seed=0, steps=2, cfg="tiny", B=B, S=S, m=1):
     def loss_fn(model, batch):
         return sum(model(a, b) for a, b in zip(batch[0].chunk(m), batch[1].chunk(m))) / m
     model = build_model(cfg, seed=0, dtype=F64)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
     states, out = [snapshot(model)], None
     for k in range(1, steps + 1):   # (the loop returns the last state: one call per prefix of the batches)
         out = single_process(model, batches[:k], lr=LR, optimizer=SGD, loss_fn=loss_fn, keep_grads=True)
@@ -179,9 +245,14 @@ def _sgd(params):
 
 
 # ---- 0. mesh: rows (mesh.py: rows_along) -----------------------------------------------------------------------------
-# Every 5-D grid of 1-16 ranks (sizes 1-4, at most three axes > 1), along every dimension, flattened dimension and
-# expert group, judged in the grading process: the groups equal the reference's, members and groups in grid order,
-# and each list is a partition of the ranks.
+# Where the course calls it: Mesh builds every process group of every lesson and of train.py from it, on every rank
+# alike — each of the five dimensions, the flattened dp, dp_cp and dp_shard_cp, and the expert groups ep, edp and
+# edp_cp on the grid viewed as [pp, e_out, e_i, cp, tp] — for meshes with up to all five axes > 1. A pure function
+# of the grid (no ranks, dtypes, stages or overlap), graded in the grading process on every 5-D grid of 1-16 ranks
+# (sizes 1-4, at most three axes > 1), along every dimension, flattened dimension and expert group:
+#   - the groups equal the reference's: members in grid order, groups in grid order of the other axes, plain lists
+#     of ints (each case's error said with its grid);
+#   - each list is a partition: world/∏ groups of ∏ ranks, every rank once.
 
 def _grids():
     """(shape, names, along) of every 5-D mesh of 1-16 ranks with sizes 1, 2, 3 or 4 (at most three axes > 1), along
@@ -202,37 +273,60 @@ def _grids():
     return cases
 
 
-def _rows_diagnosis(got, want, grid, names, along, ref) -> str:
+def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
+    """What a wrong list of groups is, most specific first: (key, description) of every description that fits."""
     others = tuple(n for n in names if n not in along)
     size = math.prod(grid.shape[names.index(n)] for n in along)
     if not isinstance(got, list) or not all(isinstance(g, list) for g in got):
-        return f"a {type(got).__name__}, not a list of lists of ranks (.tolist() at the end)"
+        return [("type", f"a {type(got).__name__}, not a list of lists of ranks (.tolist() at the end)")]
+    if not all(type(r) is int for g in got for r in g):
+        kinds = sorted({type(r).__name__ for g in got for r in g if type(r) is not int})
+        return [("int", f"ranks of type {', '.join(kinds)}, not int (.tolist() turns a tensor into lists of ints)")]
+    out = []
     if sorted(map(sorted, got)) == sorted(map(sorted, want)):
         if sorted(got) == sorted(want):
-            return ("the right groups in another order: every rank must build the groups in the same order — the "
-                    "other axes in grid order, first axis slowest")
-        return "the right members, out of grid order inside a group: keep the `along` axes in their grid order"
-    if got and len(got[0]) != size:
-        return (f"groups of {len(got[0])} ranks where {size} are expected: a group's size is the product of the sizes "
-                f"of all the `along` axes")
+            out.append(("order", "the right groups in another order: every rank must build the groups in the same "
+                                 "order — the other axes in grid order, first axis slowest"))
+        out.append(("members", "the right members, out of grid order inside a group: keep the `along` axes in "
+                               "their grid order"))
+    moved = grid.permute([names.index(n) for n in others + along])
+    if got == moved.reshape(size, -1).tolist():
+        out.append(("size-1", f"the permuted grid read as [size, -1]: each row must be one group, reshape(-1, size)"))
+    if got == grid.permute([names.index(n) for n in along + others]).reshape(-1, size).tolist():
+        out.append(("first", "the `along` axes moved FIRST: move them last, so that each row of [-1, size] is one group"))
     if got == grid.reshape(-1, size).tolist():
-        return "the grid's rows without moving the `along` axes last: consecutive ranks, whatever the axes"
+        out.append(("rows", "the grid's rows without moving the `along` axes last: consecutive ranks, whatever the axes"))
     if others and got == ref(grid, names, others):
-        return "the groups along the OTHER axes: move the `along` axes last, not first"
-    return "other groups than these axes have"
+        out.append(("others", "the groups along the OTHER axes: move the `along` axes last, not first"))
+    if got and len(got[0]) != size:
+        out.append(("size", f"groups of {len(got[0])} ranks where {size} are expected: a group's size is the product of the "
+                   f"sizes of all the `along` axes"))
+    return out or [("other", "other groups than these axes have")]
+
+
+def _case(shape, names, along) -> str:
+    label = ", ".join(f"{n}={s}" for n, s in zip(names, shape) if s > 1) or "one rank"
+    return f"grid [{label}] along {list(along)}"
 
 
 def judge_rows(mine, ref):
+    """Every grid's groups against the reference's; the first failing grid named, with the description that fits
+    EVERY failing grid (one grid alone can fit two mistakes)."""
     import torch as t
+    failures = []
     for shape, names, along in _grids():
         grid = t.arange(math.prod(shape)).view(*shape)
         want = ref(grid, names, along)
-        got = mine(grid, names, along)
-        if got != want:
-            label = ", ".join(f"{n}={s}" for n, s in zip(names, shape) if s > 1) or "one rank"
-            return [f"grid [{label}] along {list(along)}: {_short(got)} where {_short(want)} is expected — "
-                    f"{_rows_diagnosis(got, want, grid, names, along, ref)}"]
-    return []
+        with explained(prefix=f"{_case(shape, names, along)}: "):
+            got = mine(grid.clone(), names, along)
+        if not (isinstance(got, list) and got == want and all(type(r) is int for g in got for r in g)):
+            failures.append((shape, names, along, got, want, _rows_diagnoses(got, want, grid, names, along, ref)))
+    if not failures:
+        return []
+    shape, names, along, got, want, whys = failures[0]
+    why = next((w for k, w in whys if all(k in dict(f[5]) for f in failures)), whys[0][1])
+    return [f"{_case(shape, names, along)}: {_short(got)} where {_short(want)} is expected — {why}",
+            f"({len(failures)} of {len(_grids())} cases wrong)"]
 
 
 def _short(groups):
@@ -245,11 +339,11 @@ def judge_rows_partition(mine, ref):
     for shape, names, along in _grids():
         grid = t.arange(math.prod(shape)).view(*shape)
         size = math.prod(shape[names.index(n)] for n in along)
-        got = mine(grid, names, along)
+        with explained(prefix=f"{_case(shape, names, along)}: "):
+            got = [[int(r) for r in g] for g in mine(grid.clone(), names, along)]
         flat = sorted(r for g in got for r in g)
-        label = ", ".join(f"{n}={s}" for n, s in zip(names, shape) if s > 1) or "one rank"
         if len(got) != grid.numel() // size or any(len(g) != size for g in got) or flat != list(range(grid.numel())):
-            return [f"grid [{label}] along {list(along)}: {len(got)} groups of sizes {sorted({len(g) for g in got})}"
+            return [f"{_case(shape, names, along)}: {len(got)} groups of sizes {sorted({len(g) for g in got})}"
                     f" covering {len(set(flat))} distinct ranks ({len(flat)} places); expected world/∏ = "
                     f"{grid.numel() // size} groups of ∏ = {size} ranks, every rank of {grid.numel()} exactly once"]
     return []
@@ -270,13 +364,45 @@ BUGS["rows"] = [
     Bug("a group's size: the first axis's size, not the product of their sizes",
         "size = math.prod(grid.shape[names.index(n)] for n in along)", "size = grid.shape[names.index(along[0])]",
         r"groups of \d+ ranks where \d+ are expected", None),
+    Bug("no .tolist(): a tensor of groups", ".reshape(-1, size).tolist()", ".reshape(-1, size)",
+        r"grid \[one rank\] along \['pp'\]: .* a Tensor, not a list of lists of ranks \(.tolist\(\) at the end\)",
+        None),
+    Bug("the `along` axes moved first", "for n in others + list(along)]", "for n in list(along) + others]",
+        r"grid \[.*\] along .* the `along` axes moved FIRST", None),
+    Bug("the permuted grid read as [size, -1]", ".reshape(-1, size).tolist()", ".reshape(size, -1).tolist()",
+        r"grid \[.*\] along .* the permuted grid read as \[size, -1\]", None),
+]
+VARIANTS["rows"] = [
+    Variant("movedim: the `along` axes to the end",
+            "    others = [n for n in names if n not in along]\n    size = math.prod(grid.shape[names.index(n)] for n in "
+            "along)\n    return grid.permute([names.index(n) for n in others + list(along)]).reshape(-1, size).tolist()",
+            "    dims = [names.index(n) for n in along]\n    last = list(range(grid.dim() - len(dims), grid.dim()))\n"
+            "    moved = grid.movedim(dims, last)\n    return moved.flatten(0, grid.dim() - len(dims) - 1).flatten(1)"
+            ".tolist() if len(dims) < grid.dim() else [moved.flatten().tolist()]"),
+    Variant("plain loops: every index of the grid, grouped by the other axes",
+            "    others = [n for n in names if n not in along]\n    size = math.prod(grid.shape[names.index(n)] for n in "
+            "along)\n    return grid.permute([names.index(n) for n in others + list(along)]).reshape(-1, size).tolist()",
+            "    import itertools\n    keep = [i for i, n in enumerate(names) if n not in along]\n    groups = {}\n"
+            "    for idx in itertools.product(*(range(s) for s in grid.shape)):   # in grid order\n"
+            "        groups.setdefault(tuple(idx[i] for i in keep), []).append(int(grid[idx]))\n"
+            "    return list(groups.values())"),
 ]
 
 
 # ---- 1. ddp: average (ddp.py: average_gradients) ---------------------------------------------------------------------
-# The tiny float64 model for 2 SGD steps on 1, 2 and 4 ranks: every gradient and parameter equal to one process on
-# every rank; one all-reduce of Ψ·b bytes per step. Mesh(dp_shard=2, cp=2)'s dp groups on 4 ranks, each on its own
-# data: only over the group given. divide_by=3 with a parameter that has no gradient on rank 0: the sum ÷ divide_by.
+# Where the course calls it: after backward, on model.parameters() (an iterator) over the whole world (ddp.py's
+# demo), over a stage's dp group inside a pipeline (pipeline_demo), and in expert_parallel.sync_gradients over the
+# dp_cp and edp groups — groups inside a larger mesh — with divide_by = D (not the group's size) and parameters
+# whose gradient is None on some ranks; models with frozen parameters (requires_grad False); gradients in the
+# parameters' dtype. No overlap: the plainest form runs after backward. Graded:
+#   - the tiny float64 model, 2 SGD steps on 1, 2, 4 ranks: every gradient and parameter equal to one process, on
+#     every rank;
+#   - one all-reduce of Ψ·b bytes per step, counted on every rank;
+#   - groups inside a larger mesh on 4 ranks: Mesh(dp_replicate=2, cp=2)'s dp groups [0, 2] and [1, 3], each pair on
+#     its own data, and Mesh(dp_replicate=2, dp_shard=2)'s dp group, the whole world: only over the group given,
+#     equal to one process on that group's data;
+#   - divide_by=3 with parameters of every kind on 2 and 4 ranks: a gradient on every rank, none on rank 0, none
+#     anywhere (zeros), a frozen one (None stays None), every gradient in its parameter's dtype.
 
 def _dp_train(P, seed=0, group=None, dp_rank=None, dp_size=None):
     """The tiny float64 model on this rank's rows, average_gradients after backward, 2 SGD steps."""
@@ -306,33 +432,47 @@ def run_dp(P):
     return _dp_train(P)
 
 
+DP_MESHES = {"Mesh(dp_replicate=2, cp=2)": dict(dp_replicate=2, cp=2),
+             "Mesh(dp_replicate=2, dp_shard=2)": dict(dp_replicate=2, dp_shard=2)}
+
+
 def run_dp_groups(P):
-    """4 ranks as Mesh(dp_shard=2, cp=2): dp groups [0, 2] and [1, 3], the pair at cp index c on data seed c."""
-    from mesh import Mesh
-    mesh = Mesh(dp_shard=2, cp=2)
-    res = _dp_train(P, seed=mesh.coords["cp"], group=mesh, dp_rank=mesh.rank("dp"), dp_size=2)
-    res.update(seed=mesh.coords["cp"], dp=mesh.ranks("dp"))
-    return res
+    """4 ranks as each of DP_MESHES: the dp group's ranks on the data seed of their cp index."""
+    out = {}
+    for label, sizes in DP_MESHES.items():
+        mesh = _mesh(**sizes)
+        res = _dp_train(P, seed=mesh.coords["cp"], group=mesh, dp_rank=mesh.rank("dp"), dp_size=mesh.size("dp"))
+        res.update(seed=mesh.coords["cp"], dp=mesh.ranks("dp"))
+        out[label] = res
+    return out
 
 
-def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients"):
+def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients", sizes=None):
+    """sizes: the group's size on each rank (when it is not the world)."""
     lines = []
     seed_of = (lambda r: 0) if seeds is None else seeds
+    n = len(res) if sizes is None else sizes[0]
     world = None
     if seeds is not None:  # what averaging over the whole world would give
-        g0, g1 = one_process(0)[1][0], one_process(1)[1][0]
-        world = lambda n: (f"the average over ALL {P} ranks, not over this rank's group: all-reduce over the group "  # noqa: E731
-                           f"you are given", (g0[n] + g1[n]) / 2)
-    lines += compare_named(P, res, "grads", lambda r, n: one_process(seed_of(r))[1][0][n], what=f" (gradient {when}, "
-                           f"step 1)", scales=data_scales(len(res) if seeds is None else 2),
-                           candidates_of=lambda r, n: [("this rank's own gradient, not averaged: no all-reduce reached "
-                                                        "it", res[r]["local"][n])] + ([world(n)] if world else []))
+        g = {s: one_process(s)[1][0] for s in {seed_of(r) for r in range(len(res))}}
+        world = lambda nm: (f"the average over ALL {P} ranks, not over this rank's group: all-reduce over the "  # noqa: E731
+                            f"group you are given", sum(g[seed_of(r)][nm] for r in range(len(res))) / len(res))
+    scales = ([(n / P, f"{n}/{P} of the expected: divided by the world's size {P}, not the group's {n} "
+                f"(dist.get_world_size(group))")] if n != P else []) + data_scales(n)
+
+    def own(r):
+        return ("this rank's own gradient, not averaged: no all-reduce was made (is `params` an iterator, "
+                "model.parameters(), read a second time? make it a list first)" if res[r]["calls"] == 0 else
+                "this rank's own gradient, not averaged: no all-reduce reached it")
+    lines += compare_named(P, res, "grads", lambda r, nm: one_process(seed_of(r))[1][0][nm], what=f" (gradient {when}, "
+                           f"step 1)", scales=scales,
+                           candidates_of=lambda r, nm: [(own(r), res[r]["local"][nm])] + ([world(nm)] if world else []))
     if lines:
         return lines + [f"(expected: the one-process gradient of the global batch{groups_note})"]
     for s in range(2):
         lines = compare_named(P, [dict(x=r_["states"][s]) for r_ in res], "x",
-                              lambda r, n: one_process(seed_of(r))[0][s + 1][n], what=f" (parameter after step {s + 1})",
-                              before_of=lambda r, n: one_process(seed_of(r))[0][s][n])
+                              lambda r, nm: one_process(seed_of(r))[0][s + 1][nm], what=f" (parameter after step {s + 1})",
+                              before_of=lambda r, nm: one_process(seed_of(r))[0][s][nm])
         if lines:
             return lines
     return []
@@ -350,32 +490,53 @@ def judge_dp_formula(P, res):
 
 
 def judge_dp_groups(P, res):
-    for r, x in enumerate(res):
-        if x["groups"] != [tuple(x["dp"])]:
-            return [f"rank {r}: the all-reduce ran over ranks {[list(g) for g in x['groups']]}, expected only over its "
-                    f"group {x['dp']} (Mesh(dp_shard=2, cp=2)'s dp group; resolve_group(group, 'dp'))"]
-    return judge_dp_equal(P, res, seeds=lambda r: res[r]["seed"], groups_note=" of its own group's data")
+    for label in DP_MESHES:
+        per = [x[label] for x in res]
+        for r, x in enumerate(per):
+            if x["groups"] != [tuple(x["dp"])]:
+                return [f"{label}, rank {r}: the all-reduce ran over ranks {[list(g) for g in x['groups']]}, expected "
+                        f"only over its dp group {x['dp']} (resolve_group(group, 'dp'): the dp group of a Mesh)"]
+        lines = judge_dp_equal(P, per, seeds=lambda r: per[r]["seed"], groups_note=" of its own group's data",
+                               sizes=[len(x["dp"]) for x in per])
+        if lines:
+            return [f"{label}, {lines[0]}"] + lines[1:]
+    return []
 
 
 def run_dp_divide(P):
-    """Three parameters; rank r's gradients r+1, none on rank 0 for the second, r for the third; divide_by=3."""
+    """Five parameters: a gradient r+1 on every rank; none on rank 0 (2(r+1) elsewhere); r; none anywhere; frozen.
+    divide_by=3, the parameters handed over as an iterator."""
     from ddp import average_gradients
     r = dist.get_rank()
-    ps = [torch.nn.Parameter(torch.zeros(3, 2, dtype=F64)), torch.nn.Parameter(torch.zeros(4, dtype=F64)),
-          torch.nn.Parameter(torch.zeros(5, dtype=F64))]
+    shapes = [(3, 2), (4,), (5,), (2,), (3,)]
+    ps = [torch.nn.Parameter(torch.zeros(sh, dtype=F64), requires_grad=i != 4) for i, sh in enumerate(shapes)]
     ps[0].grad = torch.full((3, 2), r + 1.0, dtype=F64)
     ps[1].grad = None if r == 0 else torch.full((4,), 2.0 * (r + 1), dtype=F64)
     ps[2].grad = torch.full((5,), float(r), dtype=F64)
-    average_gradients(iter(ps), None, divide_by=3)   # an iterator, as model.parameters() is: read it once
-    return dict(g={f"p{i}": (p.grad if p.grad is not None else torch.full_like(p, float("nan"))) for i, p in enumerate(ps)})
+    with explained((r"assign a gradient with dtype", "a gradient of another dtype than its parameter's: make the "
+                    "zeros with torch.zeros_like(p) (its dtype and device)")):
+        average_gradients(iter(ps), None, divide_by=3)   # an iterator, as model.parameters() is: read it once
+    return dict(g={f"p{i}": (p.grad if p.grad is not None else torch.full_like(p, float("nan"))) for i, p in
+                   enumerate(ps)}, none=[p.grad is None for p in ps], dtypes=[str(p.grad.dtype) if p.grad is not None
+                                                                             else None for p in ps])
 
 
 def judge_dp_divide(P, res):
+    names = {3: "p3 (no rank has its gradient)", 4: "p4 (frozen: requires_grad=False)"}
+    for r, x in enumerate(res):
+        if not x["none"][4]:
+            return [f"rank {r}, {names[4]}: a gradient after average_gradients where one process leaves None — skip "
+                    f"the parameters that do not require grad"]
+        for i, d in enumerate(x["dtypes"]):
+            if d is not None and d != "torch.float64":
+                return [f"rank {r}, p{i}: a {d} gradient for a torch.float64 parameter — make the zeros with "
+                        f"torch.zeros_like(p) (its dtype and device)"]
     want = {"p0": torch.full((3, 2), sum(r + 1.0 for r in range(P)) / 3, dtype=F64),
             "p1": torch.full((4,), sum(2.0 * (r + 1) for r in range(1, P)) / 3, dtype=F64),
-            "p2": torch.full((5,), sum(float(r) for r in range(P)) / 3, dtype=F64)}
-    return compare_named(P, res, "g", lambda r, n: want[n], what=" (sum ÷ divide_by = 3; p1 has no gradient on rank 0)",
-                         scales=[(3 / P, f"the sum ÷ {P} (the group's size): divide_by=3 was ignored")])
+            "p2": torch.full((5,), sum(float(r) for r in range(P)) / 3, dtype=F64), "p3": torch.zeros(2, dtype=F64)}
+    return compare_named(P, [dict(g={k: v for k, v in x["g"].items() if k in want}) for x in res], "g",
+                         lambda r, n: want[n], what=" (sum ÷ divide_by = 3; p1 has no gradient on rank 0, p3 none "
+                         "anywhere)", scales=[(3 / P, f"the sum ÷ {P} (the group's size): divide_by=3 was ignored")])
 
 
 CHECKS["average"] = [
@@ -383,45 +544,132 @@ CHECKS["average"] = [
           "steps, on every rank", run_dp, judge_dp_equal),
     Check("one all-reduce of Ψ·b bytes per step (Ψ gradient elements, b = 8 bytes): g = (1/P)·Σ_r g_r in one call",
           run_dp, judge_dp_formula),
-    Check("over the group it is given: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each on its own data, "
-          "equal to one process on that data", run_dp_groups, judge_dp_groups, worlds=(4,)),
-    Check("divide_by, and a parameter with no gradient on one rank: zeros sent, the sum ÷ divide_by everywhere",
-          run_dp_divide, judge_dp_divide, worlds=(2, 4)),
+    Check("over the group it is given, inside a larger mesh: Mesh(dp_replicate=2, cp=2)'s dp groups [0, 2] and [1, 3] "
+          "and Mesh(dp_replicate=2, dp_shard=2)'s, each on its own data, equal to one process on that data",
+          run_dp_groups, judge_dp_groups, worlds=(4,)),
+    Check("divide_by, and parameters without a gradient on one rank, on none, frozen: zeros sent, the sum ÷ divide_by "
+          "everywhere, a frozen one left None, gradients in their parameter's dtype", run_dp_divide, judge_dp_divide,
+          worlds=(2, 4)),
 ]
+_FLAT = "all_reduce_flat([p.grad for p in params], group, divide_by or dist.get_world_size(group))"
+_BODY = ('    params = [p for p in params if p.requires_grad]\n    for p in params:\n        if p.grad is None:\n'
+         '            p.grad = torch.zeros_like(p)\n    ' + _FLAT + "\n")
 BUGS["average"] = [
-    Bug("forgot to divide by P", "all_reduce_flat([p.grad for p in params], group, divide_by or "
-        "dist.get_world_size(group))", "all_reduce_flat([p.grad for p in params], group)",
+    Bug("forgot to divide by P", _FLAT, "all_reduce_flat([p.grad for p in params], group)",
         r"rank 0, .*: off by .* 2× the expected \(2 = P, the group's size\): the sum was not divided by P"),
-    Bug("one all-reduce per parameter", "all_reduce_flat([p.grad for p in params], group, divide_by or "
-        "dist.get_world_size(group))", "for p in params:\n        dist.all_reduce(p.grad, group=group)\n"
+    Bug("one all-reduce per parameter", _FLAT, "for p in params:\n        dist.all_reduce(p.grad, group=group)\n"
         "        p.grad /= divide_by or dist.get_world_size(group)",
         r"one all-reduce of Ψ·b = .* measured \d+ all-reduce\(s\) .* one per parameter tensor"),
     Bug("reduced over the world, not the group it is given", 'group = resolve_group(group, "dp")\n    params = ',
         'group = resolve_group(None, "dp")\n    params = ',
-        r"rank 0: the all-reduce ran over ranks \[\[0, 1, 2, 3\]\], expected only over its group \[0, 2\]", 4),
+        r"Mesh\(dp_replicate=2, cp=2\), rank 0: the all-reduce ran over ranks \[\[0, 1, 2, 3\]\], expected only over "
+        r"its dp group \[0, 2\]", 4),
+    Bug("reduced over the dp_shard group, not dp", 'group = resolve_group(group, "dp")\n    params = ',
+        'group = resolve_group(group, "dp_shard")\n    params = ',
+        r"Mesh\(dp_replicate=2, cp=2\), rank 0: the all-reduce ran over ranks \[\[0\]\], expected only over its dp "
+        r"group \[0, 2\]", 4),
     Bug("skipped the parameters without a gradient (a collective of another size on one rank)",
         "    for p in params:\n        if p.grad is None:\n            p.grad = torch.zeros_like(p)\n",
         "    params = [p for p in params if p.grad is not None]\n",
         r"collectives do not match: the ranks of group \[0, 1\] disagree .* rank 0: all_reduce \(sum\) of 11 "
-        r"float64 elements; rank 1: all_reduce \(sum\) of 15 float64 elements .* different sizes"),
+        r"float64 elements; rank 1: all_reduce \(sum\) of 15 float64 elements"),
+    Bug("the zeros made in the default dtype", "p.grad = torch.zeros_like(p)\n    all_reduce_flat(",
+        "p.grad = torch.zeros(p.shape)\n    all_reduce_flat(",
+        r"every rank: RuntimeError: a gradient of another dtype than its parameter's: make the zeros with "
+        r"torch.zeros_like\(p\)"),
+    Bug("frozen parameters not skipped", "params = [p for p in params if p.requires_grad]", "params = list(params)",
+        r"rank 0, p4 \(frozen: requires_grad=False\): a gradient after average_gradients where one process leaves None"),
+    Bug("the parameters read twice from an iterator", _BODY,
+        "    for p in params:\n        if p.requires_grad and p.grad is None:\n            p.grad = torch.zeros_like(p)"
+        "\n    all_reduce_flat([p.grad for p in params if p.requires_grad], group, divide_by or "
+        "dist.get_world_size(group))\n",
+        r"rank 0, .*: off by .* no all-reduce was made \(is `params` an iterator"),
+    Bug("divided by the world's size, not the group's", "params], group, divide_by or dist.get_world_size(group))",
+        "params], group, divide_by or dist.get_world_size())",
+        r"Mesh\(dp_replicate=2, cp=2\), rank 0, .*: off by .* 2/4 of the expected: divided by the world's size 4, not "
+        r"the group's 2", 4),
+]
+VARIANTS["average"] = [
+    Variant("the flat buffer written out: cat, all_reduce, divide, copy back", "    " + _FLAT + "\n",
+            "    flat = torch.cat([p.grad.reshape(-1) for p in params])\n    dist.all_reduce(flat, group=group)\n"
+            "    flat = flat / (divide_by or dist.get_world_size(group))\n    offset = 0\n    for p in params:\n"
+            "        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()\n        offset += p.numel()\n"),
+    Variant("each gradient divided first, then summed in one call", _BODY,
+            "    n = divide_by or dist.get_world_size(group)\n    grads = []\n    for p in params:\n"
+            "        if not p.requires_grad:\n            continue\n        if p.grad is None:\n"
+            "            p.grad = p.new_zeros(p.shape)\n        grads.append(p.grad.div_(n))\n"
+            "    all_reduce_flat(grads, group)\n"),
 ]
 
 
 # ---- 1. ddp: bucket (ddp.py: BucketedDDP._launch_in_order) -----------------------------------------------------------
-# BucketedDDP (3 buckets) on the tiny float64 model for 2 SGD steps on 1, 2 and 4 ranks: equal to one process when
-# backward returns and after each step; buckets + 1 all-reduces of Ψ·b + n bytes; each bucket's all-reduce started
-# asynchronously inside backward the moment its last gradient arrives, in bucket order. Mesh(dp_shard=2, cp=2)'s dp
-# groups on 4 ranks: only over the wrapper's group.
+# Where the course calls it: BucketedDDP's gradient hooks call it each time a bucket fills, and its end of backward
+# once more — in ddp.py's demo over the world, in train.py (ZeRO stage 0) over dp_cp, a group inside the larger mesh,
+# with reduce_dtype=float32 under bf16 (the buckets then hold copies, not views, of the gradients) and groups_of
+# (experts averaged over a group of their own, divided by D, which can be a group of one); models with frozen
+# parameters and parameters some ranks never use (filled with zeros at backward's end); gradients that arrive out of
+# registration order, in another order on another rank. It exists for overlap: a bucket's all-reduce runs while
+# backward computes the earlier layers. Graded:
+#   - BucketedDDP (3 buckets) on the tiny float64 model, 2 SGD steps on 1, 2, 4 ranks: equal to one process when
+#     backward returns and after each step, on every rank;
+#   - buckets + 1 all-reduces of Ψ·b + n bytes, counted on every rank;
+#   - overlap, judged by what is in flight: each bucket's all-reduce starts inside backward the moment its last
+#     gradient arrives, in bucket order, and is still in flight (its work not waited for) when each later gradient
+#     arrives and when backward ends;
+#   - arrival orders on 2 ranks: two layers applied in the opposite order on the two ranks (their gradients arrive
+#     in another order there), a frozen layer, a layer only rank 1 uses; one bucket per parameter: every gradient
+#     Σ_r g_r / P, per rank (the frozen one None);
+#   - groups_of and reduce_dtype on 2 ranks: the output layer averaged over a group of one and divided by 2 (as an
+#     expert whose copies are alone), the buckets in float32 for float64 gradients: Σ over its group / its divisor;
+#   - over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups on 4 ranks.
+
+
+class _Tracked:
+    """A collective's work whose wait() is recorded (what is still in flight, and when it stopped being)."""
+
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def _tracked_all_reduces(log):
+    """Every all-reduce issued inside backward appends [its _Tracked work, or None if it returned none (synchronous)]
+    to log."""
+    inner = dist.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        work = inner(*args, **kwargs)
+        if torch._C._current_graph_task_id() != -1 and (args[0] if args else kwargs["tensor"]).dtype == F64:
+            log.append(None if work is None else _Tracked(work))
+            return log[-1] if work is not None else None
+        return work
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = inner
+
 
 def _bucket_train(P, seed=0, mesh=None):
     from ddp import BucketedDDP
     from lab.model import build_model
     model = build_model("tiny", seed=0, dtype=F64)
-    arrived, local = [0], {}
+    arrived, local, works, seen = [0], {}, [], []
     names = {p: n for n, p in model.named_parameters()}
+
+    def in_flight(when):   # each bucket all-reduce launched so far: still running, waited for, or synchronous
+        seen.append((when, ["sync" if w is None else "waited" if w.waited else "flying" for w in works]))
 
     def count(p):   # registered before the wrapper's hooks: runs first, sees this rank's own gradient
         arrived[0] += 1
+        in_flight(arrived[0])
         local[names[p]] = p.grad.detach().clone()
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(count)
@@ -432,15 +680,21 @@ def _bucket_train(P, seed=0, mesh=None):
                numel=sum(p.numel() for p in ddp.params))
     for s in range(2):
         arrived[0] = 0
-        watch.set_probe(lambda e: e.update(arrived=arrived[0]))
+        works.clear(), seen.clear()
+
+        def probe(e):
+            e.update(arrived=arrived[0])
+            if e["op"] == "all_reduce" and e["dtype"] == "uint8":   # the used-flags: backward's end
+                in_flight("end")
+        watch.set_probe(probe)
         loss = ddp(*_batch(s, seed=seed, rank=dp_rank, size=dp_size))
-        with Count() as c:
+        with Count() as c, _tracked_all_reduces(works):
             loss.backward()
         watch.set_probe(None)
         if s == 0:
             out.update(grads=_grads(model), local=dict(local), calls=c.calls("all_reduce"),
-                       bytes=c.bytes("all_reduce"), groups=c.groups(),
-                       launches=[(e["arrived"], e["asynchronous"], e["in_backward"]) for e in watch.events
+                       bytes=c.bytes("all_reduce"), groups=c.groups(), seen=list(seen),
+                       launches=[(e["arrived"], e["in_backward"]) for e in c.events
                                  if e["op"] == "all_reduce" and e["dtype"] == "float64"])
         opt.step()
         opt.zero_grad(set_to_none=False)
@@ -457,8 +711,7 @@ def judge_bucket_equal(P, res):
 
 
 def run_bucket_groups(P):
-    from mesh import Mesh
-    mesh = Mesh(dp_shard=2, cp=2)
+    mesh = _mesh(dp_shard=2, cp=2)
     res = _bucket_train(P, seed=mesh.coords["cp"], mesh=mesh)
     res.update(seed=mesh.coords["cp"], dp=mesh.ranks("dp"))
     return res
@@ -482,14 +735,22 @@ def judge_bucket_launch(P, res):
         got = x["launches"]
         if len(got) != len(full):
             return [f"rank {r}: {len(full)} bucket all-reduces expected in backward, measured {len(got)}"]
-        for b, ((arrived, asynchronous, inside), when) in enumerate(zip(got, full)):
-            if not asynchronous:
-                return [f"rank {r}: bucket {b}'s all-reduce was synchronous: it must run while backward goes on "
-                        f"(dist.all_reduce(..., async_op=True), the work kept in bucket.work)"]
+        for b, ((arrived, inside), when) in enumerate(zip(got, full)):
             if not inside or arrived != when:
                 return [f"rank {r}: bucket {b} ({x['buckets'][b]} gradient(s)) started after gradient #{arrived} of "
                         f"{x['n']} arrived; it was full after #{when}: start a bucket's all-reduce the moment its "
                         f"last gradient arrives, in bucket order"]
+        for b, ((arrived, _), when) in enumerate(zip(got, full)):
+            for at, states in x["seen"]:
+                if at != "end" and at <= arrived or b < len(states) and states[b] == "flying":
+                    continue
+                if b < len(states):
+                    what = ("was synchronous (dist.all_reduce returned no work to wait for later)"
+                            if states[b] == "sync" else "was waited for")
+                    later = "when backward ended" if at == "end" else f"when gradient #{at} arrived"
+                    return [f"rank {r}: bucket {b}'s all-reduce {what}: it was no longer in flight {later} — start it "
+                            f"with async_op=True, keep the work in bucket.work, and leave the waiting to the end of "
+                            f"backward (_finish_backward), so that it runs while backward computes"]
     return []
 
 
@@ -499,7 +760,102 @@ def judge_bucket_groups(P, res):
         if bad:
             return [f"rank {r}: all-reduces over ranks {bad}, expected only over its group {x['dp']} (bucket.group)"]
     return judge_dp_equal(P, res, seeds=lambda r: res[r]["seed"], groups_note=" of its own group's data",
-                          when="when backward returns")
+                          when="when backward returns", sizes=[len(x["dp"]) for x in res])
+
+
+class _TwoOrders(torch.nn.Module):
+    """Layers a and b applied b(a(x)) on even ranks and a(b(x)) on odd ones (their gradients arrive in the opposite
+    order), then a frozen layer, then c on odd ranks only."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        for name in ("a", "b", "frozen", "c"):
+            setattr(self, name, torch.nn.Parameter(torch.randn(4, 4, generator=g, dtype=F64) / 2,
+                                                   requires_grad=name != "frozen"))
+
+    def forward(self, x):
+        odd = dist.get_rank() % 2
+        h = x @ self.b @ self.a if odd else x @ self.a @ self.b
+        h = h @ self.frozen
+        return ((h @ self.c if odd else h) ** 2).mean()
+
+
+def run_bucket_orders(P):
+    """_TwoOrders in one bucket per parameter, one backward on this rank's own rows."""
+    from ddp import BucketedDDP
+    model = _TwoOrders()
+    local, order = {}, []
+    def arrived(p, n):
+        local[n] = p.grad.clone()
+        order.append(n)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(functools.partial(arrived, n=n))
+    ddp = BucketedDDP(model, bucket_cap_mb=0, first_bucket_mb=0)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=F64)
+    ddp(x).backward()
+    return dict(grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                none=[n for n, p in model.named_parameters() if p.grad is None],
+                local={n: local.get(n, torch.zeros(4, 4, dtype=F64)) for n in ("a", "b", "c")}, order=order)
+
+
+def judge_bucket_orders(P, res):
+    for r, x in enumerate(res):
+        if x["none"] != ["frozen"]:
+            return [f"rank {r}: after backward the gradients of {x['none']} are None, expected only the frozen layer's "
+                    f"(c, used on rank 1 alone, gets its average there)"]
+    want = {n: sum(x["local"][n] for x in res) / P for n in ("a", "b", "c")}
+
+    def swapped(r, n):
+        return [(f"this rank's {n} summed with rank {q}'s {m}: the ranks launched their buckets in different orders "
+                 f"(here the gradients arrived {' → '.join(res[r]['order'])}, on rank {q} "
+                 f"{' → '.join(res[q]['order'])}): launch in bucket order, from self._next, never a later bucket "
+                 f"before an earlier one", (res[r]["local"][n] + res[q]["local"][m]) / P)
+                for q in range(P) if q != r for m in ("a", "b", "c") if m != n]
+    return compare_named(P, res, "grads", lambda r, n: want[n], what=" (Σ_r g_r / P, one bucket per parameter)",
+                         candidates_of=swapped, scales=data_scales(P))
+
+
+@functools.cache
+def _alone():
+    """A group of this rank alone (every rank makes every such group, in order, once per grading rank)."""
+    return [dist.new_group([q]) for q in range(dist.get_world_size())][dist.get_rank()]
+
+
+def run_bucket_where(P):
+    """The tiny model, 2 ranks: output.weight averaged over a group of one (this rank alone) and divided by 2, the
+    buckets in float32 for float64 gradients."""
+    from ddp import BucketedDDP
+    from lab.model import build_model
+    alone = _alone()
+    model = build_model("tiny", seed=0, dtype=F64)
+    local = {}
+    def arrived(p, n):
+        local[n] = p.grad.clone()
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(functools.partial(arrived, n=n))
+    ddp = BucketedDDP(model, bucket_cap_mb=0.1, first_bucket_mb=0.05, reduce_dtype=torch.float32,
+                      groups_of=lambda n, p: (alone, P) if n == "output.weight" else None)
+    ddp(*_batch(0, rank=dist.get_rank(), size=P)).backward()
+    return dict(grads=_grads(model), local=local)
+
+
+def judge_bucket_where(P, res):
+    want = {n: sum(x["local"][n] for x in res) / P for n in res[0]["local"]}
+    own = lambda r, n: res[r]["local"][n] / P   # noqa: E731
+    rest = compare_named(P, [dict(g={k: v for k, v in x["grads"].items() if k != "output.weight"}) for x in res],
+                         "g", lambda r, n: want[n], what=" (reduce_dtype=float32: the bucket a float32 copy)", tol=1e-6,
+                         scales=[(P, f"{P}× the expected: summed, never divided — with reduce_dtype the gradients are "
+                                  f"copies, not views, of bucket.flat: divide the flat buffer that is all-reduced")])
+    if rest:
+        return rest
+    return compare_named(P, [dict(g={"output.weight": x["grads"]["output.weight"]}) for x in res], "g", own,
+                         what=f" (groups_of: averaged over a group of one, divide_by = {P})", tol=1e-6,
+                         scales=[(P, f"{P}× the expected: not divided — a bucket on a group of one needs no "
+                                  f"all-reduce, but its division by bucket.divide_by (not the group's size) still")],
+                         candidates_of=lambda r, n: [("summed over the wrapper's group, not the bucket's own "
+                                                      "(bucket.group)", want[n])])
 
 
 CHECKS["bucket"] = [
@@ -507,16 +863,25 @@ CHECKS["bucket"] = [
           "steps, on every rank (3 buckets)", run_bucket, judge_bucket_equal),
     Check("one all-reduce per bucket (+ one of the used-flags): calls = buckets + 1, bytes Ψ·b + n",
           run_bucket, judge_bucket_formula, worlds=(2, 4)),
-    Check("overlap: each bucket's all-reduce starts asynchronously inside backward the moment its last gradient "
-          "arrives, in bucket order", run_bucket, judge_bucket_launch, worlds=(2, 4)),
-    Check("over the wrapper's group: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each on its own data",
-          run_bucket_groups, judge_bucket_groups, worlds=(4,)),
+    Check("overlap: each bucket's all-reduce starts inside backward the moment its last gradient arrives, in bucket "
+          "order, and is still in flight when the later gradients arrive and when backward ends", run_bucket,
+          judge_bucket_launch, worlds=(2, 4)),
+    Check("gradients in another order on another rank (two layers applied in opposite orders), a frozen layer, one "
+          "only rank 1 uses: every gradient Σ_r g_r / P, the frozen one None", run_bucket_orders,
+          judge_bucket_orders, worlds=(2,)),
+    Check("groups_of and reduce_dtype (train.py): a layer averaged over a group of one and divided by 2, buckets in "
+          "float32: each gradient Σ over its group / its divisor", run_bucket_where, judge_bucket_where, worlds=(2,)),
+    Check("over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each "
+          "on its own data", run_bucket_groups, judge_bucket_groups, worlds=(4,)),
 ]
+_ASYNC = "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)"
+_LOOP = ("        while self._next < len(self.buckets) and all(self.buckets[self._next].ready):\n"
+         "            bucket = self.buckets[self._next]\n")
 BUGS["bucket"] = [
     Bug("forgot to divide by P", "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then "
         "the average\n", "", r"2× the expected \(2 = P"),
-    Bug("a synchronous all-reduce", "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)",
-        "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group)", r"bucket 0's all-reduce was synchronous"),
+    Bug("a synchronous all-reduce", _ASYNC, "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group)",
+        r"rank 0: bucket 0's all-reduce was synchronous"),
     Bug("every bucket launched only when all are ready",
         "while self._next < len(self.buckets) and all(self.buckets[self._next].ready):",
         "while self._next < len(self.buckets) and all(all(b.ready) for b in self.buckets):",
@@ -525,49 +890,119 @@ BUGS["bucket"] = [
         "dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)",
         "dist.all_reduce(bucket.flat, async_op=True)",
         r"rank 0: all-reduces over ranks \[\[0, 1, 2, 3\]\], expected only over its group \[0, 2\]", 4),
+    Bug("the all-reduce waited for right after its launch", _ASYNC, _ASYNC + "\n                bucket.work.wait()",
+        r"rank 0: bucket 0's all-reduce was waited for: it was no longer in flight when gradient #\d+ arrived"),
+    Bug("every ready bucket launched, in whatever order it fills", _LOOP + (
+        "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then the average\n"
+        "            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n"
+        "            self._next += 1\n"),
+        "        for bucket in self.buckets[self._next:]:\n            if all(bucket.ready) and bucket.work is None:\n"
+        "                bucket.flat.div_(bucket.divide_by)\n                if dist.get_world_size(bucket.group) > 1:\n"
+        "                    " + _ASYNC + "\n        while self._next < len(self.buckets) and "
+        "self.buckets[self._next].work is not None:\n            self._next += 1\n",
+        r"rank 0, \w \(Σ_r g_r / P.*: off by .* this rank's \w summed with rank 1's \w: the ranks launched their "
+        r"buckets in different orders"),
+    Bug("divided only when the group has more ranks", "            bucket.flat.div_(bucket.divide_by)  # divide "
+        "first: the sum is then the average\n            if dist.get_world_size(bucket.group) > 1:\n",
+        "            if dist.get_world_size(bucket.group) > 1:\n                bucket.flat.div_(bucket.divide_by)\n",
+        r"rank 0, output.weight \(groups_of: .*\): off by .* 2× the expected: not divided — a bucket on a group of one"),
+    Bug("the gradients divided instead of the flat buffer", "            bucket.flat.div_(bucket.divide_by)  # divide "
+        "first: the sum is then the average\n", "            for p in bucket.params:\n"
+        "                if p.grad is not None:\n                    p.grad.div_(bucket.divide_by)\n",
+        r"rank 0, .* \(reduce_dtype=float32.*\): off by .* 2× the expected: summed, never divided — with reduce_dtype "
+        r"the gradients are copies"),
+]
+VARIANTS["bucket"] = [
+    Variant("recursive: launch the next bucket, then try the one after", _LOOP + (
+            "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then the average\n"
+            "            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n"
+            "            self._next += 1\n"),
+            "        if self._next == len(self.buckets) or not all(self.buckets[self._next].ready):\n"
+            "            return\n        bucket = self.buckets[self._next]\n        bucket.flat.mul_(1 / bucket.divide_by)\n"
+            "        if bucket.group.size() > 1:\n            " + _ASYNC + "\n        self._next += 1\n"
+            "        self._launch_in_order()\n"),
+    Variant("a for loop over the buckets from self._next, break at the first not ready", _LOOP + (
+            "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then the average\n"
+            "            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n"
+            "            self._next += 1\n"),
+            "        for bucket in self.buckets[self._next:]:\n            if not all(bucket.ready):\n"
+            "                break\n            torch.div(bucket.flat, bucket.divide_by, out=bucket.flat)\n"
+            "            bucket.work = (dist.all_reduce(bucket.flat, dist.ReduceOp.SUM, bucket.group, True)\n"
+            "                           if dist.get_world_size(bucket.group) > 1 else None)\n"
+            "            self._next += 1\n"),
 ]
 
 
 # ---- 2. fsdp: zero_step (fsdp.py: zero_step) -------------------------------------------------------------------------
-# One FlatParameter per module of the tiny float64 model, SGD over the shards for 2 steps on 1, 2 and 4 ranks, at
-# stage 2 and at stage 3 (buffers freed between uses): equal to one process after each step on every rank (the
-# slice that is wrong named); one reduce-scatter and one all-gather of 8Ψ bytes per unit, no all-reduce; after the
-# step gradients on the slices only (Ψ/P elements). The training run serves gather_when_used too.
+# Where the course calls it: the lesson's core on FlatParameters (ZeroOptimizer and train.py run the same three moves
+# unit by unit), at stage 2 (buffers whole between steps) and stage 3 (buffers freed between uses: the next use
+# gathers); on a group that is the world, or a shard group inside a larger mesh (HSDP's dp_shard, train.py's
+# dp_shard_cp: f.rank and f.group_size are the group's, not the world's); with frozen parameters, whose gradient
+# is None (packed as zeros). Graded:
+#   - after the step only the slices hold gradients: Ψ/P elements, none on the whole parameters (stage 2), and at
+#     stage 3 nothing gathered at rest — first, as a gradient left behind also spoils the next step;
+#   - stages 2 and 3 equal to one process in float64 after each of 2 SGD steps, on every rank (the slice that is
+#     wrong named);
+#   - inside a larger mesh on 4 ranks: Mesh(dp_replicate=2, dp_shard=2)'s shard groups [0, 1] and [2, 3], each on
+#     its own data, with a frozen parameter: equal to one process on that group's data (the same frozen);
+#   - per rank and step: stage 2 one reduce-scatter and one all-gather of 8Ψ per unit, no all-reduce; stage 3 the
+#     reduce-scatter alone (no all-gather into a freed buffer). The training run serves gather_when_used too.
 
 def _units(model):
     return [("tok_embeddings", model.tok_embeddings)] + [(f"layers.{i}", m) for i, m in enumerate(model.layers)] + \
         [("norm", model.norm), ("output", model.output)]
 
 
-def _zero_train(P, stage):
-    """fsdp's core on the tiny float64 model, one FlatParameter per module, SGD over the shards, 2 steps."""
+ZERO_ERRORS = [(r"setStorage|storage of size 0|numel\(\) == 0|Trying to resize storage|size 0",
+                "a freed buffer used (stage 3: f.buf has no bytes between uses): all-gather only into a gathered "
+                "buffer — the next use gathers a freed one"),
+               (r"'NoneType' object has no attribute", "a parameter without a gradient (frozen, or unused here): pack "
+                "zeros for it (f.pack does), every rank hands over the same sizes")]
+ZERO_FROZEN = ("layers.0.attn.wq.weight",)
+_STORAGE = r"setStorage|storage of size 0|numel\(\) == 0|Trying to resize storage"
+GATHER_ERRORS = [(_STORAGE, "all-gathered into a freed buffer: flat.unshard() gives flat.buf its bytes back, then "
+                  "gathers", "all_gather"),
+                 (_STORAGE, "a unit's parameters read while its buffer is freed: gather right BEFORE its forward and "
+                  "before its backward (the pre-hooks), free right AFTER each")]
+
+
+def _zero_train(P, stage, mesh=None):
+    """fsdp's core on the tiny float64 model, one FlatParameter per module, SGD over the shards, 2 steps; with a Mesh,
+    over its dp_shard group on the data of its replica, a parameter frozen."""
     from fsdp import FlatParameter, gather_when_used, zero_step
     from lab.model import build_model
     model = build_model("tiny", seed=0, dtype=F64)
+    frozen = ZERO_FROZEN if mesh is not None else ()
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
+    group = mesh.group("dp_shard") if mesh is not None else None
+    seed = mesh.coords["dp_replicate"] if mesh is not None else 0
     units = _units(model)
-    flats = [FlatParameter(m.parameters()) for _, m in units]
+    flats = [FlatParameter(m.parameters(), group) for _, m in units]
     opt = _sgd([f.shard for f in flats])
-    gathered = [0]
+    gathered = [0, 0]   # the most units whole at once in forward, in backward
     if stage == 3:
         for (_, m), f in zip(units, flats):
             gather_when_used(m, f)
             f.free()
         _watch_gathered(units, flats, gathered)
     out = dict(flats=[], names=[[f"{u}.{n}" for n, _ in m.named_parameters()] for u, m in units],
-               labels=[u for u, _ in units],
+               labels=[u for u, _ in units], seed=seed, frozen=frozen, G=flats[0].group_size, stage=stage,
                N=[f.flat_numel for f in flats], n=[f.shard_numel for f in flats])
+    batch = functools.partial(_batch, seed=seed, rank=flats[0].rank, size=flats[0].group_size)
     for s in range(2):
         with Count() as c:
-            model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
+            with explained(*GATHER_ERRORS):
+                model(*batch(s)).backward()
             if s == 0:
-                out["peak_forward"] = gathered[0]
-            with Count() as step:
+                out["peak_forward"], out["peak_backward"] = gathered
+            with Count() as step, explained(*ZERO_ERRORS):
                 zero_step(flats, opt)
         if s == 0:
             out.update(comm=step.summary(), comm_all=c.summary(),
                        full_grads=sum(p.grad.numel() for f in flats for p in f.params if p.grad is not None),
-                       shard_grads=sum(f.shard.grad.numel() for f in flats if f.shard.grad is not None))
-        out["at_rest"] = sum(f.buf.untyped_storage().nbytes() for f in flats)
+                       shard_grads=sum(f.shard.grad.numel() for f in flats if f.shard.grad is not None),
+                       at_rest=sum(f.buf.untyped_storage().nbytes() for f in flats))
         for f in flats:
             f.shard.grad = None
         if stage == 3:
@@ -577,17 +1012,24 @@ def _zero_train(P, stage):
         if stage == 3:
             for f in flats:
                 f.free()
+            if s == 0:   # an evaluation between steps: forward hooks, no backward
+                with torch.no_grad(), explained(*GATHER_ERRORS):
+                    model(*batch(1))
+                out["after_eval"] = sum(f.buf.untyped_storage().nbytes() for f in flats)
     return out
 
 
 def _watch_gathered(units, flats, gathered):
-    """Hooks registered AFTER gather_when_used's, so they run after its gather and its free: in forward, the most
-    units holding their whole buffer at once."""
-    def after(*_):
-        gathered[0] = max(gathered[0], sum(f.buf.untyped_storage().size() > 0 for f in flats))
+    """Hooks registered AFTER gather_when_used's, so they run after its gather and its free: in forward and in
+    backward, the most units holding their whole buffer at once."""
+    def after(i, *_):
+        if i == 1 or torch.is_grad_enabled():   # (not an evaluation's forward)
+            gathered[i] = max(gathered[i], sum(f.buf.untyped_storage().size() > 0 for f in flats))
     for _, m in units:
-        m.register_forward_pre_hook(after)
-        m.register_forward_hook(after)
+        m.register_forward_pre_hook(functools.partial(after, 0))
+        m.register_forward_hook(functools.partial(after, 0))
+        m.register_full_backward_pre_hook(functools.partial(after, 1))
+        m.register_full_backward_hook(functools.partial(after, 1))
 
 
 def run_zero2(P):
@@ -598,9 +1040,13 @@ def run_zero3(P):
     return _zero_train(P, 3)
 
 
-def _ref_flats(names, N, step):
+def run_zero_mesh(P):
+    return _zero_train(P, 2, _mesh(dp_replicate=2, dp_shard=2))
+
+
+def _ref_flats(names, N, step, seed=0, frozen=()):
     """The one-process parameters after `step` steps as the units' flat buffers (zero padding to N)."""
-    state = one_process(steps=2, B=B)[0][step]
+    state = one_process(seed, steps=2, B=B, frozen=frozen)[0][step]
     out = []
     for ns, n in zip(names, N):
         v = torch.cat([state[k].flatten() for k in ns])
@@ -611,18 +1057,24 @@ def _ref_flats(names, N, step):
 def judge_zero_equal(P, res):
     for s in range(2):
         for r, x in enumerate(res):
-            want, before = _ref_flats(x["names"], x["N"], s + 1), _ref_flats(x["names"], x["N"], s)
+            ref = functools.partial(_ref_flats, x["names"], x["N"], seed=x["seed"], frozen=x["frozen"])
+            want, before = ref(s + 1), ref(s)
             failing = [u for u, (got, w) in enumerate(zip(x["flats"][s], want)) if not close(got, w)]
             if not failing:
                 continue
             # read the pattern on a unit whose every slice changes (the embedding's rows of unused bytes do not)
-            n_ = x["n"]
+            n_, G = x["n"], x["G"]
             whole = [u for u in failing if all((want[u] - before[u])[j * n_[u]:(j + 1) * n_[u]].abs().max() > 0
-                                               for j in range(P))]
+                                               for j in range(G))]
             u = (whole or failing)[0]
             got, w, b0 = x["flats"][s][u], want[u], before[u]
-            return [f"rank {r}, unit {u} ({x['labels'][u]}), step {s + 1}: off by {(got - w).abs().max().item():.2e} "
-                    f"— {slice_pattern(got, w, b0, n_[u], P, r)}"] + (
+            scales = [(G / P, f"{G}/{P} of the expected: divided by the world's size {P}, not the group's {G} "
+                       f"(f.group_size)")] if G != P else []
+            scales += [(k, f"{k}× the expected update: the optimizer stepped {k} times — once per unit? step once, "
+                        f"after every unit's gradient is reduced") for k in range(2, len(x["N"]) + 1) if k != G]
+            where = f" of group {r // G * G}..{r // G * G + G - 1}" if G != P else ""
+            return [f"rank {r}{where}, unit {u} ({x['labels'][u]}), step {s + 1}: off by "
+                    f"{(got - w).abs().max().item():.2e} — {slice_pattern(got, w, b0, n_[u], G, r % G, scales)}"] + (
                 [f"{len(failing)} of {len(want)} units differ on rank {r}"] if len(failing) > 1 else [])
     return []
 
@@ -641,9 +1093,13 @@ def judge_zero_bytes(P, res):
                          f"where a reduce-scatter belongs")
         if not lines and ar["calls"]:
             lines = [f"rank {r}: no all-reduce expected in ZeRO's step, measured {ar['calls']} of {ar['bytes']:,} bytes"]
-        lines = lines or formula_line(f"rank {r}: all-gathers after the step (8Ψ bytes, one per unit: stage 2)",
-                                      (units, 8 * N), (ag["calls"], ag["bytes"]),
-                                      "every rank needs every new slice before the next forward")
+        if x["stage"] == 2:
+            lines = lines or formula_line(f"rank {r}: all-gathers after the step (8Ψ bytes, one per unit: stage 2)",
+                                          (units, 8 * N), (ag["calls"], ag["bytes"]),
+                                          "every rank needs every new slice before the next forward")
+        else:
+            lines = lines or formula_line(f"rank {r}: all-gathers in the step at stage 3 (none: a freed unit is "
+                                          f"gathered by its next use)", (0, 0), (ag["calls"], ag["bytes"]))
         if lines:
             return lines
     return []
@@ -653,21 +1109,31 @@ def judge_zero_memory(P, res):
     for r, x in enumerate(res):
         n = sum(x["n"])
         if x["full_grads"] or x["shard_grads"] != n:
-            return [f"rank {r}: after the step, gradients held: whole parameters {x['full_grads']:,} elements "
-                    f"(expected 0: set p.grad = None), slices {x['shard_grads']:,} (expected Ψ/P = {n:,})"]
+            return [f"rank {r}, stage {x['stage']}: after the step, gradients held: whole parameters "
+                    f"{x['full_grads']:,} elements (expected 0: set p.grad = None), slices {x['shard_grads']:,} "
+                    f"(expected Ψ/P = {n:,})"]
+        if x["stage"] == 3 and x["at_rest"]:
+            return [f"rank {r}, stage 3: after the step the flat buffers hold {x['at_rest']:,} bytes, expected 0: a "
+                    f"freed unit stays freed until its next use"]
     return []
 
 
 CHECKS["zero_step"] = [
+    Check("after the step only the slices hold gradients: Ψ/P elements, none on the whole parameters (stage 2); at "
+          "stage 3 nothing gathered at rest", run_zero2, judge_zero_memory),
     Check("stage 2: equal to one process in float64 after each of 2 SGD steps, on every rank (one FlatParameter per "
           "module)", run_zero2, judge_zero_equal),
-    Check("stage 3 (buffers freed between uses): equal to one process after each of 2 steps", run_zero3,
-          judge_zero_equal),
+    Check("stage 3 (buffers freed between uses): equal to one process after each of 2 steps, nothing gathered at "
+          "rest", run_zero3, judge_zero_equal),
+    Check("inside a larger mesh: Mesh(dp_replicate=2, dp_shard=2)'s shard groups [0, 1] and [2, 3], each on its own "
+          "data, a parameter frozen: equal to one process on that group's data", run_zero_mesh, judge_zero_equal,
+          worlds=(4,)),
     Check("per step one reduce-scatter of 8Ψ bytes and one all-gather of 8Ψ per unit after the step, no all-reduce "
-          "(ZeRO §7: 2Ψ elements)", run_zero2, judge_zero_bytes, worlds=(2, 4)),
-    Check("after the step only the slices hold gradients: Ψ/P elements, none on the whole parameters", run_zero2,
-          judge_zero_memory),
+          "(ZeRO §7: 2Ψ elements); stage 3: the reduce-scatter alone", run_zero2, judge_zero_bytes, worlds=(2, 4)),
+    Check("stage 3's step: the reduce-scatter alone, no all-gather (the next use gathers), 0 bytes at rest", run_zero3,
+          judge_zero_bytes, worlds=(2, 4)),
 ]
+_ZERO_GATHER = "        if f.buf.untyped_storage().size():\n            f.all_gather()\n"
 BUGS["zero_step"] = [
     Bug("forgot to divide by P", "        f.shard.grad.div_(f.group_size)               # gloo has no "
         "ReduceOp.AVG: sum, then divide\n", "", r"unit 1 \(layers.0\), step 1: .* every slice: 2× the expected"),
@@ -680,16 +1146,60 @@ BUGS["zero_step"] = [
         "g = f.pack(f.shard.dtype)\n        dist.all_reduce(g, group=f.group)\n        r = (f.rank + 1) % "
         "f.group_size\n        f.shard.grad = g[r * f.shard_numel:(r + 1) * f.shard_numel].clone()",
         r"rank 0, unit 1 \(layers.0\), step 1: .* got the update of slice 1: the wrong shard"),
-    Bug("no all-gather after the step", "        if f.buf.untyped_storage().size():\n            f.all_gather()\n",
-        "        pass\n", r"rank 0, unit 1 \(layers.0\), step 1: .* no slice changed, this rank's own neither: .*the "
+    Bug("no all-gather after the step", _ZERO_GATHER, "        pass\n",
+        r"rank 0, unit 1 \(layers.0\), step 1: .* no slice changed, this rank's own neither: .*the "
         r"all-gather after the step is missing"),
+    Bug("always all-gathered, a freed buffer too", _ZERO_GATHER, "        f.all_gather()\n",
+        r"RuntimeError: a freed buffer used \(stage 3: f.buf has no bytes between uses\)"),
+    Bug("divided by the world's size, not the group's", "f.shard.grad.div_(f.group_size)",
+        "f.shard.grad.div_(dist.get_world_size())", r"rank 0 of group 0..1, unit 1 \(layers.0\), step 1: .* every "
+        r"slice: 2/4 of the expected: divided by the world's size 4, not the group's 2", 4),
+    Bug("the whole parameters' gradients kept", "        for p in f.params:\n            p.grad = None              "
+        "                # stages 2-3 keep only the reduced slice\n", "",
+        r"rank 0, stage 2: after the step, gradients held: whole parameters [\d,]+ elements \(expected 0: set p.grad "
+        r"= None\)"),
+    Bug("the optimizer stepped inside the loop, once per unit", "            p.grad = None                              "
+        "# stages 2-3 keep only the reduced slice\n    optimizer.step()\n",
+        "            p.grad = None\n        optimizer.step()\n",
+        r"rank 0, unit \d \(.*\), step 1: .* \d× the expected update: the optimizer stepped \d times — once per unit\?"),
+    Bug("a pack of its own, which skips no parameter", "f.reduce_scatter(f.pack(f.shard.dtype))",
+        "f.reduce_scatter(torch.cat([p.grad.reshape(-1) for p in f.params]\n            + [f.buf.new_zeros("
+        "f.flat_numel - sum(f.numels))]))", r"AttributeError: a parameter without a gradient \(frozen, or unused here\): "
+        r"pack zeros for it", 4),
+]
+VARIANTS["zero_step"] = [
+    Variant("every reduce-scatter launched, then every one waited for; the gathers likewise", (
+        "    for f in flats:\n        f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))\n"
+        "        f.shard.grad.div_(f.group_size)               # gloo has no ReduceOp.AVG: sum, then divide\n"
+        "        for p in f.params:\n            p.grad = None                              # stages 2-3 keep only "
+        "the reduced slice\n    optimizer.step()\n" + "    for f in flats:\n" + _ZERO_GATHER),
+        "    pending = []\n    for f in flats:\n        g = f.pack(f.shard.dtype)\n        for p in f.params:\n"
+        "            p.grad = None\n        pending.append((f, *f.reduce_scatter(g, async_op=True)))\n"
+        "    for f, mine, work in pending:\n        work.wait()\n        f.shard.grad = mine / f.group_size\n"
+        "    optimizer.step()\n    works = [f.all_gather(async_op=True) for f in flats if "
+        "f.buf.untyped_storage().size() > 0]\n    for work in works:\n        work.wait()\n"),
+    Variant("the collectives called directly, each gradient divided before it is summed", (
+        "    for f in flats:\n        f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))\n"
+        "        f.shard.grad.div_(f.group_size)               # gloo has no ReduceOp.AVG: sum, then divide\n"
+        "        for p in f.params:\n            p.grad = None                              # stages 2-3 keep only "
+        "the reduced slice\n    optimizer.step()\n" + "    for f in flats:\n" + _ZERO_GATHER),
+        "    for f in flats:\n        g = f.pack(f.shard.dtype).div_(f.group_size)\n"
+        "        out = g.new_empty(f.shard_numel)\n        reduce_scatter_single(out, g, group=f.group)\n"
+        "        f.shard.grad = out\n        for p in f.params:\n            p.grad = None\n    optimizer.step()\n"
+        "    for f in flats:\n        if f.buf.untyped_storage().size() > 0:\n"
+        "            all_gather_single(f.buf, f.shard.detach(), group=f.group)\n"),
 ]
 
 
 # ---- 2. fsdp: gather_when_used (fsdp.py: gather_when_used) -----------------------------------------------------------
-# Stage 3 with gather_when_used's hooks (zero_step's run) on 1, 2 and 4 ranks: equal to one process after each of 2
-# steps; each unit all-gathered before its forward and before its backward (2·8Ψ bytes per step); one unit whole at
-# a time in forward, nothing gathered at rest.
+# Where the course calls it: the lesson's stage 3 on each unit of a model (section 4's hooks do the same with
+# prefetching for real training): a unit whose inputs need no gradient (the token embedding: its full backward hook
+# fires as soon as its output's gradient arrives), forwards under no_grad between steps (an evaluation: forward hooks
+# run, no backward). Graded on zero_step's stage-3 run with an evaluation forward added:
+#   - stage 3 equal to one process in float64 after each of 2 SGD steps, on every rank;
+#   - a unit whole only while it runs: one unit gathered at a time in forward and in backward, nothing at rest after
+#     the step, nor after an evaluation forward;
+#   - per rank and step each unit all-gathered twice, before its forward and before its backward: 2·8Ψ bytes.
 
 def run_gather(P):
     return _zero_train(P, 3)
@@ -700,7 +1210,10 @@ def judge_gather_bytes(P, res):
         N, units = sum(x["N"]), len(x["N"])
         ag = x["comm_all"].get("all_gather", dict(calls=0, bytes=0))
         lines = formula_line(f"rank {r}: all-gathers per step (each unit before its forward and before its backward: "
-                             f"2·8Ψ bytes)", (2 * units, 2 * 8 * N), (ag["calls"], ag["bytes"]))
+                             f"2·8Ψ bytes)", (2 * units, 2 * 8 * N), (ag["calls"], ag["bytes"]),
+                             "more: a unit gathered again while gathered — hooks on its submodules too "
+                             "(module.modules()), or a gather where a free belongs" if ag["calls"] > 2 * units else
+                             "fewer: a unit not gathered before its forward or before its backward")
         if lines:
             return lines
     return []
@@ -708,71 +1221,144 @@ def judge_gather_bytes(P, res):
 
 def judge_gather_memory(P, res):
     for r, x in enumerate(res):
-        if x["peak_forward"] != 1:
-            return [f"rank {r}: in forward, up to {x['peak_forward']} units held their whole buffer at once; expected 1 "
-                    f"(free a unit right after its forward)"]
+        for when in ("forward", "backward"):
+            if x[f"peak_{when}"] != 1:
+                return [f"rank {r}: in {when}, up to {x[f'peak_{when}']} units held their whole buffer at once; "
+                        f"expected 1 (free a unit right after its {when})"]
         if x["at_rest"]:
             return [f"rank {r}: after the step the flat buffers hold {x['at_rest']:,} bytes, expected 0 (free each "
                     f"unit right after its backward)"]
+        if x["after_eval"]:
+            return [f"rank {r}: after an evaluation's forward (under torch.no_grad, no backward) the flat buffers "
+                    f"hold {x['after_eval']:,} bytes, expected 0: free a unit after its forward whatever follows"]
     return []
 
 
 CHECKS["gather_when_used"] = [
     Check("stage 3 equal to one process in float64 after each of 2 SGD steps, on every rank", run_gather,
           judge_zero_equal),
+    Check("a unit whole only while it runs: one unit gathered at a time in forward and in backward, 0 bytes gathered "
+          "at rest after the step and after an evaluation's forward", run_gather, judge_gather_memory),
     Check("per step each unit all-gathered twice, before its forward and before its backward: 2·8Ψ bytes (ZeRO §7's "
           "3Ψ with the reduce-scatter)", run_gather, judge_gather_bytes, worlds=(2, 4)),
-    Check("a unit whole only while it runs: one unit gathered at a time in forward, 0 bytes gathered at rest",
-          run_gather, judge_gather_memory),
 ]
+_HOOKS = ("    module.register_forward_pre_hook(gather)\n    module.register_forward_hook(free)\n"
+          "    module.register_full_backward_pre_hook(gather)\n    module.register_full_backward_hook(free)\n")
 BUGS["gather_when_used"] = [
     Bug("never freed after forward", "    module.register_forward_hook(free)\n", "",
         r"rank 0: in forward, up to 5 units held their whole buffer at once; expected 1", 1),
     Bug("not gathered before backward", "    module.register_full_backward_pre_hook(gather)\n", "",
         r"every rank: RuntimeError: .*"),
     Bug("never freed after backward", "    module.register_full_backward_hook(free)\n", "",
-        r"all-gathers per step .* expected \(10, .*\), measured \(15, "),
+        r"rank 0: in backward, up to [2-5] units held their whole buffer at once; expected 1 \(free a unit right after "
+        r"its backward\)"),
+    Bug("gathered after the forward, not before", "module.register_forward_pre_hook(gather)",
+        "module.register_forward_hook(gather)", r"every rank: RuntimeError: a unit's parameters read while its buffer is "
+        r"freed: gather right BEFORE its forward"),
+    Bug("all_gather() where unshard() belongs", "        flat.unshard()\n", "        flat.all_gather()\n",
+        r"every rank: RuntimeError: all-gathered into a freed buffer: flat.unshard\(\) gives flat.buf its bytes back"),
+    Bug("the hooks on every submodule too", _HOOKS, "    for m in module.modules():\n" + _HOOKS.replace(
+        "    module.", "        m."), r"all-gathers per step .* expected \(10, .*\), measured \(\d\d+, .* hooks on its "
+        r"submodules too"),
+]
+VARIANTS["gather_when_used"] = [
+    Variant("one loop over (register, action) pairs, lambdas that return None", "    def gather(*_):\n"
+            "        flat.unshard()\n\n    def free(*_):\n        flat.free()\n" + _HOOKS,
+            "    for register, act in ((module.register_forward_pre_hook, flat.unshard),\n"
+            "                          (module.register_forward_hook, flat.free),\n"
+            "                          (module.register_full_backward_pre_hook, flat.unshard),\n"
+            "                          (module.register_full_backward_hook, flat.free)):\n"
+            "        register(lambda *_, act=act: act() and None)   # a hook's return value would replace its input\n"),
+    Variant("the backward hooks first; gather only when freed; free by resizing the storage", "    def gather(*_):\n"
+            "        flat.unshard()\n\n    def free(*_):\n        flat.free()\n" + _HOOKS,
+            "    def gather(*_):\n        if flat.buf.untyped_storage().size() == 0:\n            flat.unshard()\n\n"
+            "    def free(*_):\n        flat.buf.untyped_storage().resize_(0)\n"
+            "    module.register_full_backward_pre_hook(gather)\n    module.register_full_backward_hook(free)\n"
+            "    module.register_forward_pre_hook(gather)\n    module.register_forward_hook(free)\n"),
 ]
 
 
 # ---- 3. hsdp: across_replicas (hsdp.py: across_replicas) -------------------------------------------------------------
-# shard_hybrid on Mesh(dp_replicate=2, dp_shard=P/2) for 2 SGD steps, 2 replicas × 1 shard on 2 ranks and 2 × 2 on
-# 4: equal to one process after each step on every rank; across replicas only the reduced shards and the
-# used-flags, 8Ψ/S + 4k bytes all-reduced over the replicate group.
+# Where the course calls it: hsdp.shard_hybrid hands it to fsdp's after_reduce seam, which calls it on every reduced
+# gradient shard (in the master's dtype: fp32 under bf16 compute, float64 here) and on the used-flags (int32), in
+# place, the sum then divided by S·R — at stage 3 (the lesson's HSDP) and at stages 1-2 (train.py's --zero-stage
+# with dp_replicate > 1, over dp_shard_cp); a parameter that only another replica's data reaches gets its gradient
+# through the flags. Graded on Mesh(dp_replicate=2, dp_shard=P/2): 2 replicas × 1 shard on 2 ranks, 2 × 2 on 4, the
+# tiny float64 model inside a wrapper whose extra parameter only replica 0's loss uses:
+#   - per rank: across replicas only the reduced shards and the flags cross, 8Ψ/S + 4k bytes all-reduced over the
+#     replicate group, nothing else crosses (first: a missing or misplaced sum is named by where it went);
+#   - stage 3 and stage 2 equal to one process after each of 2 SGD steps, on every rank, the extra parameter
+#     included (stepped on every replica).
+
+R_EXTRA = 0.1   # replica 0's loss adds R_EXTRA·Σ extra²
+
+
+class _ReplicaExtra(torch.nn.Module):
+    """The tiny model, and a parameter `extra` that only the ranks of replica 0 use."""
+
+    def __init__(self, uses: bool):
+        super().__init__()
+        from lab.model import build_model
+        self.model, self.uses = build_model("tiny", seed=0, dtype=F64), uses
+        self.extra = torch.nn.Parameter(torch.arange(1.0, 5.0, dtype=F64))
+
+    def forward(self, x, y):
+        loss = self.model(x, y)
+        return loss + R_EXTRA * (self.extra ** 2).sum() if self.uses else loss
+
 
 def run_hsdp(P):
-    from hsdp import shard_hybrid
-    from lab.model import build_model
-    from mesh import Mesh
-    mesh = Mesh(dp_replicate=2, dp_shard=P // 2)
-    model = build_model("tiny", seed=0, dtype=F64)
-    opt = shard_hybrid(model, mesh, optimizer_cls=SGD, lr=LR)
-    out = dict(states=[], rep=mesh.ranks("dp_replicate"), shard=mesh.ranks("dp_shard"), S=P // 2,
-               numel=sum(u.flat_numel for u in opt.units), k=sum(len(u.params) for u in opt.units))
-    for s in range(2):
-        with Count() as c:
-            model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
-            opt.step()
-        opt.zero_grad()
-        if s == 0:
-            out["events"] = [(e["op"], tuple(e["group"]), e["bytes"]) for e in c.events]
-        out["states"].append(opt.full_state_dict())
+    import hsdp
+    mesh = _mesh(dp_replicate=2, dp_shard=P // 2)
+    out = dict(rep=mesh.ranks("dp_replicate"), shard=mesh.ranks("dp_shard"), S=P // 2,
+               returned=callable(hsdp.across_replicas(mesh.group("dp_replicate"))))
+    for stage in (3, 2):
+        model = _ReplicaExtra(uses=mesh.coords["dp_replicate"] == 0)
+        opt = hsdp.shard_hybrid(model, mesh, stage=stage, optimizer_cls=SGD, lr=LR)
+        states = []
+        for s in range(2):
+            with Count() as c:
+                model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
+                opt.step()
+            opt.zero_grad()
+            if s == 0 and stage == 3:
+                out.update(events=[(e["op"], tuple(e["group"]), e["bytes"], e["dtype"]) for e in c.events],
+                           numel=sum(u.flat_numel for u in opt.units), k=sum(len(u.params) for u in opt.units))
+            states.append({k.removeprefix("model."): v for k, v in opt.full_state_dict().items()})
+        out[stage] = states
     return out
 
 
-def judge_hsdp_equal(P, res):
+def _extra_after(step):
+    """extra after `step` SGD steps: only replica 0's S ranks add 2·R_EXTRA·extra, divided by S·R = 2S."""
+    return torch.arange(1.0, 5.0, dtype=F64) * (1 - LR * 2 * R_EXTRA / 2) ** step
+
+
+def judge_hsdp_equal(P, res, stage=3):
     R = 2
+    crossed = [sum(b for op, g, b, _ in x["events"] if g == tuple(x["rep"]) and op == "all_reduce") for x in res]
     for s in range(2):
-        lines = compare_named(P, [dict(x={k: v for k, v in r_["states"][s].items() if k in one_process()[0][0]})
-                                  for r_ in res], "x",
-                              lambda r, n: one_process()[0][s + 1][n], what=f" (parameter after step {s + 1})",
-                              before_of=lambda r, n: one_process()[0][s][n],
+        def want(r, n):
+            return _extra_after(s + 1) if n == "extra" else one_process()[0][s + 1][n]
+
+        def before(r, n):
+            return _extra_after(s) if n == "extra" else one_process()[0][s][n]
+
+        def cands(r, n):
+            if n == "extra":
+                return [("unchanged: not stepped on this replica — the used-flags were not summed across replicas, so "
+                         "a parameter only another replica's data reached has no gradient here (the flags, int32, "
+                         "take the same road)", before(r, n))]
+            never = ("the shards were never summed across the replicas" if not crossed[r] else
+                     "the sum crossed the replicas but never reached t: all-reduce t itself, in place (the seam "
+                     "ignores a return value)")
+            return [(f"this replica's own gradient ÷ {R}: {never}", _replica_alone(P, r)[n])] if s == 0 else []
+        lines = compare_named(P, [dict(x=r_[stage][s]) for r_ in res], "x", want,
+                              what=f" (stage {stage}, parameter after step {s + 1})", before_of=before,
                               scales=[(1 / R, f"1/{R} of the expected update: divided by R once too often "
                                        f"(shard_hybrid divides the sum by S·R afterwards)"),
                                       (R, f"{R}× the expected update: summed across replicas twice")],
-                              candidates_of=(lambda r, n: [(f"this replica's own gradient ÷ {R}: the shards were never "
-                                                            f"summed across the replicas", _replica_alone(P, r)[n])])
-                              if s == 0 else None)
+                              candidates_of=cands)
         if lines:
             return lines
     return []
@@ -794,51 +1380,90 @@ def _replica_alone(P, rank):
 def judge_hsdp_bytes(P, res):
     for r, x in enumerate(res):
         rep, shard = tuple(x["rep"]), tuple(x["shard"])
-        other = sorted({(op, g) for op, g, _ in x["events"] if g not in (rep, shard) and len(g) > 1})
+        other = sorted({(op, g) for op, g, _, _ in x["events"] if g not in (rep, shard) and len(g) > 1})
         if other:
             op, g = other[0]
             return [f"rank {r}: a {op} over ranks {list(g)}: only the shard group {list(shard)} and the replicate group "
                     f"{list(rep)} may talk (across replicas, the replicate group alone)"]
-        got = sum(b for op, g, b in x["events"] if g == rep and op == "all_reduce")
+        got = sum(b for op, g, b, _ in x["events"] if g == rep and op == "all_reduce")
+        flags = sum(b for op, g, b, d in x["events"] if g == rep and op == "all_reduce" and d == "int32")
         want = 8 * x["numel"] // x["S"] + 4 * x["k"]
-        crossing = [op for op, g, _ in x["events"] if g == rep and op != "all_reduce"]
+        crossing = [op for op, g, _, _ in x["events"] if g == rep and op != "all_reduce"]
         if crossing:
             return [f"rank {r}: a {crossing[0]} across replicas: only the reduced shards and the flags cross them"]
+        why = ("across_replicas returned None: return the function the seam calls (a closure over "
+               "replicate_group)" if not x["returned"] else
+               "nothing crossed: the shards were not summed across replicas" if got == 0 else
+               f"the used-flags (int32, 4k = {4 * x['k']} bytes) did not cross: they take the same road as the "
+               f"shards — sum them too" if got == want - 4 * x["k"] and not flags else "")
         lines = formula_line(f"rank {r}: all-reduce bytes across replicas {list(rep)} per step (the reduced shards "
-                             f"8Ψ/S + the used-flags 4k)", want, got,
-                             "nothing crossed: the shards were not summed across replicas" if got == 0 else "")
+                             f"8Ψ/S + the used-flags 4k)", want, got, why)
         if lines:
             return lines
     return []
 
 
 CHECKS["across_replicas"] = [
-    Check("HSDP equal to one process in float64 after each of 2 SGD steps, on every rank: 2 replicas × 1 shard "
-          "(2 ranks), 2 × 2 (4 ranks)", run_hsdp, judge_hsdp_equal, worlds=(2, 4)),
     Check("across replicas only the reduced shards and the used-flags: 8Ψ/S + 4k bytes all-reduced over the "
           "replicate group per step, nothing else crosses", run_hsdp, judge_hsdp_bytes, worlds=(2, 4)),
+    Check("HSDP at stage 3 equal to one process in float64 after each of 2 SGD steps, on every rank: 2 replicas × 1 "
+          "shard (2 ranks), 2 × 2 (4 ranks), a parameter only replica 0 uses", run_hsdp, judge_hsdp_equal,
+          worlds=(2, 4)),
+    Check("the same at stage 2 (train.py's --zero-stage 2 with dp_replicate > 1)", run_hsdp,
+          functools.partial(judge_hsdp_equal, stage=2), worlds=(2, 4)),
 ]
+_ACROSS = "        dist.all_reduce(t, group=replicate_group)\n"
 BUGS["across_replicas"] = [
-    Bug("forgot the all-reduce", "        dist.all_reduce(t, group=replicate_group)\n", "        pass\n",
-        r"rank 0, .*: off by .* this replica's own gradient ÷ 2: the shards were never summed across the replicas"),
+    Bug("forgot the all-reduce", _ACROSS, "        pass\n",
+        r"rank 0: all-reduce bytes across replicas .* measured 0 — nothing crossed: the shards were not summed"),
     Bug("all-reduced over the whole world", "dist.all_reduce(t, group=replicate_group)", "dist.all_reduce(t)",
-        r"rank 0, .*: off by", 4),
-    Bug("divided inside (shard_hybrid divides afterwards)", "        dist.all_reduce(t, group=replicate_group)\n",
-        "        dist.all_reduce(t, group=replicate_group)\n        if t.is_floating_point():\n"
+        r"rank 0: a all_reduce over ranks \[0, 1, 2, 3\]: only the shard group \[0, 1\] and the replicate group "
+        r"\[0, 2\] may talk", 4),
+    Bug("divided inside (shard_hybrid divides afterwards)", _ACROSS, _ACROSS + "        if t.is_floating_point():\n"
         "            t /= dist.get_world_size(replicate_group)\n", r"1/2 of the expected update: divided by R once too "
         r"often"),
-    Bug("an all-reduce on some ranks only", "        dist.all_reduce(t, group=replicate_group)\n",
-        "        if dist.get_rank() < 2:\n            dist.all_reduce(t, group=replicate_group)\n",
+    Bug("an all-reduce on some ranks only", _ACROSS, "        if dist.get_rank() < 2:\n    " + _ACROSS,
         r"collectives do not match|rank \d waits at all_reduce .* but rank \d left without it", 4),
+    Bug("the used-flags left out", _ACROSS, "        if t.is_floating_point():   # the gradients\n    " + _ACROSS,
+        r"rank 0: all-reduce bytes .* the used-flags \(int32, 4k = \d+ bytes\) did not cross"),
+    Bug("the sum made on a copy", "    def all_reduce_across(t):\n", "    def all_reduce_across(t):\n"
+        "        t = t.clone()\n", r"rank 0, .*: off by .* the sum crossed the replicas but never reached t: all-reduce t "
+        r"itself, in place"),
+    Bug("the function not returned", "    return all_reduce_across\n", "",
+        r"rank 0: all-reduce bytes .* measured 0 — across_replicas returned None: return the function"),
+]
+VARIANTS["across_replicas"] = [
+    Variant("a class whose instances are called", (
+            "    def all_reduce_across(t):\n", "    return all_reduce_across\n"), (
+            "    class AllReduceAcross:\n        def __call__(self, t):\n"
+            "            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=replicate_group)\n\n"
+            "    def all_reduce_across(t):\n", "    return AllReduceAcross()\n")),
+    Variant("functools.partial of torch's all_reduce", (
+            "    def all_reduce_across(t):\n", "    return all_reduce_across\n"), (
+            "    import functools\n    return functools.partial(dist.all_reduce, group=replicate_group)\n\n"
+            "    def all_reduce_across(t):\n", "")),
+    Variant("asynchronous, waited for at once", _ACROSS, "        dist.all_reduce(t, group=replicate_group, "
+            "async_op=True).wait()\n"),
 ]
 
 
 # ---- 4. tensor parallel: f_and_g (tensor_parallel.py: _all_reduce, F_TP, G_TP) ---------------------------------------
-# The tiny float64 model under apply_tensor_parallel, one step on 2 and 4 ranks: the loss and every gradient of
-# every rank's slice equal to one process; Megatron's 2L + 1 all-reduces each way (+3 for the loss). The run serves
-# pair too.
+# Where the course calls them: enter_tp and exit_tp, around every column/row pair of apply_tensor_parallel (attention,
+# the MLP, the vocab-parallel head), on the tp group — the world in the lesson, a group inside a larger mesh in
+# train.py (tp with dp, cp, pp around it); every activation float64 here (bf16 in training: the all-reduce sums in
+# the activation's dtype, as Megatron). Graded on the tiny float64 model, one step:
+#   - per rank, Megatron's collectives: 2L + 1 all-reduces of B·S·H·b in forward (+3 for the loss), 2L + 1 in
+#     backward (first: a missing or extra sum is named by where it is);
+#   - on 2 and 4 ranks (tp = the world): the loss and every gradient of every rank's slice equal to one process;
+#   - inside a larger mesh on 4 ranks: Mesh(dp_shard=2, tp=2)'s tp groups [0, 1] and [2, 3]: only the tp group
+#     talks, and the loss and gradients equal to one process. The runs serve pair too.
 
 TP_B, TP_S = 2, 8
+TP_ERRORS = [(r"NoneType|returned None|got None", "a (forward, backward) function returned None: return the tensor "
+              "(_all_reduce: the summed clone)"),
+             (r"must match the size of tensor", "shapes differ after a pair: under sequence parallel a pair enters from "
+              "[B, S/t, H] (all-gather) and exits to [B, S/t, H] (reduce-scatter) — each linear enters and exits as its "
+              "input_op and sp say")]
 
 
 @functools.cache
@@ -850,19 +1475,42 @@ def _tp_reference():
     return one["losses"][0], one["grads"][0]
 
 
-def _tp(P, sp):
+@contextlib.contextmanager
+def _counted_linears(calls):
+    """The pair's swappable matmul (Column/RowParallelLinear.linear, which float8 and zero bubble replace) counted."""
+    import tensor_parallel as tp
+    olds = {cls: cls.__dict__["linear"] for cls in (tp.ColumnParallelLinear, tp.RowParallelLinear)}
+
+    def counted(inner):
+        def linear(x, w, *args, **kwargs):
+            calls[0] += 1
+            return inner(x, w, *args, **kwargs)
+        return staticmethod(linear)
+    for cls, old in olds.items():
+        cls.linear = counted(old.__func__)
+    try:
+        yield
+    finally:
+        for cls, old in olds.items():
+            cls.linear = old
+
+
+def _tp(P, sp, group=None):
     import tensor_parallel as tp
     from lab.model import build_model
     x, y = _batch(0, TP_B, TP_S, seed=3)
-    model = tp.apply_tensor_parallel(build_model("tiny", seed=0, dtype=F64), None, sequence_parallel=sp)
-    with Count() as fwd:
-        loss = model(x, y)
-    with Count() as bwd:
-        loss.backward()
+    model = tp.apply_tensor_parallel(build_model("tiny", seed=0, dtype=F64), group, sequence_parallel=sp)
+    pairs, calls = sum(isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear)) for m in model.modules()), [0]
+    with explained(*TP_ERRORS), _counted_linears(calls):
+        with Count() as fwd:
+            loss = model(x, y)
+        with Count() as bwd:
+            loss.backward()
     tp.finish_grads(model)
     return dict(loss=loss.detach(), grads={n: p.grad.detach().clone() for n, p in model.named_parameters()},
                 slices={n: getattr(p, "tp_slice", None) for n, p in model.named_parameters()},
-                fwd=fwd.summary(), bwd=bwd.summary(), sp=sp)
+                fwd=fwd.summary(), bwd=bwd.summary(), sp=sp, groups=sorted(set(fwd.groups() + bwd.groups())),
+                linears=(pairs, calls[0]))
 
 
 def run_tp(P):
@@ -873,23 +1521,39 @@ def run_sp(P):
     return _tp(P, True)
 
 
-def judge_tp_equal(P, res):
+def _tp_mesh(P, sp):
+    """4 ranks as Mesh(dp_shard=2, tp=2), each tp pair on the same batch."""
+    mesh = _mesh(dp_shard=2, tp=2)
+    return {sp: dict(_tp(P, sp, mesh.group("tp")), tp=mesh.ranks("tp"))}
+
+
+def run_tp_mesh(P):
+    return _tp_mesh(P, False)
+
+
+def run_sp_mesh(P):
+    return _tp_mesh(P, True)
+
+
+def judge_tp_equal(P, res, t=None):
+    t = t or P
     loss, grads = _tp_reference()
     for r, x in enumerate(res):
         if not close(x["loss"], torch.tensor(loss, dtype=F64)):
-            return [f"rank {r}: the loss {x['loss'].item():.10f} where one process has {loss:.10f}: the forward "
-                    f"already differs — a pair's output must be the SUM of the ranks' partial outputs (g's forward), "
-                    f"its input the same x on every rank (f's forward: the identity)"]
+            ratio = x["loss"].item() / loss
+            return [f"rank {r}: the loss {x['loss'].item():.10f} where one process has {loss:.10f} ({ratio:.4g}×): "
+                    f"the forward already differs — a pair's output must be the SUM of the ranks' partial outputs "
+                    f"(g's forward), its input the same x on every rank (f's forward: the identity)"]
 
     def want(r, n):
         sl = res[r]["slices"][n]
         full = grads[n]
         return full if sl is None else full.narrow(sl[0], sl[1], sl[2] - sl[1])
     L = 2 * 2 + 2
-    scales = [(float(P) ** k, f"{P ** k}× the expected (= t^{k}, t = tp size {P}: summed over tp {k} time(s) where "
+    scales = [(float(t) ** k, f"{t ** k}× the expected (= t^{k}, t = tp size {t}: summed over tp {k} time(s) where "
                f"it was whole — a backward that should be the identity all-reduces)") for k in range(1, L + 1)]
     lines = compare_named(P, res, "grads", want, what=" (gradient of this rank's slice)", reverse=True,
-                          scales=scales + [(1 / P, f"1/{P} of the expected: a partial gradient never summed over tp")])
+                          scales=scales + [(1 / t, f"1/{t} of the expected: a partial gradient never summed over tp")])
     return lines + (["(the loss is right: the backward differs — f's backward sums x's gradient over tp, every rank "
                      "having used all of x; g's backward is the identity)"] if lines else [])
 
@@ -907,10 +1571,17 @@ def judge_tp_formula(P, res):
             f, b = x["fwd"].get(op, {}).get("calls", 0), x["bwd"].get(op, {}).get("calls", 0)
             wf, wb = 2 * L + 1 + (3 if op == "all_reduce" else 0), 2 * L + 1
             if (f, b) != (wf, wb):
+                loss = ", + the loss 3" if op == "all_reduce" else ""
+                why = [("more than g's in forward: f's forward is the identity, every rank holds all of x already"
+                        if f > wf else "g's forward missing: a pair's output is the sum of the ranks' partial outputs "
+                        "(g exits each pair: exit_tp in the row-parallel linear)" if f < wf else ""),
+                       ("more than f's in backward: g's backward is the identity, and a pair is entered once (input_op "
+                        "None: its caller entered already)" if b > wb else "f's backward missing: every rank used all "
+                        "of x, its gradient is their sum (f enters each pair: enter_tp in the column-parallel linear, "
+                        "unless input_op is None)" if b < wb else "")]
+                why = " — " + "; ".join(w for w in why if w)
                 return [f"rank {r}: {op} calls in forward / backward: expected {wf} / {wb} (Megatron: f and g, 2 per "
-                        f"layer + the embedding's g forward, the head's f backward{', + the loss 3' if op == 'all_reduce' else ''}"
-                        f"), measured {f} / {b}" + (" — an all-reduce in backward where g's is the identity"
-                                                     if b > wb else " — f's backward all-reduce missing" if b < wb else "")]
+                        f"layer + the embedding's g forward, the head's f backward{loss}), measured {f} / {b}{why}"]
         for op, (calls, nbytes) in want.items():
             got = (x["fwd"].get(op, {}).get("calls", 0) + x["bwd"].get(op, {}).get("calls", 0),
                    x["fwd"].get(op, {}).get("bytes", 0) + x["bwd"].get(op, {}).get("bytes", 0))
@@ -920,67 +1591,209 @@ def judge_tp_formula(P, res):
     return []
 
 
+def judge_tp_mesh(P, res, modes=(False,)):
+    for sp in modes:
+        per = [x[sp] for x in res]
+        name = "sequence parallel" if sp else "tensor parallel"
+        for r, x in enumerate(per):
+            bad = [list(g) for g in x["groups"] if list(g) != x["tp"]]
+            if bad:
+                return [f"Mesh(dp_shard=2, tp=2), {name}, rank {r}: collectives over ranks {bad}: tensor parallel's run "
+                        f"over the tp group {x['tp']} it is given (the `group` argument), never the world"]
+        lines = judge_tp_equal(P, per, t=2)
+        if lines:
+            return [f"Mesh(dp_shard=2, tp=2), {name}, {lines[0]}"] + lines[1:]
+    return []
+
+
 CHECKS["f_and_g"] = [
-    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
-          run_tp, judge_tp_equal, worlds=(2, 4)),
     Check("Megatron's collectives: 2L + 1 all-reduces of B·S·H·b in forward (+3 for the loss), 2L + 1 in backward",
           run_tp, judge_tp_formula, worlds=(2, 4)),
+    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
+          run_tp, judge_tp_equal, worlds=(2, 4)),
+    Check("inside a larger mesh: Mesh(dp_shard=2, tp=2)'s tp groups [0, 1] and [2, 3] alone talk, the loss and "
+          "gradients equal to one process", run_tp_mesh, judge_tp_mesh, worlds=(4,)),
 ]
+_AR = ("    x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: not on autograd's tensor\n"
+       "    dist.all_reduce(x, group=group)\n    return x\n")
 BUGS["f_and_g"] = [
     Bug("f and g swapped", "F_TP = (_identity,           _all_reduce)", "F_TP = (_all_reduce, _identity)",
-        r"rank 0: the loss .* where one process has"),
+        r"rank 0: all_reduce calls .* measured 13 / 0 — more than g's in forward: f's forward is the identity"),
     Bug("g's backward all-reduces too", "G_TP = (_all_reduce,         _identity)",
-        "G_TP = (_all_reduce, _all_reduce)", r"rank 0, .*: off by .* 2× the expected \(= t\^1, t = tp size 2: summed "
-        r"over tp 1 time\(s\) where it was whole"),
+        "G_TP = (_all_reduce, _all_reduce)", r"rank 0: all_reduce calls in forward / backward: expected 8 / 5 .*, "
+        r"measured 8 / 10 — more than f's in backward: g's backward is the identity"),
     Bug("f's backward is the identity", "F_TP = (_identity,           _all_reduce)",
-        "F_TP = (_identity, _identity)", r"rank 0, .*: off by"),
+        "F_TP = (_identity, _identity)", r"rank 0: all_reduce calls in forward / backward: expected 8 / 5 .*, measured "
+        r"8 / 0 — f's backward missing"),
+    Bug("the all-reduce over the whole world", "    dist.all_reduce(x, group=group)\n    return x\n",
+        "    dist.all_reduce(x)\n    return x\n", r"Mesh\(dp_shard=2, tp=2\), tensor parallel, rank 0: collectives "
+        r"over ranks \[\[0, 1, 2, 3\]\]: tensor parallel's run over the tp group \[0, 1\]", 4),
+    Bug("the all-reduce averages", "    dist.all_reduce(x, group=group)\n    return x\n",
+        "    dist.all_reduce(x, group=group)\n    return x / dist.get_world_size(group)\n",
+        r"rank 0: the loss .* where one process has .*: the forward already differs — a pair's output must be the SUM"),
+    Bug("_all_reduce returns nothing", "    dist.all_reduce(x, group=group)\n    return x\n",
+        "    dist.all_reduce(x, group=group)\n", r"every rank: \w+: a \(forward, backward\) function returned None"),
+]
+VARIANTS["f_and_g"] = [
+    Variant("the identity as a lambda; the sum into a new contiguous tensor", (
+            _AR, "F_TP = (_identity,           _all_reduce)", "G_TP = (_all_reduce,         _identity)"), (
+            "    y = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)\n"
+            "    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)\n    return y\n",
+            "F_TP = (lambda x, group: x, _all_reduce)", "G_TP = (_all_reduce, lambda x, group: x)")),
+    Variant("lists, not tuples; the all-reduce asynchronous, waited for at once", (
+            _AR, "F_TP = (_identity,           _all_reduce)", "G_TP = (_all_reduce,         _identity)"), (
+            "    out = x.contiguous().clone()\n    dist.all_reduce(out, group=group, async_op=True).wait()\n"
+            "    return out\n", "F_TP = [_identity, _all_reduce]", "G_TP = [_all_reduce, _identity]")),
 ]
 
 
 # ---- 4. tensor parallel: pair (tensor_parallel.py: ColumnParallelLinear.forward, RowParallelLinear.forward) ----------
-# f_and_g's run on 1, 2 and 4 ranks, and with sequence parallel on 2 and 4: the loss and every slice's gradient
-# equal to one process; Megatron's collectives, 2L + 1 each way: all-reduces (tensor parallel), all-gathers and
-# reduce-scatters (sequence parallel).
+# Where the course calls them: every column/row pair of apply_tensor_parallel — attention's wq, wk, wv (entered once
+# for all: input_op None) and wo, the MLP's w1, w3 and w2, the vocab-parallel head (input_op "copy") — with and without
+# sequence parallel ("gather", sp), on the tp group (inside a larger mesh in train.py); float8 training and zero
+# bubble replace the pair's matmul, self.linear, on a layer. Graded on f_and_g's runs:
+#   - per rank, Megatron's collectives, 2L + 1 each way: all-reduces (tensor parallel), all-gathers and
+#     reduce-scatters (sequence parallel), each before the equality it explains;
+#   - tensor parallel on 1, 2 and 4 ranks and sequence parallel on 2 and 4: the loss and every slice's gradient equal
+#     to one process;
+#   - inside a larger mesh on 4 ranks (Mesh(dp_shard=2, tp=2)), both modes: only the tp group talks, equal to one
+#     process;
+#   - every matmul through self.linear (the swappable one), one call per linear per forward.
+
+def judge_linears(P, res):
+    for r, x in enumerate(res):
+        want, got = x["linears"]
+        if got != want:
+            return [f"rank {r}: {got} of the {want} parallel linears' matmuls went through self.linear — call "
+                    f"self.linear(x, self.weight), not F.linear or x @ W.T: float8 training and zero bubble swap "
+                    f"self.linear on a layer"]
+    return []
+
 
 CHECKS["pair"] = [
-    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
-          run_tp, judge_tp_equal),
-    Check("sequence parallel equal to one process: the loss and every gradient", run_sp, judge_tp_equal,
-          worlds=(2, 4)),
     Check("Megatron's collectives: 2L + 1 in forward and in backward (TP: all-reduces; SP: all-gathers and "
           "reduce-scatters of the same wire bytes)", run_tp, judge_tp_formula, worlds=(2, 4)),
+    Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
+          run_tp, judge_tp_equal),
     Check("sequence parallel's collectives: 2L + 1 all-gathers and 2L + 1 reduce-scatters each way", run_sp,
           judge_tp_formula, worlds=(2, 4)),
+    Check("sequence parallel equal to one process: the loss and every gradient", run_sp, judge_tp_equal,
+          worlds=(2, 4)),
+    Check("inside a larger mesh: Mesh(dp_shard=2, tp=2)'s tp groups alone talk, tensor parallel equal to one process",
+          run_tp_mesh, judge_tp_mesh, worlds=(4,)),
+    Check("the same with sequence parallel", run_sp_mesh, functools.partial(judge_tp_mesh, modes=(True,)),
+          worlds=(4,)),
+    Check("every matmul through self.linear (float8 and zero bubble swap it): one call per parallel linear", run_tp,
+          judge_linears),
 ]
+_COL = ("        if self.input_op is not None:\n            x = enter_tp(x, self.group, sp=self.input_op == \"gather\")\n"
+        "        return self.linear(x, self.weight)                              # [B, S, F/t]\n")
+_ROW = "        return exit_tp(self.linear(x, self.weight), self.group, self.sp)   # [B, S, H] or [B, S/t, H]\n"
 BUGS["pair"] = [
     Bug("the row-parallel linear never sums its partial outputs",
         "return exit_tp(self.linear(x, self.weight), self.group, self.sp)", "return self.linear(x, self.weight)",
-        r"rank 0: the loss .* where one process has"),
+        r"rank 0: all_reduce calls .* measured 4 / 5 — g's forward missing: a pair's output is the sum"),
     Bug("the column-parallel linear never enters the pair",
         "        if self.input_op is not None:\n            x = enter_tp(x, self.group, sp=self.input_op == "
-        "\"gather\")\n", "", r"rank 0, .*: off by"),
+        "\"gather\")\n", "", r"rank 0: all_reduce calls in forward / backward: expected 8 / 5 .*, measured \d / \d — "
+        r"f's backward missing"),
     Bug("the row-parallel linear ignores sequence parallel", "exit_tp(self.linear(x, self.weight), self.group, "
-        "self.sp)", "exit_tp(self.linear(x, self.weight), self.group, False)", r"every rank: RuntimeError"),
+        "self.sp)", "exit_tp(self.linear(x, self.weight), self.group, False)", r"every rank: RuntimeError: shapes "
+        r"differ after a pair: under sequence parallel"),
+    Bug("F.linear called directly, not the swappable self.linear", "        return self.linear(x, self.weight)       "
+        "                       # [B, S, F/t]\n", "        return F.linear(x, self.weight)\n",
+        r"rank 0: \d+ of the \d+ parallel linears' matmuls went through self.linear — call self.linear"),
+    Bug("the column-parallel linear always enters, input_op None too",
+        "        if self.input_op is not None:\n            x = enter_tp(x, self.group, sp=self.input_op == "
+        "\"gather\")\n", "        x = enter_tp(x, self.group, sp=self.input_op == \"gather\")\n",
+        r"rank 0: all_reduce calls in forward / backward: expected 8 / 5 .*, measured 8 / \d+ — more than f's in "
+        r"backward: .* a pair is entered once"),
+    Bug("the row-parallel linear exits over the default group",
+        "exit_tp(self.linear(x, self.weight), self.group, self.sp)", "exit_tp(self.linear(x, self.weight), None, "
+        "self.sp)", r"Mesh\(dp_shard=2, tp=2\), tensor parallel, rank 0: collectives over ranks \[\[0, 1, 2, 3\]\]", 4),
+]
+VARIANTS["pair"] = [
+    Variant("each input_op its own branch; the partial product named", (_COL, _ROW), (
+            "        if self.input_op == \"copy\":\n            x = enter_tp(x, self.group, False)\n"
+            "        elif self.input_op == \"gather\":\n            x = enter_tp(x, self.group, True)\n"
+            "        y = self.linear(x, self.weight)\n        return y\n",
+            "        partial = self.linear(x, self.weight)        # my columns' share of y\n"
+            "        return exit_tp(partial, self.group, sp=bool(self.sp))\n")),
+    Variant("a conditional expression; keyword arguments", (_COL, _ROW), (
+            "        entered = x if self.input_op is None else enter_tp(x, self.group, self.input_op == \"gather\")\n"
+            "        return self.linear(entered, self.weight)\n",
+            "        return exit_tp(x=self.linear(x, self.weight), group=self.group, sp=self.sp)\n")),
 ]
 
 
 # ---- 5. pipeline: one_f_one_b (pipeline.py: one_f_one_b_plain) -------------------------------------------------------
-# A 4-layer float64 model cut into p stages, one step of m micro-batches (m = 2 on 1 rank; 1 and 4 on 2; 2 and 4 on
-# 4: m < p and m ≥ p): every stage's gradients and the last stage's loss equal to one process; each rank's order of
-# F and B 1F1B's; at most min(p−r, m) micro-batches' activations held; per boundary m activations forward and m
-# gradients back, [B/m, S, H]·b bytes each.
+# Where the course calls it: the lesson's core on the pipeline of all ranks, and pipeline_demo's pipelines inside a
+# larger mesh (pp with dp: a pipeline's ranks are not consecutive, its peers pipe.prev and pipe.next are global
+# ranks); m < p and m ≥ p micro-batches; stages in the model's dtype (float64 here: every received buffer in the
+# stage's dtype). It exists for 1F1B's memory: at most min(p−r, m) micro-batches in flight on rank r (no overlap of
+# its own). Graded on a 4-layer float64 model cut into p stages, one step of m micro-batches (m = 2 on 1 rank; 1 and 4
+# on 2; 2 and 4 on 4), each m on fresh copies of the batch:
+#   - each rank's order of F and B 1F1B's; at most min(p−r, m) micro-batches' activations held (per rank) — first:
+#     a schedule's mistake is named by its order;
+#   - per rank and boundary m activations forward and m gradients back, [B/m, S, H]·b bytes each;
+#   - every stage's gradients and the last stage's loss equal to one process, on every rank;
+#   - inside a larger mesh on 4 ranks: Mesh(pp=2, dp_shard=2)'s pipelines [0, 2] and [1, 3], each on its own data:
+#     equal to one process on that data, every transfer to the rank's neighbours in its own pipeline.
+# A received activation that does not require grad (its gradient could never go back) and a transfer to a rank that
+# is not the neighbour are named where they happen.
 
 PIPE_MS = {1: (2,), 2: (1, 4), 4: (2, 4)}
 
 
-def run_pipe(P):
+@contextlib.contextmanager
+def _neighbours_only(pipe):
+    """Every transfer's peer checked before it is posted: pipe.prev or pipe.next, never another rank."""
+    # (not dist.isend / irecv: a P2POp accepts only the very functions torch.distributed defines)
+    me, names = dist.get_rank(), ("batch_isend_irecv", "send", "recv")
+    inner = {n: getattr(dist, n) for n in names}
+
+    def check(kind, peer):
+        if peer is None or peer == me or peer not in (pipe.prev, pipe.next):
+            raise ValueError(f"rank {me} posts a {kind} {'to' if 'send' in kind else 'from'} rank {peer}, which is not "
+                             f"its neighbour in its pipeline {pipe.ranks} (position r = {pipe.r}: prev {pipe.prev}, "
+                             f"next {pipe.next}) — pipe.prev and pipe.next are the neighbours' global ranks; r ± 1 is "
+                             f"a position, not a rank")
+
+    def batch(ops):
+        for op in ops:
+            check("send" if "send" in getattr(op.op, "__name__", "") else "receive", getattr(op, "peer", None))
+        return inner["batch_isend_irecv"](ops)
+
+    def single(name):
+        def call(tensor, peer=None, *args, **kwargs):
+            check("send" if "send" in name else "receive", peer)
+            return inner[name](tensor, peer, *args, **kwargs)
+        return call
+    dist.batch_isend_irecv = batch
+    for n in names[1:]:
+        setattr(dist, n, single(n))
+    try:
+        yield
+    finally:
+        for n, f in inner.items():
+            setattr(dist, n, f)
+
+
+def _received_needs_grad(stage, r):
+    def check(mod, args):
+        if not stage.is_first and torch.is_grad_enabled() and not args[0].requires_grad:
+            raise RuntimeError(f"the activation stage {r} received does not require grad: its gradient could never be "
+                               f"sent back — requires_grad_() on a received activation before its forward")
+    stage.register_forward_pre_hook(check)
+
+
+def _pipe_run(pipe, ms, seed=0):
     from lab.model import get_config
-    from pipeline import PipeGroup, one_f_one_b_plain
+    from pipeline import one_f_one_b_plain
     cfg, out = get_config("tiny", n_layers=4), {}
-    pipe = PipeGroup.from_ranks(list(range(P)))
-    x, y = _batch(0, B, S)
-    for m in PIPE_MS[P]:
-        stage = _stage(cfg, pipe.r, P)
+    for m in ms:
+        x, y = _batch(0, B, S, seed=seed)   # fresh for each m: a core may change what it is handed
+        stage = _stage(cfg, pipe.r, pipe.p)
         log = []
 
         def fwd_hook(mod, args, output, log=log):
@@ -989,11 +1802,24 @@ def run_pipe(P):
             if output.requires_grad:
                 output.register_hook(lambda g, i=i: log.append(("B", i)))
         stage.register_forward_hook(fwd_hook)
-        with Count() as c:
+        _received_needs_grad(stage, pipe.r)
+        with Count() as c, _neighbours_only(pipe):
             loss = one_f_one_b_plain(stage, pipe, x, y, m)
         out[m] = dict(grads=_grads(stage), loss=None if loss is None else float(loss), log=log,
-                      sent=(c.calls("send"), c.bytes("send")))
+                      sent=(c.calls("send"), c.bytes("send")), seed=seed)
     return out
+
+
+def run_pipe(P):
+    from pipeline import PipeGroup
+    return _pipe_run(PipeGroup.from_ranks(list(range(P))), PIPE_MS[P])
+
+
+def run_pipe_mesh(P):
+    """4 ranks as Mesh(pp=2, dp_shard=2): pipelines [0, 2] and [1, 3], the pipeline at dp index d on data seed d."""
+    from pipeline import PipeGroup
+    mesh = _mesh(pp=2, dp_shard=2)
+    return _pipe_run(PipeGroup.from_ranks(mesh.ranks("pp")), (2,), seed=mesh.coords["dp_shard"])
 
 
 def _stage(cfg, r, p):
@@ -1014,19 +1840,30 @@ def _stage(cfg, r, p):
     return stage
 
 
-def judge_pipe_equal(P, res):
-    for m in PIPE_MS[P]:
-        _, grads, losses = one_process(steps=1, cfg=_pipe_cfg(), m=m)
-        lines = compare_named(P, [x[m] for x in res], "grads", lambda r, n: grads[0][n],
+def judge_pipe_equal(P, res, ms=None, p=None, last=None):
+    """ms: the micro-batch counts; p: the pipeline's length; last: the ranks of the last stages."""
+    ms, p, last = ms or PIPE_MS[P], p or P, last or [P - 1]
+    for m in ms:
+        lines = compare_named(P, [x[m] for x in res], "grads",
+                              lambda r, n: one_process(res[r][m]["seed"], steps=1, cfg=_pipe_cfg(), m=m)[1][0][n],
                               what=f" (m = {m} micro-batches)",
                               scales=[(m, f"{m}× the expected ({m} = m, the micro-batches): each micro-batch's loss "
                                        f"must be scaled by 1/m")] if m > 1 else [])
         if lines:
             return lines
-        got = res[-1][m]["loss"]
-        if got is None or abs(got - losses[0]) > 1e-9:
-            return [f"rank {P - 1} (the last stage), m = {m}: loss {got} where one process has {losses[0]:.10f}"]
+        for r in last:
+            want = one_process(res[r][m]["seed"], steps=1, cfg=_pipe_cfg(), m=m)[2][0]
+            got = res[r][m]["loss"]
+            if got is None or abs(got - want) > 1e-9:
+                why = (f" ({got / want:.4g}× = m: return the mean of the micro-batches' losses, not their sum)"
+                       if got is not None and m > 1 and abs(got / want - m) < 1e-9 else "")
+                return [f"rank {r} (the last stage), m = {m}: loss {got} where one process has {want:.10f}{why}"]
     return []
+
+
+def judge_pipe_mesh(P, res):
+    lines = judge_pipe_equal(P, res, ms=(2,), p=2, last=[2, 3])
+    return [f"Mesh(pp=2, dp_shard=2), pipelines [0, 2] and [1, 3]: {lines[0]}"] + lines[1:] if lines else []
 
 
 @functools.cache
@@ -1083,43 +1920,117 @@ def judge_pipe_sends(P, res):
 
 
 CHECKS["one_f_one_b"] = [
-    Check("every stage's gradients, and the last stage's loss, equal one process on the whole batch in float64 (m < p "
-          "and m ≥ p)", run_pipe, judge_pipe_equal),
     Check("the order of F and B on each rank is 1F1B's: warm-up min(p−r−1, m) forwards, one F one B, cool-down",
           run_pipe, judge_pipe_order),
     Check("activations held: at most min(p−r, m) micro-batches on rank r (1F1B's memory, Narayanan et al. §2.2)",
           run_pipe, judge_pipe_memory, worlds=(2, 4)),
     Check("per boundary m activations forward and m gradients back, each [B/m, S, H]·b bytes", run_pipe,
           judge_pipe_sends, worlds=(2, 4)),
+    Check("every stage's gradients, and the last stage's loss, equal one process on the whole batch in float64 (m < p "
+          "and m ≥ p)", run_pipe, judge_pipe_equal),
+    Check("inside a larger mesh: Mesh(pp=2, dp_shard=2)'s pipelines [0, 2] and [1, 3], each on its own data, equal to "
+          "one process on that data; every transfer between neighbours of one pipeline", run_pipe_mesh,
+          judge_pipe_mesh, worlds=(4,)),
 ]
+def _between(name, first, last):
+    """The reference core's text from the line `first` to the line `last`, both included (text edits of a long part)."""
+    text = reference_text(BY_NAME[name])
+    start = text.index(first)
+    return text[start:text.index(last, start) + len(last)]
+
+
+_PIPE_TAIL = _between("one_f_one_b", "    w = min(pipe.p - pipe.r - 1, m)\n",
+                      "    return torch.stack(losses).mean() if stage.is_last else None\n")
 BUGS["one_f_one_b"] = [
     Bug("the micro-batch losses not scaled by 1/m",
         "outputs.append(out / m if stage.is_last else out)", "outputs.append(out)",
         r"rank \d, .*: off by .* 4× the expected \(4 = m, the micro-batches\)"),
     Bug("the newest micro-batch's backward first (LIFO)", "inp, out = inputs.pop(0), outputs.pop(0)",
-        "inp, out = inputs.pop(), outputs.pop()", r"rank \d, .*: off by"),
+        "inp, out = inputs.pop(), outputs.pop()", r"rank 0 of 2, m = 4: F0 F1 B1 .* where 1F1B is F0 F1 B0 .* the oldest "
+        r"micro-batch first"),
     Bug("the warm-up one forward too long (off by one)", "w = min(pipe.p - pipe.r - 1, m)",
-        "w = min(pipe.p - pipe.r, m)", r"."),
+        "w = min(pipe.p - pipe.r, m)", r"rank 0 of 2, m = 4: F0 F1 F2 B0 .* where 1F1B is F0 F1 B0 F2 .* warm-up "
+        r"min\(p−r−1, m\) = 1 forward"),
     Bug("sends and receives posted one after the other (a deadlock)",
         "        for work in dist.batch_isend_irecv(ops) if ops else []:\n            work.wait()\n",
         "        for op in ops:\n            for work in dist.batch_isend_irecv([op]):\n                work.wait()\n",
         r"a hang, stopped: deadlock: every rank here waits for a peer that waits elsewhere .* rank 0 waits to send .* rank 1 waits "
         r"to send .* post each send together with the receive it waits for"),
+    Bug("a received activation without requires_grad_", "return buf if buf is None else buf.requires_grad_(recv_from "
+        "== pipe.prev)", "return buf", r"rank 1: RuntimeError: the activation stage 1 received does not require grad: "
+        r"its gradient could never be sent back"),
+    Bug("the receive buffer in the default dtype", "buf = None if recv_from is None else torch.empty(shape, "
+        "dtype=dtype, device=x.device)", "buf = None if recv_from is None else torch.empty(shape)",
+        r"rank 0 sends .* float64 .* but rank 1's receive .* float32 .*: a transfer's two sides must agree"),
+    Bug("the neighbours as r ± 1", _PIPE_TAIL, "    prv, nxt = pipe.r - 1 if pipe.r > 0 else None, pipe.r + 1 if pipe.r "
+        "< pipe.p - 1 else None\n" + _PIPE_TAIL.replace("pipe.next", "nxt").replace("pipe.prev", "prv"),
+        r"rank 0: ValueError: rank 0 posts a send to rank 1, which is not its neighbour in its pipeline \[0, 2\]", 4),
+    Bug("the micro-batches' losses summed, not averaged", "return torch.stack(losses).mean() if stage.is_last",
+        "return torch.stack(losses).sum() if stage.is_last", r"rank 1 \(the last stage\), m = 4: loss .* \(4× = m: "
+        r"return the mean of the micro-batches' losses, not their sum\)"),
+]
+VARIANTS["one_f_one_b"] = [
+    Variant("warm-up min(p − r, m) − 1, one loop around it; a send and its receive posted in two batches", (
+            "        ops = ([dist.P2POp(dist.isend, send, to)] if send is not None and to is not None else []) \\\n"
+            "            + ([dist.P2POp(dist.irecv, buf, recv_from)] if buf is not None else [])\n"
+            "        for work in dist.batch_isend_irecv(ops) if ops else []:\n            work.wait()\n", _PIPE_TAIL), (
+            "        works = []\n        if send is not None and to is not None:\n"
+            "            works += dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to)])\n"
+            "        if buf is not None:                              # posted before the send is waited for\n"
+            "            works += dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, recv_from)])\n"
+            "        for work in works:\n            work.wait()\n",
+            "    w = min(pipe.p - pipe.r, m) - 1                # forwards before the first backward, less one\n"
+            "    inp = xs[0] if stage.is_first else p2p(recv_from=pipe.prev)\n"
+            "    for i in range(m):\n        more, steady = i + 1 < m, i >= w\n"
+            "        grad = p2p(forward(i, inp), pipe.next, pipe.next if steady else None)\n"
+            "        if steady:                                 # the oldest micro-batch's backward\n"
+            "            inp = p2p(backward(grad), pipe.prev, pipe.prev if more else None)\n"
+            "        elif more:\n            inp = p2p(recv_from=pipe.prev)\n"
+            "        if stage.is_first and more:\n            inp = xs[i + 1]\n"
+            "    for _ in range(w):                             # cool-down\n"
+            "        p2p(backward(p2p(recv_from=pipe.next)), pipe.prev)\n"
+            "    return torch.stack(losses).mean() if stage.is_last else None\n")),
+    Variant("a deque of micro-batches in flight; a while loop for the warm-up; the loss summed, then divided",
+            (_PIPE_TAIL, "    inputs, outputs, losses = [], [], []\n", "        inp, out = inputs.pop(0), outputs.pop(0)"),
+            ("    w, i = min(pipe.p - pipe.r - 1, m), 0\n    inp = xs[0] if stage.is_first else p2p(recv_from=pipe.prev)\n"
+             "    while i < w:\n        p2p(forward(i, inp), pipe.next)\n        i += 1\n        if i < m:\n"
+             "            inp = xs[i] if stage.is_first else p2p(recv_from=pipe.prev)\n"
+             "    while i < m:\n        grad = p2p(forward(i, inp), pipe.next, pipe.next)\n        i += 1\n"
+             "        inp = p2p(backward(grad), pipe.prev, pipe.prev if i < m else None)\n"
+             "        if stage.is_first and i < m:\n            inp = xs[i]\n"
+             "    for _ in range(w):\n        p2p(backward(p2p(recv_from=pipe.next)), pipe.prev)\n"
+             "    return sum(losses) / m if stage.is_last else None\n",
+             "    import collections\n    inputs, outputs, losses = collections.deque(), collections.deque(), []\n",
+             "        inp, out = inputs.popleft(), outputs.popleft()")),
+    Variant("the transfers by dist.irecv and dist.isend, the receive posted first", (
+            "        for work in dist.batch_isend_irecv(ops) if ops else []:\n            work.wait()\n"), (
+            "        works = [dist.irecv(buf, recv_from)] if buf is not None else []\n"
+            "        if send is not None and to is not None:\n            works.append(dist.isend(send, to))\n"
+            "        for work in works:\n            work.wait()\n")),
 ]
 
 
 # ---- 6. ring attention: merge (ring_attention.py: merge) -------------------------------------------------------------
-# Seeded float64 attention blocks, judged in the grading process: two blocks' (out, lse) merged, in either order;
-# the empty start (None, None); four blocks folded in two orders; scores in the thousands, where e^lse overflows
-# float64 — each equal to attention over all their keys, finite and exact.
+# Where the course calls it: RingAttention.forward folds into each query chunk's running (out, lse) every block of
+# keys that reaches it, its own block first (the empty start: None, None), then the other ranks' blocks in ring order
+# (Ulysses with a ring inside calls the same); out [B, H, c, D] and lse [B, H, c] in the ring's work dtype: float64
+# here, float32 when the inputs are bf16 (at least fp32); scores of any size. Graded without ranks (one process is
+# the formula), against attention over all the keys at once:
+#   - two blocks merged, in either order; the empty start;
+#   - four blocks folded in two orders;
+#   - scores in the thousands in float64 and in the hundreds in float32 (e^lse beyond either dtype): finite, exact to
+#     the dtype's rounding, and the result in the blocks' dtype.
+# Every call gets fresh copies of its inputs (a merge may update them in place), and the wrong answers a result is
+# compared with are built before the call.
 
-def _blocks(n, seed=0, scale=1.0, B_=2, H=3, c=5, D=4):
+def _blocks(n, seed=0, scale=1.0, B_=2, H=3, c=5, D=4, dtype=F64):
+    """n blocks' (out, lse) of one query block (cast to dtype) and, in float64, the attention over all their keys."""
     from ring_attention import block_forward
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B_, H, c, D, generator=g, dtype=F64) * scale
     ks = [torch.randn(B_, H, c, D, generator=g, dtype=F64) for _ in range(n)]
     vs = [torch.randn(B_, H, c, D, generator=g, dtype=F64) for _ in range(n)]
-    parts = [block_forward(q, k, v, 1.0, False) for k, v in zip(ks, vs)]
+    parts = [tuple(t.to(dtype) for t in block_forward(q, k, v, 1.0, False)) for k, v in zip(ks, vs)]
     whole = block_forward(q, torch.cat(ks, 2), torch.cat(vs, 2), 1.0, False)
     return parts, whole
 
@@ -1137,17 +2048,38 @@ def _merge_wrong(o, l, bo, bl):
 def _lse_wrong(l, bl):
     return [("the running lse unchanged", l), ("the block's lse alone", bl),
             ("the larger of the two: lse' = log(e^lse + e^lse_b), not the max", torch.maximum(l, bl)),
-            ("lse + lse_b: log of a product, not of a sum", l + bl)]
+            ("lse + lse_b: log of a product, not of a sum", l + bl),
+            ("logsigmoid's sign flipped: lse' = lse − logsigmoid(lse − lse_b)",
+             l + torch.nn.functional.logsigmoid(l - bl))]
+
+
+MERGE_ERRORS = [(r"must match the size of tensor", "lse is [B, H, c] and out [B, H, c, D]: a weight per query row "
+                 "needs [..., None] to broadcast over D"),
+                (r"NoneType", "out and lse are None (merge(None, None, out_b, lse_b)): return the block itself, (out_b, "
+                 "lse_b)")]
+
+
+def _merged(mine, label, *args):
+    """mine(*fresh copies of args), its error said with the case."""
+    with explained(*MERGE_ERRORS, prefix=f"{label}: "):
+        return mine(*(None if a is None else a.clone() for a in args))
+
+
+def _tol(t):
+    return TOL if t.dtype == F64 else 1e-5
 
 
 def _judge_merge_pairs(mine, cases):
     for label, (o, l, bo, bl), (wo, wl) in cases:
-        go, gl = mine(o, l, bo, bl)
-        for what, got, want, cands in (("out", go, wo, _merge_wrong(o, l, bo, bl) if o is not None else []),
-                                       ("lse", gl, wl, _lse_wrong(l, bl) if l is not None else [])):
-            if not close(got, want, 1e-10):
-                diff = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
-                return [f"{label}: {what} off by {diff:.2e} — {pattern(got, want, (), cands)}"]
+        cands = {"out": _merge_wrong(o, l, bo, bl), "lse": _lse_wrong(l, bl)}   # (before the call)
+        go, gl = _merged(mine, label, o, l, bo, bl)
+        for what, got, want in (("out", go, wo), ("lse", gl, wl)):
+            if got.dtype != o.dtype:
+                return [f"{label}: {what} in {got.dtype} where the blocks are {o.dtype}: merge in the blocks' dtype "
+                        f"(the ring chooses its work dtype)"]
+            if not close(got, want, _tol(got)):
+                diff = (got.double() - want).abs().max().item() if got.shape == want.shape else float("nan")
+                return [f"{label}: {what} off by {diff:.2e} — {pattern(got, want, (), cands[what])}"]
     return []
 
 
@@ -1159,7 +2091,7 @@ def judge_merge_two(mine, ref):
 
 def judge_merge_start(mine, ref):
     (a,), _ = _blocks(1)
-    got = mine(None, None, *a)
+    got = _merged(mine, "the empty start", None, None, *a)
     if got[0] is None or not (close(got[0], a[0]) and close(got[1], a[1])):
         return ["merge(None, None, out_b, lse_b) must return the block itself (out_b, lse_b): the empty start"]
     return []
@@ -1169,8 +2101,8 @@ def judge_merge_four(mine, ref):
     parts, whole = _blocks(4, seed=1)
     for order in ((0, 1, 2, 3), (3, 1, 0, 2)):
         o = l = None
-        for i in order:
-            o, l = (parts[i] if o is None else mine(o, l, *parts[i]))
+        for k, i in enumerate(order):
+            o, l = parts[i] if k == 0 else _merged(mine, f"four blocks folded in the order {order}", o, l, *parts[i])
         if not (close(o, whole[0], 1e-10) and close(l, whole[1], 1e-10)):
             what, got, want = ("out", o, whole[0]) if not close(o, whole[0], 1e-10) else ("lse", l, whole[1])
             return [f"four blocks folded in the order {order}: {what} off by {(got - want).abs().max().item():.2e} — "
@@ -1179,9 +2111,12 @@ def judge_merge_four(mine, ref):
 
 
 def judge_merge_overflow(mine, ref):
-    (a, b), whole = _blocks(2, seed=2, scale=300.0)   # scores in the thousands: e^lse overflows float64
-    return _judge_merge_pairs(mine, [(f"scores up to {whole[1].abs().max().item():,.0f} (e^lse overflows)", (*a, *b),
-                                      whole)])
+    cases = []
+    for dtype, scale in ((F64, 300.0), (torch.float32, 30.0)):   # e^lse beyond float64's 709 and float32's 88
+        (a, b), whole = _blocks(2, seed=2, scale=scale, dtype=dtype)
+        cases.append((f"{str(dtype)[6:]} scores up to {whole[1].abs().max().item():,.0f} (e^lse overflows)",
+                      (*a, *b), whole))
+    return _judge_merge_pairs(mine, cases)
 
 
 CHECKS["merge"] = [
@@ -1189,8 +2124,8 @@ CHECKS["merge"] = [
           judge_merge_two),
     Check("(None, None) is the empty start: the first block comes back as it is", None, judge_merge_start),
     Check("four blocks folded in any order equal attention over all their keys", None, judge_merge_four),
-    Check("no overflow: with scores in the thousands (e^lse beyond float64) the merge stays finite and exact", None,
-          judge_merge_overflow),
+    Check("no overflow: scores in the thousands (float64) and hundreds (float32), e^lse beyond the dtype: finite, exact "
+          "to the dtype's rounding, in the blocks' dtype", None, judge_merge_overflow),
 ]
 BUGS["merge"] = [
     Bug("a sign", "return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
@@ -1202,36 +2137,120 @@ BUGS["merge"] = [
         "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
         "block_lse)\n", "    a, b = torch.exp(lse), torch.exp(block_lse)\n    return (a[..., None] * out + "
         "b[..., None] * block_out) / (a + b)[..., None], torch.log(a + b)\n",
-        r"scores up to .* out off by .* NaN or infinite", None),
+        r"float64 scores up to .* out off by .* NaN or infinite", None),
     Bug("lse' the larger of the two", "lse - F.logsigmoid(lse - block_lse)", "torch.maximum(lse, block_lse)",
         r"lse off by .* the larger of the two", None),
+    Bug("logsigmoid's sign flipped", "lse - F.logsigmoid(lse - block_lse)", "lse + F.logsigmoid(lse - block_lse)",
+        r"two blocks merged: lse off by .* logsigmoid's sign flipped", None),
+    Bug("the weight not broadcast over D", "torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
+        "torch.sigmoid(block_lse - lse) * (out - block_out)",
+        r"RuntimeError: two blocks merged: lse is \[B, H, c\] and out \[B, H, c, D\]: .*\[\.\.\., None\]", None),
+    Bug("no empty start", "ring-flash-attention).\"\"\"\n    if out is None:\n        return block_out, block_lse\n",
+        "ring-flash-attention).\"\"\"\n",
+        r"TypeError: the empty start: out and lse are None .*: return the block itself",
+        None),
+    Bug("the running terms cast to float64 (a float32 merge returns float64)",
+        "    return out - torch.sigmoid(", "    out, lse = out.double(), lse.double()\n    return out - torch.sigmoid(",
+        r"float32 scores up to .*: out in torch.float64 where the blocks are torch.float32", None),
+]
+VARIANTS["merge"] = [
+    Variant("in place: the running out and lse updated and returned",
+            "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
+            "block_lse)\n",
+            "    w = torch.sigmoid(block_lse - lse).unsqueeze(-1)\n    out.sub_(w * (out - block_out))\n"
+            "    lse.sub_(F.logsigmoid(lse - block_lse))\n    return out, lse\n"),
+    Variant("both shares written out, lse by logaddexp",
+            "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
+            "block_lse)\n",
+            "    mine = torch.sigmoid(lse - block_lse)[..., None]      # e^lse / (e^lse + e^lse_b)\n"
+            "    return mine * out + (1 - mine) * block_out, torch.logaddexp(lse, block_lse)\n"),
+    Variant("the running maximum subtracted (the online softmax)",
+            "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
+            "block_lse)\n",
+            "    m = torch.maximum(lse, block_lse)\n    a, b = torch.exp(lse - m), torch.exp(block_lse - m)\n"
+            "    new = (a[..., None] * out + b[..., None] * block_out) / (a + b)[..., None]\n"
+            "    return new, m + torch.log(a + b)\n"),
 ]
 
 
 # ---- 6. ring attention: ring (ring_attention.py: RingAttention.forward) ----------------------------------------------
-# A seeded float64 sequence (B=1, S=16, 4 heads, 2 kv heads) sharded contiguous and causal, zigzag and causal,
-# zigzag and not causal, on 1, 2 and 4 ranks: the output, and dq, dk, dv from the lesson's backward, equal to
-# whole-sequence SDPA on every rank; forward sends (cp−1)·2 blocks of B·c·d_kv·b bytes per rank.
+# Where the course calls it: ContextParallelAttention in every attention block of train.py (cp > 1), over the cp group
+# — a group inside the larger mesh — or the ring group of Ulysses + ring; layouts contiguous and zigzag (train.py's),
+# causal or not, GQA (fewer kv heads); bf16 inputs in training: the merges in fp32 at least, the k, v block travelling
+# in its own dtype, out and lse saved in the work dtype for the lesson's backward, the output in q's dtype. It exists
+# for overlap: the next block travels while the current one is computed. Graded on a seeded sequence (B=1, S=16, 4
+# heads, 2 kv heads):
+#   - per rank, forward sends (cp−1)·2 blocks of B·c·d_kv·b bytes (float64 and bf16: b = 2, the block in its own
+#     dtype) — first: a block not passed, or passed once too often, is named by its count;
+#   - float64, contiguous and causal, zigzag and causal, zigzag and not causal, on 1, 2 and 4 ranks: the output, and
+#     dq, dk, dv from the lesson's backward, equal to whole-sequence SDPA on every rank;
+#   - overlap, judged by what is in flight: in every step that computes, a block_forward runs while the next block's
+#     transfer is posted and not yet waited for (the watch's transfers, however they are posted);
+#   - bf16 inputs (a run of their own): the block's bytes in bf16, the output in bf16, out and lse saved in float32
+#     (what the backward computes in), the output equal to SDPA within bf16's rounding;
+#   - inside a larger mesh on 4 ranks: Mesh(dp_shard=2, cp=2)'s cp groups [0, 1] and [2, 3], contiguous and causal:
+#     equal to SDPA on the group's sequence, every transfer inside the cp group.
 
 RING_CASES = [("contiguous", True), ("zigzag", True), ("zigzag", False)]
 RING_SHAPE = dict(B=1, S=16, H=4, Hkv=2, D=8)
+BF16 = ("zigzag", True, "bf16")
+
+
+def _pending_transfers() -> int:
+    """The transfers this rank has posted and not yet waited for, as the collective watch holds them (it sees every
+    transfer, batched or not)."""
+    return len(watch._S.get("pending", ()))
+
+
+@contextlib.contextmanager
+def _in_flight(log, fn):
+    """log gets ("send",) for each send the watch sees posted, however it is posted, and ("compute", k) for each
+    block_forward that the function fn calls, k the transfers in flight (posted, not yet waited for) meanwhile."""
+    where = fn.__globals__
+    block_forward = where["block_forward"]
+
+    def counted(*args, **kwargs):
+        log.append(("compute", _pending_transfers()))
+        return block_forward(*args, **kwargs)
+    watch.set_probe(lambda e: log.append(("send",)) if e["op"] == "send" else None)
+    where["block_forward"] = counted
+    try:
+        yield
+    finally:
+        watch.set_probe(None)
+        where["block_forward"] = block_forward
+
+
+def _ring_case(P, r, group, layout, causal, dtype=F64):
+    from lab.ring_attention_demo import seeded_inputs
+    from ring_attention import RingAttention, shard_sequence
+    sh, log = RING_SHAPE, []
+    q, k, v, dout = (shard_sequence(t, P, r, layout, dim=2).to(dtype).requires_grad_(i < 3) for i, t in
+                     enumerate(seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)))
+    with Count() as c, _in_flight(log, RingAttention.forward):
+        o = RingAttention.apply(q, k, v, group, layout, causal)
+    saved = [str(t.dtype) for t in o.grad_fn.saved_tensors]
+    o.backward(dout)
+    return dict(out=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, sends=(c.calls("send"), c.bytes("send")),
+                peers=sorted({e["group"][1] for e in c.events if e["op"] in ("send", "recv")}), log=log,
+                saved=saved, dtype=str(o.dtype))
 
 
 def run_ring(P):
     """Each case: this rank's shard of the seeded q, k, v through RingAttention, forward and backward."""
-    from lab.ring_attention_demo import seeded_inputs
-    from ring_attention import RingAttention, shard_sequence
-    out, r, world = {}, dist.get_rank(), dist.group.WORLD
-    sh = RING_SHAPE
-    for layout, causal in RING_CASES:
-        q, k, v, dout = (shard_sequence(t, P, r, layout, dim=2).requires_grad_(i < 3) for i, t in
-                         enumerate(seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)))
-        with Count() as c:
-            o = RingAttention.apply(q, k, v, world, layout, causal)
-        o.backward(dout)
-        out[(layout, causal)] = dict(out=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad,
-                                     sends=(c.calls("send"), c.bytes("send")))
-    return out
+    r, world = dist.get_rank(), dist.group.WORLD
+    return {(layout, causal): _ring_case(P, r, world, layout, causal) for layout, causal in RING_CASES}
+
+
+def run_ring_bf16(P):
+    return {BF16: _ring_case(P, dist.get_rank(), dist.group.WORLD, BF16[0], BF16[1], torch.bfloat16)}
+
+
+def run_ring_mesh(P):
+    """4 ranks as Mesh(dp_shard=2, cp=2): each cp pair holds the seeded sequence, contiguous and causal."""
+    mesh = _mesh(dp_shard=2, cp=2)
+    res = _ring_case(2, mesh.rank("cp"), mesh.group("cp"), "contiguous", True)
+    return {("contiguous", True): res, "cp": mesh.ranks("cp"), "cp_rank": mesh.rank("cp")}
 
 
 @functools.cache
@@ -1258,22 +2277,25 @@ def _ring_alone(P, r, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def _judge_ring(P, res, names):
-    for layout, causal in RING_CASES:
-        want = _ring_reference(P, layout, causal)
+def _judge_ring(P, res, names, cases=RING_CASES, ring=None, rank_of=None, label=""):
+    """ring: the ring's size (P unless it is a group inside the world); rank_of(r): rank r's place in its ring."""
+    ring, rank_of = ring or P, rank_of or (lambda r: r)
+    for layout, causal in cases:
+        want = _ring_reference(ring, layout, causal)
 
         def cands(r, n):
-            if n != "out" or layout != "contiguous" or P == 1:
+            if n != "out" or layout != "contiguous" or ring == 1:
                 return []
             return [("this rank's queries against its own keys only: the other ranks' blocks were never folded in (the "
-                     "ring stops short)", _ring_alone(P, r, causal))] + (
+                     "ring stops short)", _ring_alone(ring, rank_of(r), causal))] + (
                 [("its own block seen without the causal mask: a query reads the keys after it (a diagonal pair needs "
-                  "the mask: block_forward(..., diagonal))", _ring_alone(P, r, False))] if causal and r == 0 else [])
+                  "the mask: block_forward(..., diagonal))", _ring_alone(ring, rank_of(r), False))]
+                if causal and rank_of(r) == 0 else [])
         lines = compare_named(P, [{"t": {n: x[(layout, causal)][n] for n in names}} for x in res], "t",
-                              lambda r, n: want[r][n], what=f" ({layout}, {'causal' if causal else 'not causal'})",
+                              lambda r, n: want[rank_of(r)][n], what=f" ({layout}, {'causal' if causal else 'not causal'})",
                               candidates_of=cands)
         if lines:
-            return lines
+            return [label + lines[0]] + lines[1:]
     return []
 
 
@@ -1282,36 +2304,110 @@ def judge_ring_forward(P, res):
 
 
 def judge_ring_backward(P, res):
-    return _judge_ring(P, res, ("dq", "dk", "dv"))
+    lines = _judge_ring(P, res, ("dq", "dk", "dv"))
+    return lines + ["(the output is right: the lesson's backward works from what forward saved — q, k, v, out and lse "
+                    "over all the keys, in the work dtype)"] if lines else []
 
 
 def judge_ring_bytes(P, res):
     c = RING_SHAPE["S"] // P
-    block = RING_SHAPE["B"] * c * RING_SHAPE["Hkv"] * RING_SHAPE["D"] * 8
-    for layout, causal in RING_CASES:
+    for case in [k for k in RING_CASES + [BF16] if k in res[0]]:
+        b = 2 if case == BF16 else 8
+        block = RING_SHAPE["B"] * c * RING_SHAPE["Hkv"] * RING_SHAPE["D"] * b
         for r, x in enumerate(res):
-            got = x[(layout, causal)]["sends"]
+            got = x[case]["sends"]
             want = (2 * (P - 1), 2 * (P - 1) * block)
-            lines = formula_line(f"rank {r} ({layout}): sends in forward ((cp−1)·2 blocks k, v of B·c·d_kv·b = "
-                                 f"{block:,} bytes)", want, got,
-                                 "one pass too many: the last step needs no next block" if got[0] > want[0] else
-                                 "k and v must travel all the way round the ring" if got[0] < want[0] else "")
+            why = ("one pass too many: the last step needs no next block" if got[0] > want[0] else
+                   "k and v must travel all the way round the ring" if got[0] < want[0] else
+                   f"{got[1] // max(1, got[0]) // (block // b)}-byte elements: the block travels in its own dtype "
+                   f"({'bfloat16' if b == 2 else 'float64'}), cast only when computed" if got[1] != want[1] else "")
+            lines = formula_line(f"rank {r} ({case[0]}{', bf16' if case == BF16 else ''}): sends in forward "
+                                 f"((cp−1)·2 blocks k, v of B·c·d_kv·b = {block:,} bytes)", want, got, why)
             if lines:
                 return lines
     return []
 
 
+def judge_ring_overlap(P, res):
+    """After each send, the blocks computed before the next one (if any: a causal contiguous rank 0 has empty steps)
+    must include one computed while a transfer is in flight."""
+    for case in RING_CASES:
+        for r, x in enumerate(res):
+            steps, sends = [], 0
+            for e in x[case]["log"]:
+                if e[0] == "send":
+                    sends += 1
+                    steps.append((sends, []))
+                elif steps:
+                    steps[-1][1].append(e[1])
+            for i, flying in steps:
+                if flying and not any(flying):
+                    return [f"rank {r} ({case[0]}, {'causal' if case[1] else 'not causal'}): the blocks computed after "
+                            f"send #{i} was posted saw no transfer in flight — it was waited for before them: post the "
+                            f"next block's transfer (RingPass) before the current block's block_forward, and wait for it "
+                            f"after, so that it travels while the block is computed"]
+    return []
+
+
+def judge_ring_bf16(P, res):
+    want = _ring_reference(P, BF16[0], BF16[1])
+    for r, x in enumerate(res):
+        y = x[BF16]
+        if y["dtype"] != "torch.bfloat16":
+            return [f"rank {r}: the output in {y['dtype']} for bfloat16 inputs: return out in q's dtype"]
+        if len(y["saved"]) < 5 or y["saved"][3:5] != ["torch.float32", "torch.float32"]:
+            return [f"rank {r}: saved for backward {y['saved']}: out and lse must be saved in the work dtype (float32 "
+                    f"for bfloat16 inputs: promote_types(q.dtype, float32)) — the lesson's backward computes in the "
+                    f"dtype of the out it saved"]
+        if not close(y["out"].double(), want[r]["out"], 2e-2):
+            return [f"rank {r} (bf16, zigzag, causal): out off by "
+                    f"{(y['out'].double() - want[r]['out']).abs().max().item():.2e} — "
+                    f"{pattern(y['out'].double(), want[r]['out'])}"]
+    return []
+
+
+def judge_ring_mesh(P, res):
+    for r, x in enumerate(res):
+        bad = [q for q in x[("contiguous", True)]["peers"] if q not in x["cp"]]
+        if bad:
+            return [f"Mesh(dp_shard=2, cp=2), rank {r}: transfers with rank(s) {bad}, outside its cp group {x['cp']}: the "
+                    f"ring runs over the group it is given (dist.get_rank(group), dist.get_global_rank(group, ...))"]
+    lines = _judge_ring(P, res, ("out", "dq", "dk", "dv"), cases=[("contiguous", True)], ring=2,
+                        rank_of=lambda r: res[r]["cp_rank"], label="Mesh(dp_shard=2, cp=2), ")
+    if lines:   # which ranks: those whose place in the group is not their rank in the world?
+        want = _ring_reference(2, "contiguous", True)
+        wrong = [r for r, x in enumerate(res) if not close(x[("contiguous", True)]["out"], want[x["cp_rank"]]["out"])]
+        moved = [r for r, x in enumerate(res) if x["cp_rank"] != r]
+        if wrong == moved:
+            return [f"Mesh(dp_shard=2, cp=2): the output is wrong on ranks {wrong} alone, the ranks whose place in their "
+                    f"cp group is not their rank in the world: the ring's rank is dist.get_rank(group)"] + lines
+    return lines
+
+
 CHECKS["ring"] = [
+    Check("forward passes each k, v block cp−1 times: (cp−1)·2 sends of B·c·d_kv·b bytes per rank", run_ring,
+          judge_ring_bytes, worlds=(2, 4)),
     Check("ring attention's output equals whole-sequence attention (SDPA) in float64 on every rank: contiguous and "
           "zigzag, causal and not, GQA", run_ring, judge_ring_forward),
     Check("the lesson's backward, from what your forward saved (out, lse), gives SDPA's dq, dk, dv", run_ring,
           judge_ring_backward),
-    Check("forward passes each k, v block cp−1 times: (cp−1)·2 sends of B·c·d_kv·b bytes per rank", run_ring,
-          judge_ring_bytes, worlds=(2, 4)),
+    Check("overlap: the next block in flight while a block is computed (its transfer posted before a block_forward, "
+          "waited for after)", run_ring, judge_ring_overlap, worlds=(2, 4)),
+    Check("bf16 inputs: the block travels in bf16 (B·c·d_kv·2 bytes a send)", run_ring_bf16, judge_ring_bytes,
+          worlds=(2, 4)),
+    Check("bf16 inputs: the output in bf16, out and lse saved in float32 for the backward, equal to SDPA within bf16's "
+          "rounding", run_ring_bf16, judge_ring_bf16),
+    Check("inside a larger mesh: Mesh(dp_shard=2, cp=2)'s cp groups [0, 1] and [2, 3], every transfer inside the group, "
+          "output and gradients equal to SDPA", run_ring_mesh, judge_ring_mesh, worlds=(4,)),
 ]
+_RING_NEXT = ("            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next block moves while we "
+              "compute\n")
+_RING_TAKE = ("*block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n            if nxt is not None:\n"
+              "                kb, vb = nxt.wait()\n")
 BUGS["ring"] = [
     Bug("the blocks never passed on", "nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
-        "nxt = None      # the next", r"rank 1, out \(contiguous, causal\): off by"),
+        "nxt = None      # the next", r"rank 0 \(contiguous\): sends in forward .* expected \(2, 2048\), measured "
+        r"\(0, 0\) — k and v must travel all the way round the ring"),
     Bug("the last step dropped (off by one)", "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n"
         "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None      # the next",
         "for t, src, pairs in ring_schedule(cp, rank, layout, causal)[:-1]:\n"
@@ -1326,25 +2422,96 @@ BUGS["ring"] = [
         r"block seen without the causal mask"),
     Bug("the wrong lse saved for the backward", "ctx.save_for_backward(q, k, v, out, lse)",
         "ctx.save_for_backward(q, k, v, out, lse * 0)", r"rank 0, dq \(contiguous, causal\): off by"),
+    Bug("the next block waited for before the current one is computed", (_RING_NEXT, _RING_TAKE), (
+        _RING_NEXT + "            arrived = nxt.wait() if nxt is not None else None\n",
+        "*block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n            if nxt is not None:\n"
+        "                kb, vb = arrived\n"), r"rank 0 \(contiguous, causal\): the blocks computed after send #\d was "
+        r"posted saw no transfer in flight — it was waited for before them"),
+    Bug("computed in q's dtype (bf16), not at least fp32", "work_dtype, scale = torch.promote_types(q.dtype, "
+        "torch.float32), q.shape[-1] ** -0.5", "work_dtype, scale = q.dtype, q.shape[-1] ** -0.5",
+        r"rank 0: saved for backward .*torch.bfloat16.*: out and lse must be saved in the work dtype"),
+    Bug("the rank in the world, not in the group", "cp, rank = dist.get_world_size(group), dist.get_rank(group)",
+        "cp, rank = dist.get_world_size(group), dist.get_rank()", r"Mesh\(dp_shard=2, cp=2\): the output is wrong on "
+        r"ranks \[2, 3\] alone, the ranks whose place in their cp group is not their rank in the world", 4),
+    Bug("the empty steps skipped (a causal rank with no pair to compute passes nothing on)",
+        "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n" + _RING_NEXT,
+        "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n            if not pairs:\n"
+        "                continue\n" + _RING_NEXT, r"rank 1 waits to receive .* from rank 0 .* rank 1 posts more receives "
+        r"from rank 0 than rank 0 posts sends to it — a step one of them skips", 4),
+    Bug("the block cast to the work dtype before it travels", _RING_NEXT,
+        _RING_NEXT.replace("[kb, vb]", "[kb.to(work_dtype), vb.to(work_dtype)]"),
+        r"rank 0 \(zigzag, bf16\): sends in forward .* 4-byte elements: the block travels in its own dtype"),
+]
+_RING_LOOP = (_RING_NEXT + "            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)\n"
+              "            for i, j, diagonal in pairs:\n                outs[i], lses[i] = merge(outs[i], lses[i], "
+              + _RING_TAKE)
+VARIANTS["ring"] = [
+    Variant("the transfers posted by hand (batch_isend_irecv into fresh buffers), the chunks sliced per pair",
+            _RING_LOOP,
+            "            works = None\n            if t < cp - 1:                       # post the next block first\n"
+            "                to = dist.get_global_rank(group, (rank + 1) % cp)\n"
+            "                frm = dist.get_global_rank(group, (rank - 1) % cp)\n"
+            "                sent = [kb.contiguous(), vb.contiguous()]\n"
+            "                bufs = [torch.empty_like(x) for x in sent]\n"
+            "                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group) for x in sent]\n"
+            "                                               + [dist.P2POp(dist.irecv, x, frm, group) for x in bufs])\n"
+            "            for i, j, diagonal in pairs:\n"
+            "                kj = kb.to(work_dtype).chunk(n, dim=2)[j]\n"
+            "                vj = vb.to(work_dtype).chunk(n, dim=2)[j]\n"
+            "                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], kj, vj, scale, diagonal))\n"
+            "            if works is not None:\n                for w in works:\n                    w.wait()\n"
+            "                kb, vb = bufs\n"),
+    Variant("dist.isend and dist.irecv one tensor at a time, the receives posted first", _RING_LOOP,
+            "            works = []\n            if t < cp - 1:\n"
+            "                bufs = [torch.empty_like(kb), torch.empty_like(vb)]\n"
+            "                works = [dist.irecv(b, dist.get_global_rank(group, (rank - 1) % cp), group) for b in bufs]\n"
+            "                works += [dist.isend(x.contiguous(), dist.get_global_rank(group, (rank + 1) % cp), group)\n"
+            "                          for x in (kb, vb)]\n"
+            "            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)\n"
+            "            for i, j, diagonal in pairs:\n"
+            "                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, "
+            "diagonal))\n            for w in works:\n                w.wait()\n            if works:\n                kb, vb = bufs\n"),
+    Variant("the pairs key-chunk first; a dict of running (out, lse) per query chunk", (
+            "        kb, vb = k, v                                      # the block in hand travels in its own dtype\n",
+            _RING_LOOP), ("        kb, vb, running = k, v, {}\n",
+            "            nxt = RingPass([kb, vb], group) if t < cp - 1 else None\n"
+            "            ks, vs = (x.to(work_dtype).chunk(n, dim=2) for x in (kb, vb))\n"
+            "            for i, j, diagonal in sorted(pairs, key=lambda p: (p[1], p[0])):\n"
+            "                o, l = block_forward(qs[i], ks[j], vs[j], scale, diagonal)\n"
+            "                acc = running.get(i)\n"
+            "                running[i] = (o, l) if acc is None else merge(*acc, o, l)\n"
+            "            if nxt is not None:\n                kb, vb = nxt.wait()\n"
+            "        outs, lses = [running[i][0] for i in range(n)], [running[i][1] for i in range(n)]\n")),
 ]
 
 
 # ---- 7. expert parallel: all_to_all (expert_parallel.py: AllToAll.forward, AllToAll.backward) ------------------------
-# The expert-parallel layer (4 experts, top-2) on uneven tokens per rank, dropless and with capacity factor 1.0, on
-# 1, 2 and 4 ranks: the output and the gradients of the tokens, the router and every expert equal to the
-# single-device MoE; the all-to-alls' bytes: counts, dispatch, combine, and both again in backward with the splits
-# swapped. The run and checks serve dispatch_combine too.
+# Where the course calls it: ExpertParallelMoE's dispatch and combine (its backward: the same exchange, splits
+# swapped), on the ep group — the world in the lesson, ep consecutive dp ranks inside a larger mesh in train.py —
+# with uneven splits (tokens per rank differ, routing differs) and empty ones (an expert's capacity reached); rows in
+# the activations' dtype. Graded with the expert-parallel layer (4 experts, top-2) on uneven tokens per rank:
+#   - dropless and with capacity factor 1.0 on 1, 2 and 4 ranks: the output and the gradients of the tokens, the
+#     router and every expert equal to the single-device MoE, on every rank;
+#   - per rank, every all-to-all's bytes: counts, dispatch, combine, and in backward both again with the splits
+#     swapped;
+#   - inside a larger mesh on 4 ranks: Mesh(dp_shard=4, ep=2)'s ep groups [0, 1] and [2, 3] (dropless): every
+#     all-to-all over the ep group, equal to the single-device MoE on all the ranks' tokens.
+# The run and checks serve dispatch_combine too.
 
 EP_SIZES = {1: [10], 2: [7, 12], 4: [7, 12, 5, 9]}   # tokens per rank: uneven, so the splits are too
+EP_ERRORS = [(r"list index out of range", "an all-to-all whose splits name fewer ranks than its group has: the "
+              "exchange runs over the group the splits are for (the ep group)", "_check_splits"),
+             (r"shape '\[\d+, \d+\]' is invalid for input of size", "the experts split by rank do not fit: ep is the "
+              "ep group's size (self.ep), not the world's")]
 
 
-def _ep_case(P, capacity):
+def _ep_case(P, capacity, mesh=None):
     from copy import deepcopy
     from types import SimpleNamespace
     from expert_parallel import parallelize_experts, sync_gradients
     from lab.model import build_model, get_config
-    from mesh import Mesh
-    mesh = Mesh(dp_shard=P, ep=P)
+    inside = mesh is not None
+    mesh = mesh or _mesh(dp_shard=P, ep=P)
     cfg = get_config("tiny", n_experts=4, top_k=2, capacity_factor=capacity)
     ref = build_model(cfg, seed=0, dtype=F64).layers[0].mlp
     holder = SimpleNamespace(layers=[SimpleNamespace(mlp=deepcopy(ref))])
@@ -1362,8 +2529,10 @@ def _ep_case(P, capacity):
     sl = slice(sum(sizes[:r]), sum(sizes[:r + 1]))
     x = x_all[sl].clone().requires_grad_()
     with Count() as c:
-        out = layer(x)
-        ((out * dy[sl]).sum() * D / N + layer.aux_loss).backward()
+        with explained(*EP_ERRORS, prefix="forward: "):
+            out = layer(x)
+        with explained(*EP_ERRORS, prefix="backward (the all-to-alls' gradients): "):
+            ((out * dy[sl]).sum() * D / N + layer.aux_loss).backward()
         sync_gradients(layer, mesh.group("dp_cp"), mesh.group("edp_cp"), D)
     lo, n = layer.first, layer.n_local
     pairs = dict(out=(out, out_ref[sl]), x_grad=(x.grad / D, x_ref.grad[sl]),
@@ -1371,22 +2540,28 @@ def _ep_case(P, capacity):
     for name, p, q in zip(("w1", "w3", "w2"), layer.expert_parameters(), (ref.w1, ref.w3, ref.w2)):
         pairs[name + "_grad"] = (p.grad, q.grad[lo:lo + n])
     _, weights, experts, _ = ref.route(x_all.view(-1, cfg.dim))
-    unweighted = None
+    unweighted = one = None
     if capacity is None:   # what a combine that forgets the router's weights gives: the k experts' outputs summed
-        with torch.no_grad():
+        with torch.no_grad():   # (and one that overwrites: each token's result from one expert alone)
             xs = x_all.view(-1, cfg.dim)
-            unweighted = sum(torch.stack([ref.expert(int(e), xs[t]) for t, e in enumerate(experts[:, j])])
-                             for j in range(cfg.top_k))[sl].view_as(out)
+            each = [torch.stack([ref.expert(int(e), xs[t]) for t, e in enumerate(experts[:, j])])
+                    for j in range(cfg.top_k)]
+            unweighted = sum(each)[sl].view_as(out)
+            one = [torch.stack([weights[t, j] * each[j][t] for t, j in enumerate(pick.tolist())])[sl].view_as(out)
+                   for pick in (experts.argmax(1), experts.argmin(1))]
+    rows, kept = _expected_rows(experts, ref.capacity(N), sizes, n, P) if not inside else (None, None)
     return dict(got={k: a.detach().clone() for k, (a, _) in pairs.items()},
-                want={k: b.detach().clone() for k, (_, b) in pairs.items()}, unweighted=unweighted,
+                want={k: b.detach().clone() for k, (_, b) in pairs.items()}, unweighted=unweighted, one=one,
                 a2a=[(e["bytes"], c.wire(e)) for e in c.events if e["op"] == "all_to_all"],
-                rows=_expected_rows(experts, ref.capacity(N), sizes, n, P), dropped=layer.dropped,
-                ref_dropped=ref.dropped, n_local=n)
+                a2a_groups=sorted({tuple(e["group"]) for e in c.events if e["op"] == "all_to_all"}),
+                ep=mesh.ranks("ep"), rows=rows, kept=kept, dropped=layer.dropped, ref_dropped=ref.dropped,
+                tokens_per_expert=[int(t) for t in layer.tokens_per_expert], first=lo, n_local=n,
+                assignments=sizes[r] * cfg.top_k)
 
 
 def _expected_rows(experts, cap, sizes, n_local, ep):
     """rows[d][j]: rank d's assignments kept by the experts of rank j, every expert taking its first `cap` in token
-    order over the group's tokens (rank order)."""
+    order over the group's tokens (rank order); kept[e]: the assignments expert e keeps."""
     rows, taken, bounds = [[0] * ep for _ in sizes], {}, list(itertools.accumulate(sizes))
     for t, chosen in enumerate(experts.tolist()):
         d = next(i for i, b in enumerate(bounds) if t < b)
@@ -1394,23 +2569,34 @@ def _expected_rows(experts, cap, sizes, n_local, ep):
             if cap is None or taken.get(e, 0) < cap:
                 taken[e] = taken.get(e, 0) + 1
                 rows[d][e // n_local] += 1
-    return rows
+    return rows, [taken.get(e, 0) for e in range(n_local * ep)]
 
 
 def run_ep(P):
     return {"dropless": _ep_case(P, None), "capacity 1.0": _ep_case(P, 1.0)}
 
 
-def judge_ep_equal(P, res):
-    for case in ("dropless", "capacity 1.0"):
+def run_ep_mesh(P):
+    return {"dropless": _ep_case(P, None, _mesh(dp_shard=4, ep=2))}
+
+
+def judge_ep_equal(P, res, cases=("dropless", "capacity 1.0"), label=""):
+    for case in cases:
         lines = compare_named(P, [x[case] for x in res], "got", lambda r, n: res[r][case]["want"][n],
                               what=f" ({case})", scales=[(P, f"{P}× the expected ({P} = ep)")] if P > 1 else [],
                               candidates_of=lambda r, n: [("the k experts' outputs summed without the router's weights: "
                                                            "weight each result by weights[t, slot] before summing it "
-                                                           "into its token", res[r][case]["unweighted"])]
+                                                           "into its token", res[r][case]["unweighted"])] + [
+                                  ("each token's result from one of its k experts alone, the other overwritten (index_copy "
+                                   "or an indexed assignment): ADD a token's results (index_add)", one)
+                                  for one in res[r][case]["one"]]
                               if n == "out" and res[r][case]["unweighted"] is not None else [])
         if lines:
-            return lines + ["(expected: the single-device MoE of lab/model.py on all the ranks' tokens)"]
+            if case != cases[0]:   # dropless was right: which assignments an expert keeps
+                lines[0] += (" — dropless is right: with a capacity each expert keeps its FIRST C assignments in token "
+                             "order, rank by rank (a stable sort by expert keeps that order)")
+            return [label + lines[0]] + lines[1:] + ["(expected: the single-device MoE of lab/model.py on all the ranks' "
+                                                     "tokens)"]
     return []
 
 
@@ -1436,30 +2622,84 @@ def judge_ep_bytes(P, res):
     return []
 
 
+def judge_ep_mesh(P, res):
+    for r, x in enumerate(res):
+        bad = [list(g) for g in x["dropless"]["a2a_groups"] if list(g) != x["dropless"]["ep"]]
+        if bad:
+            return [f"Mesh(dp_shard=4, ep=2), rank {r}: all-to-alls over ranks {bad}: the exchange runs over the ep "
+                    f"group {x['dropless']['ep']} it is given"]
+    return judge_ep_equal(P, res, cases=("dropless",), label="Mesh(dp_shard=4, ep=2), ")
+
+
 CHECKS["all_to_all"] = [
     Check("the expert-parallel layer equals the single-device MoE in float64: output, and the gradients of the tokens, "
           "the router and every expert, dropless and with a capacity, uneven tokens per rank", run_ep, judge_ep_equal),
     Check("all-to-all bytes: counts, dispatch (my kept rows·H·b), combine (the rows I received), and backward both "
           "again with the splits swapped", run_ep, judge_ep_bytes, worlds=(2, 4)),
+    Check("inside a larger mesh: Mesh(dp_shard=4, ep=2)'s ep groups [0, 1] and [2, 3], every all-to-all over the ep "
+          "group, equal to the single-device MoE on all the ranks' tokens", run_ep_mesh, judge_ep_mesh, worlds=(4,)),
 ]
+_A2A_BWD = "        return _all_to_all(grad, *ctx.splits, ctx.group), None, None, None\n"
 BUGS["all_to_all"] = [
     Bug("the backward's splits not swapped", "ctx.splits, ctx.group = (in_splits, out_splits), group",
         "ctx.splits, ctx.group = (out_splits, in_splits), group",
-        r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
+        r"rank 0: RuntimeError: backward \(the all-to-alls' gradients\): all_to_all_single: the input has \d+ rows but "
+        r"input_split_sizes .* add up to \d+"),
     Bug("the backward passes the gradient through", "return _all_to_all(grad, *ctx.splits, ctx.group), None, "
-        "None, None", "return grad, None, None, None", r"RuntimeError: .*AllToAll"),
+        "None, None", "return grad, None, None, None", r"rank 0: RuntimeError: backward \(the all-to-alls' gradients\): "
+        r"Function AllToAllBackward returned an invalid gradient"),
     Bug("the forward's splits swapped", "return _all_to_all(x, out_splits, in_splits, group)",
         "return _all_to_all(x, in_splits, out_splits, group)",
-        r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
+        r"rank 0: RuntimeError: forward: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to "
+        r"\d+: the splits must describe this rank's own input"),
+    Bug("the backward over the default group (ctx.group not used)", _A2A_BWD,
+        "        return _all_to_all(grad, *ctx.splits, None), None, None, None\n",
+        r"every rank: IndexError: backward .*: an all-to-all whose splits name fewer ranks than its group has", 4),
+    Bug("the backward returns the gradient alone", _A2A_BWD, "        return _all_to_all(grad, *ctx.splits, ctx.group)\n",
+        r"every rank: RuntimeError: backward .*: function AllToAllBackward returned an incorrect number of gradients"),
+    Bug("the splits saved with save_for_backward", "        ctx.splits, ctx.group = (in_splits, out_splits), group\n",
+        "        ctx.save_for_backward(in_splits, out_splits)\n        ctx.splits, ctx.group = (in_splits, out_splits), "
+        "group\n", r"every rank: TypeError: forward: save_for_backward can only save variables"),
+]
+VARIANTS["all_to_all"] = [
+    Variant("torch's all_to_all_single called directly, the splits kept by name", (
+            "        ctx.splits, ctx.group = (in_splits, out_splits), group\n"
+            "        return _all_to_all(x, out_splits, in_splits, group)\n", _A2A_BWD), (
+            "        ctx.sent, ctx.got, ctx.group = list(in_splits), list(out_splits), group\n"
+            "        out = x.new_empty((sum(out_splits), *x.shape[1:]))\n"
+            "        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)\n"
+            "        return out\n",
+            "        back = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))\n"
+            "        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.got, group=ctx.group)\n"
+            "        return back, None, None, None\n")),
+    Variant("the backward as the same Function applied with the splits swapped", _A2A_BWD,
+            "        back, forth = ctx.splits       # the forward's in_splits and out_splits: here the other way\n"
+            "        return AllToAll.apply(grad, back, forth, ctx.group), None, None, None\n"),
 ]
 
 
 # ---- 7. expert parallel: dispatch_combine (expert_parallel.py: ExpertParallelMoE.dispatch_combine) -------------------
-# all_to_all's run and checks, and: the ranks' dropped assignments add up to the single device's (capacity
-# C = ⌈T·k/E·cf⌉ per expert).
+# Where the course calls it: ExpertParallelMoE.forward on every MoE layer of train.py and the lesson — alone (the aux
+# loss over the ep group) or composed (parallelize_experts: the aux loss over dp × cp, the gradient divisor D),
+# dropless or with a capacity, tokens per rank uneven (sequence lengths, tp's token split), the ep group inside a
+# larger mesh. Graded on all_to_all's runs, and:
+#   - per rank: the assignments it dropped (its own that no expert kept) and tokens_per_expert (what its experts
+#     kept, from every rank), against the single device's routing with capacity C = ⌈T·k/E·cf⌉ per expert; the ranks'
+#     drops adding up to the single device's.
 
 def judge_ep_dropped(P, res):
     for case in ("dropless", "capacity 1.0"):
+        for r, x in enumerate(res):
+            y = x[case]
+            want = y["assignments"] - sum(y["rows"][r])
+            if y["dropped"] != want:
+                return [f"rank {r} ({case}): dropped {y['dropped']} of its {y['assignments']} assignments, expected "
+                        f"{want} (the single device's routing: each expert keeps its first C = ⌈T·k/E·cf⌉ in token "
+                        f"order)"]
+            mine = y["kept"][y["first"]:y["first"] + y["n_local"]]
+            if y["tokens_per_expert"] != mine:
+                return [f"rank {r} ({case}): tokens_per_expert {y['tokens_per_expert']} where its experts kept {mine} "
+                        f"(the rows each of MY experts received, from every rank: keep_recv.sum(0))"]
         total = sum(x[case]["dropped"] for x in res)
         want = res[0][case]["ref_dropped"]
         if total != want:
@@ -1468,17 +2708,50 @@ def judge_ep_dropped(P, res):
 
 
 CHECKS["dispatch_combine"] = CHECKS["all_to_all"] + [
-    Check("drops: the ranks' dropped assignments add up to the single device's (capacity C = ⌈T·k/E·cf⌉ per expert)",
-          run_ep, judge_ep_dropped),
+    Check("per rank: the assignments dropped and tokens_per_expert as the single device routes them (capacity "
+          "C = ⌈T·k/E·cf⌉ per expert); the drops adding up to the single device's", run_ep, judge_ep_dropped),
 ]
 BUGS["dispatch_combine"] = [
     Bug("the results not weighted by the router", "index_add(0, tok, back * weights.flatten()[sel, None])",
         "index_add(0, tok, back)", r"rank 0, out \(dropless\): off by .* without the router's weights"),
     Bug("the combine's splits not swapped", "back = self.all_to_all(y, send, recv, self.ep_group)",
         "back = self.all_to_all(y, recv, send, self.ep_group)",
-        r"RuntimeError: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to \d+"),
+        r"rank 0: RuntimeError: forward: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to "
+        r"\d+"),
     Bug("index_copy: a token's k results overwrite each other", "torch.zeros_like(x).index_add(0, tok, ",
-        "torch.zeros_like(x).index_copy(0, tok, ", r"rank 0, out \(dropless\): off by"),
+        "torch.zeros_like(x).index_copy(0, tok, ", r"rank 0, out \(dropless\): off by .* each token's result from one "
+        r"of its k experts alone, the other overwritten"),
+    Bug("an unstable sort by expert", "order = torch.argsort(flat, stable=True)", "order = torch.argsort(flat)",
+        r"\(capacity 1.0\): off by .* dropless is right: with a capacity each expert keeps its FIRST C assignments in "
+        r"token order"),
+    Bug("tokens_per_expert: what this rank sends, not what its experts received",
+        "self.tokens_per_expert, self.dropped = aux, keep_recv.sum(0), T * k - len(sel)",
+        "self.tokens_per_expert, self.dropped = aux, keep_send, T * k - len(sel)",
+        r"rank 0 \(dropless\): tokens_per_expert \[.*\] where its experts kept \[.*\]"),
+    Bug("one assignment too many kept per expert (<=)", "sel = order[pos < keep_send[sorted_e]]",
+        "sel = order[pos <= keep_send[sorted_e]]", r"all_to_all_single: the input has \d+ rows but input_split_sizes"),
+    Bug("ep as the world's size", "T, k, n_local, ep = x.shape[0], self.top_k, self.n_local, self.ep",
+        "T, k, n_local, ep = x.shape[0], self.top_k, self.n_local, dist.get_world_size()",
+        r"every rank: RuntimeError: forward: the experts split by rank do not fit: ep is the ep group's size", 4),
+]
+_DC_SELECT = ("        order = torch.argsort(flat, stable=True)             # [T·k]\n        sorted_e = flat[order]\n"
+              "        pos = torch.arange(T * k, device=x.device) - (counts.cumsum(0) - counts)[sorted_e]\n"
+              "        sel = order[pos < keep_send[sorted_e]]               # [N_send] kept, grouped by owner rank\n")
+_DC_EXPERTS = ("        perm = torch.argsort(row_expert, stable=True)        # expert-major: one matmul per expert\n"
+               "        ys = self.experts(rows[perm].split(keep_recv.sum(0).tolist()))\n"
+               "        y = torch.cat(ys)[torch.argsort(perm)]               # back to arrival order [N_recv, H]\n")
+VARIANTS["dispatch_combine"] = [
+    Variant("each expert's first keep_send[e] assignments by nonzero, in expert order; the drops counted from the "
+            "counts", (_DC_SELECT, "T * k - len(sel)"), (
+            "        sel = torch.cat([(flat == e).nonzero().flatten()[:int(keep_send[e])]\n"
+            "                         for e in range(self.n_experts)])\n", "int(counts.sum() - keep_send.sum())")),
+    Variant("my experts run one by one on their rows, in place; the combine by scatter_add", (
+            _DC_EXPERTS, "        out = torch.zeros_like(x).index_add(0, tok, back * weights.flatten()[sel, None])\n"), (
+            "        y = torch.empty_like(rows)\n        for e, w in enumerate(zip(self.w1, self.w3, self.w2)):\n"
+            "            idx = (row_expert == e).nonzero().flatten()\n"
+            "            y[idx] = F.silu(rows[idx] @ w[0].T) * (rows[idx] @ w[1].T) @ w[2].T\n",
+            "        weighted = back * weights.flatten()[sel].unsqueeze(1)\n"
+            "        out = torch.zeros_like(x).scatter_add(0, tok[:, None].expand_as(weighted), weighted)\n")),
 ]
 
 assert set(CHECKS) == set(BY_NAME), set(BY_NAME) ^ set(CHECKS)

@@ -3,7 +3,8 @@
     EXERCISES             each lesson's core to write: its name, lesson, the function(s) or method(s), task and hint
     blank(text, ex)       a lesson's source with the exercise's core blanked (ast): signature and docstring kept, the
                           task and hint as comments, raise NotImplementedError("not implemented yet: exercise NAME")
-    start / compare / solution / listing     what `python -m lab.exercises` does with yours/ (lab/exercises.py)
+    start / compare / solution / listing     what `python -m lab.exercises` does with yours/ (lab/exercises.py);
+                          start shows the blanked core to write, before the learner reads the lesson's
 
 `start` copies the lesson into yours/ with the core blanked; a second exercise of the same lesson blanks its core
 inside the learner's own file, keeping what they wrote. The lessons at the root are never written: the reference is
@@ -45,48 +46,58 @@ EXERCISES = [
              "Every group along the axes `along` of a grid of ranks: one list of ranks per setting of the other axes, "
              "its members in grid order, the groups in grid order of the other axes. Mesh builds every process group "
              "of the course from these lists.",
-             "Permute the grid so that the `along` axes come LAST (the others first, in their order), then reshape to "
-             "[-1, size] with size the product of the `along` sizes: each row is one group. .tolist() at the end."),
+             "Reorder the grid's axes so that the `along` axes come last, the others keeping their order in front; then "
+             "read the grid as rows of as many ranks as the `along` axes hold together: each row is one group. Return "
+             "plain Python lists of ints, the same on every rank."),
     Exercise("average", 1, "ddp", ("average_gradients",),
              "After loss.backward(): every gradient of `params` summed over `group` in ONE flat all-reduce and divided "
              "by `divide_by` (default: the group's size), so every rank holds g = (1/P)·Σ_r g_r. A parameter without "
              "a gradient on this rank sends zeros (every rank must hand over the same sizes).",
-             "resolve_group(group, 'dp') turns a Mesh or None into a process group; mesh.all_reduce_flat(tensors, "
-             "group, divide_by) all-reduces a list as one flat buffer. gloo has no ReduceOp.AVG: sum, then divide."),
+             "Turn `group` into a process group as the other lessons do (mesh.py has the helper). Skip the parameters "
+             "that need no gradient; give those without one a zero gradient of their own shape and dtype. Then sum "
+             "every gradient in ONE collective over one flat buffer (mesh.py has a helper that flattens, sums and "
+             "copies back), and divide: gloo cannot average. `params` may be an iterator: read it once."),
     Exercise("bucket", 1, "ddp", ("BucketedDDP._launch_in_order",),
              "Called by _on_grad_ready each time a bucket's last gradient has arrived (and once more at the end of "
              "backward): launch, in bucket order, every bucket from self._next on that is ready — divide its flat "
              "buffer by bucket.divide_by, start its all-reduce over bucket.group ASYNCHRONOUSLY (keep the work in "
              "bucket.work; _finish_backward waits for it) — and stop at the first bucket not ready yet.",
-             "while self._next < len(self.buckets) and all(self.buckets[self._next].ready): ... self._next += 1. "
-             "dist.all_reduce(..., async_op=True) returns the work; a group of one needs no all-reduce. Ranks pair "
-             "collectives by the order they are issued: never launch a later bucket before an earlier one."),
+             "Walk the buckets from self._next as long as the bucket there is complete: divide its flat buffer by the "
+             "bucket's own divisor, start its sum over the bucket's own group WITHOUT waiting for it (keep what the "
+             "collective returns on the bucket: the end of backward waits), move self._next on. Stop at the first "
+             "bucket not complete: ranks pair collectives by the order they are issued. A group of one needs no "
+             "collective, but still its division."),
     Exercise("zero_step", 2, "fsdp", ("zero_step",),
              "One ZeRO step after loss.backward(), for every FlatParameter f of `flats`: reduce-scatter its packed "
              "gradient so this rank receives the sum of ITS slice only, divide by the group's size, leave only that "
              "slice's gradient (f.shard.grad; the full parameters' .grad None), let `optimizer` step the slices, then "
              "all-gather the new slices into f.buf — unless f.buf was freed (stage 3: the next use gathers).",
-             "f.pack(dtype) -> [N]; f.reduce_scatter(g) -> (my [n], work); f.all_gather(); f.group_size is P; "
-             "f.buf.untyped_storage().size() == 0 when freed. Everything under torch.no_grad()."),
+             "For each unit: pack its gradients into one flat buffer, sum it across the group so that this rank "
+             "receives its own slice alone, divide by the group's size, keep that as the shard's gradient and none on "
+             "the whole parameters. Step once, after every unit. Then gather every rank's new slice back into each "
+             "buffer that still has its bytes; a freed one waits for its next use. FlatParameter has a method for each "
+             "move; the group's rank and size are its own, not the world's."),
     Exercise("gather_when_used", 2, "fsdp", ("gather_when_used",),
              "ZeRO-3 on one module: register hooks so that `flat` is gathered (flat.unshard()) right before the "
              "module's forward and again right before its backward, and freed (flat.free()) right after each — the "
              "module holds whole parameters only while it runs.",
-             "module.register_forward_pre_hook, register_forward_hook, register_full_backward_pre_hook, "
-             "register_full_backward_hook; a hook gets arguments you can ignore (def gather(*_): ...)."),
+             "Four module hooks: gather before the forward and before the backward, free after each. A hook "
+             "receives arguments you can ignore, and what it returns may replace the module's input or output: let "
+             "it return nothing. Gathering a freed unit first gives its buffer its bytes back."),
     Exercise("across_replicas", 3, "hsdp", ("across_replicas",),
              "HSDP's one addition to ZeRO: return the function fsdp's after_reduce seam calls on every gradient shard "
              "[n] (already summed over my shard group by the reduce-scatter) and on the used-flags: sum it, in place, "
              "across the replicas that hold the same shard. shard_hybrid divides by S·R afterwards.",
-             "A closure over replicate_group: def all_reduce_across(t): dist.all_reduce(t, group=replicate_group). "
-             "Announce it first as the lesson does (agree(replicate_group, ..., AGREE_FIX)) if you like."),
+             "Return a function of one tensor that sums it, in place, over the replicate group: the seam ignores what "
+             "it returns, and calls it on the gradient shards and on the used-flags alike."),
     Exercise("f_and_g", 4, "tensor_parallel", ("_all_reduce", "F_TP", "G_TP"),
              "Megatron's conjugate operators as (forward, backward) pairs of functions(x, group) for _Conjugate: f at "
              "the entry of a column/row pair — every rank uses all of x, so x's gradient is the SUM of the ranks' — "
              "and g at its exit — the ranks' partial outputs summed. And _all_reduce(x, group), the sum over the "
              "group of a tensor autograd owns.",
-             "F_TP and G_TP are each (forward, backward) from _identity and _all_reduce. all_reduce works in place: "
-             "clone x first (contiguously) and return the clone.",
+             "f enters a pair: its forward leaves x as it is, its backward sums the gradient over the group. g exits a "
+             "pair: its forward sums the ranks' partial outputs, its backward leaves the gradient as it is. The sum "
+             "works in place: sum a contiguous copy of x and return that, never autograd's own tensor.",
              (("_all_reduce", "x summed over the group's ranks, for a tensor autograd owns: all_reduce works in place, "
                "so it runs on a contiguous clone of x, which is returned."),)),
     Exercise("pair", 4, "tensor_parallel", ("ColumnParallelLinear.forward", "RowParallelLinear.forward"),
@@ -94,8 +105,10 @@ EXERCISES = [
              "unless its input_op is None, then multiplies by its rows of W: my F/t output features. The row-parallel "
              "linear multiplies its input features by its columns of W — a partial sum of y — and exits the pair "
              "(g, or sequence parallel's reduce-scatter).",
-             "enter_tp(x, group, sp) and exit_tp(x, group, sp); the matmul is self.linear(x, self.weight) "
-             "(F.linear: x @ W.T). Column: sp is self.input_op == 'gather'; row: self.sp.",
+             "Column: enter the pair first, unless input_op says the caller did (under sequence parallel the entry "
+             "gathers the sequence), then multiply by this rank's rows of the weight with the class's own swappable "
+             "matmul. Row: multiply by this rank's columns — a partial result — and leave the pair (a sum, or under "
+             "sequence parallel a reduce-scatter). The lesson has a function for entering and one for leaving.",
              (("ColumnParallelLinear.forward", "x [B, S, H] (or [B, S/t, H] under sequence parallel) -> my F/t output "
                "features [B, S, F/t]: enter the pair unless input_op is None, then x @ W[my rows].T."),
               ("RowParallelLinear.forward", "x [B, S, F/t], my input features -> y [B, S, H] (or [B, S/t, H]): the "
@@ -105,28 +118,35 @@ EXERCISES = [
              "in turn, then the cool-down backwards; each micro-batch's loss scaled by 1/m; activations sent to the "
              "next stage and gradients back to the previous one. Returns the mean loss on the last stage, None "
              "elsewhere, and leaves the batch's gradients in .grad.",
-             "Keep inputs and outputs of the micro-batches in flight in FIFO lists; a received activation needs "
-             "requires_grad_() so its gradient can be sent back. A send completes only when its receive is posted: "
-             "post a send together with the receive the next step needs (one dist.batch_isend_irecv)."),
+             "Keep the micro-batches in flight in first-in first-out lists. Warm up with as many forwards as there are "
+             "stages after this one (at most m), then alternate one forward and one backward of the OLDEST micro-batch, "
+             "then drain the backwards. A received activation must require grad, or its gradient cannot go back. Post "
+             "each send together with the receive the next step needs, then wait for both; the neighbours are global "
+             "ranks (the PipeGroup knows them)."),
     Exercise("merge", 6, "ring_attention", ("merge",),
              "Fold a block's attention (block_out [.., D], block_lse [..]) into the running (out, lse): the softmax over "
              "both blocks' keys. lse' = log(e^lse + e^lse_b), out' = (e^lse·out + e^lse_b·out_b)/(e^lse + e^lse_b), "
              "written so that nothing overflows when the scores are large. (None, None) is the empty start.",
-             "e^lse/(e^lse + e^lse_b) = sigmoid(lse − lse_b), and log(e^a + e^b) = a − logsigmoid(a − b)."),
+             "Write each block's share of the softmax as a sigmoid of the difference of the two lse's, and the new lse "
+             "with a log-sigmoid: neither takes the exponential of a large number. A weight per query row must "
+             "broadcast over D. The empty start returns the block itself."),
     Exercise("ring", 6, "ring_attention", ("RingAttention.forward",),
              "Ring attention's forward: for each step t of ring_schedule (the block of rank (r−t) mod cp in hand), "
              "start passing the k, v block in hand to the next rank (RingPass) unless it is the last step, fold every "
              "pair (i, j, diagonal) of my query chunk i against the block's key chunk j into outs[i], lses[i] with "
              "merge(.., *block_forward(..)), then take the block that arrived. Work in at least fp32; save "
              "(q, k, v, out, lse) and group, layout, causal on ctx for the backward; return out in q's dtype.",
-             "n = len(chunk_ids(layout, cp, 0)) chunks per rank (zigzag: 2); q.to(work).chunk(n, dim=2); the block "
-             "travels in its own dtype: RingPass([kb, vb], group).wait() -> the next (kb, vb). cp − 1 passes."),
+             "Split q into the chunks the layout gives a rank (zigzag: two). At each step of the ring's schedule, first "
+             "start passing the block in hand to the next rank (not after the last step), then fold every pair the "
+             "schedule lists into that chunk's running out and lse, then take the block that arrived. Compute in at "
+             "least fp32 while the block travels in its own dtype; the rank is the group's."),
     Exercise("all_to_all", 7, "expert_parallel", ("AllToAll.forward", "AllToAll.backward"),
              "The differentiable all-to-all: forward sends rows x[sum(in_splits[:j]) : +in_splits[j]] to rank j and "
              "returns what arrives, out_splits[i] rows from rank i. Its backward is the inverse permutation: each "
              "row's gradient goes back to where the row came from.",
-             "_all_to_all(x, out_splits, in_splits, group) does one exchange; keep the splits on ctx. Backward: the "
-             "same exchange with the two split lists swapped; None for the non-tensor arguments.",
+             "The forward is one exchange of rows, sized by the two split lists; keep on ctx what the backward needs "
+             "(lists are not tensors). The gradient of a permutation is the inverse permutation: the same exchange "
+             "with the two lists swapped, over the same group. Every argument gets a gradient or None.",
              (("AllToAll.forward", "Rows x[sum(in_splits[:j]) : +in_splits[j]] to rank j; out_splits[i] rows arrive from "
                "rank i, returned in rank order. Keep on ctx what the backward needs."),
               ("AllToAll.backward", "Each row's gradient back to the rank the row came from: the forward's exchange "
@@ -137,9 +157,10 @@ EXERCISES = [
              "expert keeping the first keep_send[e] of each, dispatch their rows by all-to-all, run my experts "
              "(self.experts on rows grouped by expert), send the results home by the reverse all-to-all, weight them "
              "by the router and sum them into their tokens. Set self.aux_loss, self.tokens_per_expert, self.dropped.",
-             "flat = experts.flatten(); order = torch.argsort(flat, stable=True); a kept assignment a is token a // k; "
-             "rows to rank j: keep_send.view(ep, n_local).sum(1); from rank i: keep_recv.sum(1). The combine's splits "
-             "are the dispatch's swapped; index_add sums a token's k results."),
+             "Route; count the assignments per expert and agree on the counts before any row moves; order the "
+             "assignments by expert, keeping token order within one, and keep each expert's accepted first ones; "
+             "send their rows to the experts' owners; run my experts, one group of rows each; send the results back "
+             "the way they came; weight each by the router and ADD it into its token (a token has k of them)."),
 ]
 BY_NAME = {e.name: e for e in EXERCISES}
 
@@ -341,8 +362,9 @@ def start(name: str, over: bool = False, root: str = ROOT) -> str:
         base, where = text, "your own file, which keeps your earlier work"
     else:
         base, where, backup = reference_text(ex, root), f"a copy of {ex.file}", None
+    text = blank(base, ex)
     with open(path, "w") as f:
-        f.write(blank(base, ex))
+        f.write(text)
     if name not in p["started"]:
         p["started"].append(name)
     p["passed"].pop(name, None)
@@ -350,11 +372,24 @@ def start(name: str, over: bool = False, root: str = ROOT) -> str:
     cores = ", ".join(ex.cores)
     return "\n".join([
         f"exercise {name} (lesson {ex.number}, {ex.file}): {cores} blanked in {WORKSPACE}/{ex.file} ({where}).",
-        *textwrap.wrap("Implement: " + ex.task, 110, subsequent_indent="  "),
-        *textwrap.wrap("Hint: " + ex.hint, 110, subsequent_indent="  "),
+        f"Write it there BEFORE you read it in {ex.file}: the lesson's file holds this very core, the answer. What "
+        f"you write:", "", *blanked_cores(text, ex), "",
         f"Grade it:             python -m lab.exercises grade {name}",
-        f"Compare with the reference (any time): python -m lab.exercises compare {name}",
+        f"Stuck? The hint is in the comments above; when it passes (or if you give up), python -m lab.exercises "
+        f"compare {name} shows your core beside the reference.",
     ] + ([f"(your previous attempt: {os.path.relpath(backup, root)})"] if over and backup else []))
+
+
+def blanked_cores(text: str, ex: Exercise) -> list[str]:
+    """What the learner writes, as `start` shows it: each blanked core of `ex` in `text` with its place in the file
+    (a core written as assignments with the stand-in function above them)."""
+    names = list(ex.cores)
+    if any(isinstance(find(ast.parse(text), q), ast.Assign) for q in names):
+        names.append(f"_exercise_{ex.name}")
+    out = []
+    for first, q in sorted((core_lines(text, q)[0], q) for q in names):
+        out += [f"{WORKSPACE}/{ex.file}, line {first}:"] + ["    " + line for line in core_source(text, q).splitlines()]
+    return out
 
 
 def learner_text(ex: Exercise, root: str = ROOT) -> str:

@@ -1,13 +1,15 @@
 """Write it yourself (lab/exercises.py, lab/grader.py, lab/exercise_checks.py, lab/collective_watch.py): the grader is
 proven, not assumed.
 
-For every exercise the reference core passes every check on every world size it is graded on, the blank fails with
-"not implemented yet: exercise NAME", and at least three seeded bugs typical of learners (BUGS, beside each
-exercise's checks in lab/exercise_checks.py) each fail with the diagnosis the grader promises (a mutant the grader
-lets pass is a defect of the grader). All versions of all cores are graded in ONE spawned group of ranks per world
-size (lab.grader.evaluate), as the grader itself does for one version.
-Then the command line as a learner runs it, in a copy of the repository: start, grade the blank, a wrong attempt, a
-right one, compare, and the refusals.
+For every exercise the reference core passes every check on every world size it is graded on, and so does each of at
+least two correct variants written differently (VARIANTS: another loop shape, in place, another legal order, an
+equivalent formula); the blank fails with "not implemented yet: exercise NAME"; and at least five seeded bugs typical
+of learners (BUGS, beside each exercise's checks in lab/exercise_checks.py, covering the situations the exercise's
+block lists) each fail with the diagnosis the grader promises in the first line of the first failing check (a mutant
+the grader lets pass, or one it blames on something else, is a defect of the grader). All versions of all cores are
+graded in ONE spawned group of ranks per world size (lab.grader.evaluate), as the grader itself does for one version.
+Then the command line as a learner runs it, in a copy of the repository: start (the blanked core shown before the
+lesson is read), grade the blank, a wrong attempt, a right one, compare, and the refusals.
 """
 import os
 import re
@@ -20,23 +22,28 @@ import pytest
 from harness import _copy_repository, run_command
 from lab import grader
 from lab import workbook as exercises
-from lab.exercise_checks import BUGS
+from lab.exercise_checks import BUGS, VARIANTS
 
 
-def variant_files(tmp: str) -> dict:
-    """{(exercise, label): path or None}: "reference" (None: the lesson itself), "blank", and each bug's file."""
+def variant_files(tmp: str, names=None) -> dict:
+    """{(exercise, label): path or None}: "reference" (None: the lesson itself), "blank", each bug's file (its label)
+    and each correct variant's ("variant: " + its label)."""
     out = {}
     for ex in exercises.EXERCISES:
+        if names is not None and ex.name not in names:
+            continue
         text = exercises.reference_text(ex)
         out[(ex.name, "reference")] = None
         out[(ex.name, "blank")] = _write(tmp, f"{ex.name}-blank", exercises.blank(text, ex))
-        for i, bug in enumerate(BUGS[ex.name]):
-            assert text.count(bug.old) == 1, (ex.name, bug.label)
-            at = text[:text.index(bug.old) + len(bug.old) - len(bug.old.lstrip())].count("\n") + 1, \
-                 text[:text.index(bug.old) + len(bug.old.rstrip())].count("\n") + 1
-            assert any(a <= at[0] and at[1] <= b for a, b in (exercises.core_lines(text, q) for q in ex.cores)), \
-                f"{ex.name}: the bug {bug.label!r} is not inside the core"
-            out[(ex.name, bug.label)] = _write(tmp, f"{ex.name}-bug{i}", text.replace(bug.old, bug.new))
+        for kind, edits in (("bug", BUGS[ex.name]), ("variant", VARIANTS.get(ex.name, []))):
+            for i, edit in enumerate(edits):
+                for old, _ in edit.pairs():
+                    at = text[:text.index(old) + len(old) - len(old.lstrip())].count("\n") + 1, \
+                        text[:text.index(old) + len(old.rstrip())].count("\n") + 1
+                    assert any(a <= at[0] and at[1] <= b for a, b in (exercises.core_lines(text, q) for q in ex.cores)),\
+                        f"{ex.name}: the {kind} {edit.label!r} is not inside the core"
+                label = edit.label if kind == "bug" else f"variant: {edit.label}"
+                out[(ex.name, label)] = _write(tmp, f"{ex.name}-{kind}{i}", edit.apply(text))
     return out
 
 
@@ -49,7 +56,7 @@ def _write(tmp, name, text):
 
 def _worlds(name, label):
     worlds = grader.worlds_of(name)
-    if label == "reference":
+    if label == "reference" or label.startswith("variant: "):
         return worlds or [None]
     if label == "blank":
         return worlds[:1] or [None]
@@ -57,28 +64,32 @@ def _worlds(name, label):
     return [bug.world if worlds else None]
 
 
+def grade_files(files: dict) -> tuple[dict, float]:
+    """{(exercise, label): path} graded: ({(exercise, label): {P: [Outcome]}}, seconds), one group of ranks per world
+    size for all of them."""
+    jobs = {}
+    for (name, label), path in files.items():
+        for P in _worlds(name, label):
+            if P is not None:
+                jobs.setdefault(P, []).append((name, path))
+    pure = [(name, path) for (name, label), path in files.items() if not grader.worlds_of(name)]
+    start = time.monotonic()
+    out = grader.evaluate({**jobs, 0: pure} if pure else jobs, timeout=600)
+    took = time.monotonic() - start
+    by_label = {}
+    for (name, label), path in files.items():
+        by_label[(name, label)] = {P: out[(name, path, P)] for P in _worlds(name, label) if (name, path, P) in out}
+        if not grader.worlds_of(name):
+            by_label[(name, label)] = {None: out[(name, path, None)]}
+    return by_label, took
+
+
 @pytest.fixture(scope="module")
 def graded():
-    """Every variant of every exercise, graded: one group of ranks per world size."""
+    """Every version of every exercise, graded: one group of ranks per world size."""
     tmp = tempfile.mkdtemp()
     try:
-        files = variant_files(tmp)
-        jobs = {}
-        for (name, label), path in files.items():
-            for P in _worlds(name, label):
-                if P is not None:
-                    jobs.setdefault(P, []).append((name, path))
-        pure = [(name, path) for (name, label), path in files.items() if not grader.worlds_of(name)]
-        start = time.monotonic()
-        out = grader.evaluate({**jobs, 0: pure} if pure else jobs, timeout=600)
-        took = time.monotonic() - start
-        by_label = {}
-        for (name, label), path in files.items():
-            by_label[(name, label)] = {P: out[(name, path, P)] for P in _worlds(name, label)
-                                       if (name, path, P) in out}
-            if not grader.worlds_of(name):
-                by_label[(name, label)] = {None: out[(name, path, None)]}
-        yield by_label, took
+        yield grade_files(variant_files(tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -95,6 +106,16 @@ def test_the_reference_passes_every_check(name, graded):
     assert sorted(outcomes, key=str) == sorted(worlds, key=str), outcomes.keys()
     assert all(o.ok for os_ in outcomes.values() for o in os_), _report(outcomes)
     assert sum(len(os_) for os_ in outcomes.values()) >= 2
+
+
+@pytest.mark.parametrize("name, label", [(n, v.label) for n, vs in VARIANTS.items() for v in vs])
+def test_a_correct_variant_passes_every_check(name, label, graded):
+    """A core written differently from the reference -- another loop shape, in place, another legal order, an
+    equivalent formula -- passes every check on every world size (a correct core failed is a defect of the grader)."""
+    res, _ = graded
+    outcomes = res[(name, f"variant: {label}")]
+    assert sorted(outcomes, key=str) == sorted(grader.worlds_of(name) or [None], key=str), outcomes.keys()
+    assert all(o.ok for os_ in outcomes.values() for o in os_), _report(outcomes)
 
 
 @pytest.mark.parametrize("name", list(exercises.BY_NAME))
@@ -118,13 +139,20 @@ def test_a_seeded_bug_fails_with_its_diagnosis(name, label, graded):
     assert "not implemented yet" not in first
 
 
-def test_every_exercise_has_three_seeded_bugs_and_the_proof_is_cheap(graded):
+def test_every_exercise_has_five_seeded_bugs_two_variants_and_the_proof_is_cheap(graded):
     _, took = graded
-    assert set(BUGS) == set(exercises.BY_NAME)
-    assert all(len(b) >= 3 for b in BUGS.values())
+    assert set(BUGS) == set(VARIANTS) == set(exercises.BY_NAME)
+    assert all(len(b) >= 5 for b in BUGS.values()), {n: len(b) for n, b in BUGS.items()}
+    assert all(len(v) >= 2 for v in VARIANTS.values()), {n: len(v) for n, v in VARIANTS.items()}
     assert len(exercises.EXERCISES) >= 12 and {e.lesson for e in exercises.EXERCISES} >= {
         "mesh", "ddp", "fsdp", "hsdp", "tensor_parallel", "pipeline", "ring_attention", "expert_parallel"}
-    print(f"every variant graded in {took:.0f} s")
+    print(f"every version graded in {took:.0f} s")
+
+
+def test_hints_say_the_moves_in_words():
+    """A hint describes the idea and the moves, not the calls to type: no call, no torch or dist function named."""
+    for ex in exercises.EXERCISES:
+        assert not re.search(r"\w\(|\b(dist|torch|F)\.\w", ex.hint), (ex.name, ex.hint)
 
 
 def test_a_deadlock_is_named_within_seconds(graded):
@@ -195,6 +223,10 @@ def test_a_learner_session_on_the_command_line():
             return run_command(["-m", "lab.exercises", *args], cwd=tmp, timeout=300, expect_fail=fail)
         out = cli("start", "average")
         assert "average_gradients blanked in yours/ddp.py (a copy of ddp.py)" in out and "grade average" in out
+        # the exercise before the answer: write it before reading ddp.py; the blanked core shown, where it is
+        assert "Write it there BEFORE you read it in ddp.py" in out, out
+        assert re.search(r"yours/ddp.py, line \d+:\n    @torch.no_grad\(\)\n    def average_gradients\(", out), out
+        assert 'raise NotImplementedError("not implemented yet: exercise average' in out, out
         mine = os.path.join(tmp, "yours", "ddp.py")
         out = cli("grade", "average", fail=True)
         assert "FAIL  1 rank" in out and "rank 0: not implemented yet: exercise average" in out, out
