@@ -265,10 +265,16 @@ def _last_line(gname, seq, r) -> str:
 
 def _differ(ranks, said) -> str:
     lines = {r: s["line"] for r, s in said.items()}
-    ops = {line.split(" ")[0] for line in lines.values()}
-    what = ("different collectives: the ranks make theirs in a different order, or one rank makes one more or one "
-            "fewer" if len(ops) > 1 else "the same collective with different sizes (or dtypes): every rank must hand "
-            "over the same shape")
+    kinds = {line.split(" of ")[0] for line in lines.values()}   # the op and its reduction: "all_reduce (sum)"
+    if len(kinds) > 1:
+        what = ("different collectives: the ranks make theirs in a different order, or one rank makes one more or "
+                "one fewer")
+    elif next(iter(kinds)).startswith("all_to_all"):
+        what = ("the rows differ in shape or dtype: an all-to-all's ranks may send different numbers of rows, but "
+                "every row must have the same shape and dtype on every rank")
+    else:
+        what = ("the same collective with different sizes (or dtypes): every rank must hand over the same shape "
+                "— or one rank is a collective ahead of the others")
     return (f"the ranks of group {ranks} disagree on their collective #{said[ranks[0]]['seq'] + 1} there — "
             + "; ".join(f"rank {r}: {lines[r]}" for r in ranks) + f" — {what}")
 
@@ -286,6 +292,14 @@ def _check_own_splits(rec) -> None:
 def _check_splits(ranks, said, rec) -> None:
     """An all-to-all with splits: what rank i sends to j must be what j expects from i."""
     P = len(ranks)
+    for r in ranks:
+        for which in ("send", "recv"):
+            splits = said[r].get(which)
+            if splits is not None and len(splits) != P:
+                raise CollectiveMismatch(
+                    f"all_to_all_single over ranks {ranks}: rank {r}'s {'input' if which == 'send' else 'output'}"
+                    f"_split_sizes {splits} name {len(splits)} ranks, the group has {P}: one split per rank of the "
+                    f"group the exchange runs over")
     for i in ranks:
         for jj, j in enumerate(ranks):
             ii = ranks.index(i)
@@ -464,6 +478,11 @@ def unwaited() -> list[dict]:
     """Those of this scope never waited: in flight still, or dropped ({what, site, dropped, completed}). Every work
     must be waited before its tensors are used or freed: gloo writes into them in the background."""
     return [dict(rec) for rec in _S["dropped"]] + in_flight()
+
+
+def pending_transfers() -> int:
+    """How many transfers this rank has posted whose other side has not been met or waited yet."""
+    return len(_S["pending"])
 
 
 def set_drop_hook(fn) -> None:

@@ -6,8 +6,9 @@ patience and check limit: none of these waits for them):
 
 - correct cores the watch must let through: 1F1B with its warm-up written min(p − r, m) − 1 and each send and receive
   posted in its own batch before both are waited; a ring written with isend/irecv;
-- hangs: a received activation without requires_grad_ (1F1B's next stage never sends its gradient back), a ring
-  that skips its empty steps (fewer transfers on some ranks), a collective on some ranks only;
+- hangs: a received activation without requires_grad_ (its next stage would never send its gradient back: named at
+  its forward, before any wait), a ring that skips its empty steps (fewer transfers on some ranks), a collective on
+  some ranks only;
 - deaths: os._exit on one rank, a SIGSEGV on one rank, an asynchronous all-gather never waited (the rank crashes, or
   its values are wrong: either way the dropped work is named with its line);
 - an asynchronous all-gather never waited whose process survives, a file that does not load.
@@ -101,9 +102,8 @@ EXPECT = {
     "1F1B, warm-up min(p-r, m)-1, two batches": None,
     "ring with isend/irecv": None,
     "1F1B, received activation without requires_grad_":
-        r"^a hang, stopped: deadlock: every rank here waits for a peer that waits elsewhere — .*rank 2 waits to "
-        r"receive [\d,]+ float64 elements \(\d+, 8, 32\) from rank 3 \(receive #1 from 3 to 2; rank 3 has posted 0 "
-        r"sends to rank 2\)",
+        r"^rank \d: RuntimeError: the activation stage 1 received does not require grad: its gradient could never "
+        r"be sent back — .*requires_grad_\(\) on a received activation",
     "ring skipping its empty steps": r"^rank (\d): rank \1 " + WAITS + r".*, but rank \d left without it \(it finished "
                                      r"the check\): rank \1 posts more (sends to|receives from) rank \d",
     "all-reduce on ranks 0-2 only": r"^rank 0: rank 0 waits at all_reduce \(sum\) of [\d,]+ float64 elements over "
