@@ -122,11 +122,13 @@ MECHANISMS = [
      "S slower beside it (NCCL's kernels hold SMs)",
      "Lee et al. 2025 (arXiv:2507.03114): 18.9% on average on A100, H100, MI250, MI210",
      "0 (one core per rank: nothing hides)", "0.189", "0.189"),
-    ("the attention kernel", "attention_kernel=fa2|fa3|triton|sdpa_math",
+    ("the attention kernel", "attention_kernel=fa1|fa2|fa3|triton|sdpa_math",
      "attention: fused attention's forward and backward kernels at that kernel's rates, as measured beside "
-     "FlashAttention-2 on one H100 (ATTENTION_KERNELS): FlashAttention-3 1.8x and 1.7x, Triton 1.13x forward, "
-     "standard attention (SDPA's math) 0.10x and 0.56x",
-     "Shah et al. 2024 (FlashAttention-3, arXiv:2407.08608), Fig. 5-6", "fa2", "fa2", "the run's kernel"),
+     "FlashAttention-2 on one H100 (ATTENTION_KERNELS): FlashAttention-3 1.8x and 1.7x, the Triton tutorial's 1.13x "
+     "forward, standard attention (SDPA's math) 0.10x and 0.56x, FlashAttention (and the 2022 Triton port of it that "
+     "llm-foundry runs) 0.42x",
+     "Shah et al. 2024 (FlashAttention-3, arXiv:2407.08608), Fig. 5-6; Dao 2023 (FlashAttention-2, arXiv:2307.08691), "
+     "Fig. 7; flash-attn's flash_attn_triton.py; llm-foundry v0.3.0 TUTORIAL.md", "fa2", "fa2", "the run's kernel"),
     ("FSDP1's schedule", "fsdp1=0|1",
      "dp: ZeRO-2 gathers each unit in every micro-batch's forward (prefetched, behind it) and ZeRO-2/3 "
      "reduce-scatter in every micro-batch's backward, behind it, where the course's ZeRO-2 moves both at the step "

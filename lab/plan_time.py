@@ -116,7 +116,8 @@ class Assumptions:
                 step's flash kernel (TORCH_CP_STEP_BYTES: the merges in fp32, the K/V and gradient concatenations);
                 0: a fused ring's own merges (12 bytes a query element a step forward, 24 backward)
     attention_kernel  the fused attention kernel: fa2 (FlashAttention-2, SDPA's flash backend), fa3
-                (FlashAttention-3: Hopper), triton, sdpa_math (unfused, in one call): ATTENTION_KERNELS' rates
+                (FlashAttention-3: Hopper), fa1 (FlashAttention, and the 2022 Triton port of it llm-foundry runs),
+                triton (the Triton tutorial's), sdpa_math (unfused, in one call): ATTENTION_KERNELS' rates
     fsdp1       1: ZeRO-2 and ZeRO-3 as PyTorch's FSDP1 runs them with every micro-batch synchronised (llm-foundry
                 through Composer): each unit gathered in the next forward, prefetched behind the compute, and its
                 gradients reduce-scattered in each micro-batch's backward (fsdp1_exposed)
