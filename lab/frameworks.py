@@ -22,11 +22,12 @@ FRAMEWORKS = {
     # Megatron-Core today (its documentation: Transformer Engine's fused attention and kernels,
     # --tp-comm-overlap, --overlap-grad-reduce and --overlap-param-gather with the distributed optimizer)
     "megatron": dict(attention="fused", compile=1.0, pp_scatter=1.0, overlap=dict(tp=1.0, tp_b=1.0, step=1.0)),
-    # PyTorch's FSDP1 as llm-foundry runs it through Composer (FORCED_SYNC: every micro-batch's gradients reduced):
-    # its FlatParameter (views, as the course's: no copies around the collectives), each unit gathered in the next
-    # forward and its gradients reduce-scattered in each micro-batch's backward (fsdp1); the attention kernel is the
-    # run's (llm-foundry's attn_impl: --assume attention_kernel=triton)
-    "fsdp1": dict(fsdp1=1.0),
+    # PyTorch's FSDP1 as llm-foundry runs it through Composer (FORCED_SYNC: every micro-batch's gradients reduced;
+    # mixed precision DEFAULT: gathered in bf16, reduced in fp32): each unit gathered in the next forward and its
+    # gradients reduce-scattered in each micro-batch's backward (fsdp1), and the casts, concatenation and divisions
+    # around those collectives (fsdp1_copies); the attention kernel is the run's (llm-foundry's attn_impl: triton, its
+    # 2022 Triton port of FlashAttention, --assume attention_kernel=fa1; flash, FlashAttention-2 from 2024: fa2)
+    "fsdp1": dict(fsdp1=1.0, fsdp1_copies=1.0),
     # Megatron-DeepSpeed as BLOOM ran it (BigScience's Megatron-DeepSpeed, DeepSpeed's pipeline engine and
     # BF16_Optimizer): Megatron's fused kernels (bias-GeLU, scale-mask-softmax: attention as separate kernels), its
     # reentrant checkpoint, DeepSpeed's pipeline sending whole boundaries, each micro-batch's bf16 gradients added
@@ -135,6 +136,12 @@ MECHANISMS = [
      "and its ZeRO-3 defers the reduce-scatters",
      "torch/distributed/fsdp/_runtime_utils.py (_pre_forward_unshard, _post_backward_reshard); Composer's "
      "FORCED_SYNC for FSDP", "0", "0", "fsdp1: 1"),
+    ("FSDP1's copies", "fsdp1_copies=0|1",
+     "fsdp1 copies: under mixed precision, the shard cast before each gather; each micro-batch's flat gradient "
+     "concatenated from the parameters' (views split off the flat parameter), cast to the reduce dtype and divided "
+     "before the reduce-scatter, the shard divided after it and added into the saved one -- memory-bound",
+     "torch/distributed/fsdp/_flat_param.py (_use_low_precision_shard), _runtime_utils.py (_post_backward_hook, "
+     "_reduce_grad); Composer's mixed precision DEFAULT", "0", "0", "fsdp1: 1"),
     ("DeepSpeed's fp32 gradient accumulation", "fp32_accumulation=0|1",
      "fp32 accumulation: after every micro-batch's backward its bf16 gradients added into fp32 buffers, tensor by "
      "tensor (FP32_ACCUMULATE_BYTES a parameter at the memory bandwidth), in the backward and so in the bubble",
