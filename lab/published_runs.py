@@ -213,8 +213,8 @@ FURTHER = [replace(row, further=True) for row in (
 LLM_FOUNDRY = ("llm-foundry scripts/train/benchmarking/README.md (061f2c7), MPT on 8 GPUs a node, as its "
                "submit_benchmarks.py (b2a43a1) ran them: llm-foundry v0.3.0 on torch 2.1, attn_impl triton, FSDP1 "
                "mixed precision DEFAULT, every micro-batch synchronised")
-LLM_FOUNDRY_SCALE = ("llm-foundry scripts/train/benchmarking/README.md, its H100 table at 128-512 GPUs, as its sweep.py "
-                     "(5e85bd6) ran them: attn_impl flash (FlashAttention-2) for the 1B, 3B and 7B")
+LLM_FOUNDRY_SCALE = ("llm-foundry scripts/train/benchmarking/README.md, its H100 table at 128-512 GPUs, as its "
+                     "sweep.py (5e85bd6) ran them: attn_impl flash (FlashAttention-2) for the 1B, 3B and 7B")
 
 
 def _foundry(name, model, device, gpus, seq, mbs, accum, checkpointing, tokens, zero=3, source=LLM_FOUNDRY,
