@@ -183,4 +183,14 @@ NCCL_TREE_CORRECTION = (
 # standard attention (PyTorch's unfused QKᵀ, softmax and ·V: SDPA's math backend; at 8k, where it last fits). A
 # device's fused attention runs at its own FlashAttention-2 rates (Device.attention_efficiency,
 # attention_backward) times each kernel's ratio to FlashAttention-2's here (--assume attention_kernel=NAME).
-ATTENTION_KERNELS = {"fa2": (335, 322), "fa3": (616, 561), "triton": (378, 322), "sdpa_math": (35, 181)}
+# FlashAttention (Dao et al. 2022: flash-attn 1.x) is not in those figures: FlashAttention-2's release measured the
+# two side by side, forward and backward together (Dao-AILab/flash-attention, assets/flash2_h100_fwd_bwd_benchmark.png,
+# the FlashAttention-2 paper's Fig. 7: H100 SXM5, causal, head dim 128, 16k tokens: 137 against 328 TFLOP/s; its A100
+# figure, 83 against 189, is the same share) -- its ratio scales both of FlashAttention-2's rates here. The 2022 Triton
+# port of it (flash-attn's flash_attn_triton.py, which llm-foundry copied and runs as attn_impl: triton under
+# triton-pre-mlir) runs at its speed: "overall Triton forward + backward is slightly slower than CUDA forward +
+# backward" (its own docstring), "triton is slightly faster than flash" (llm-foundry v0.3.0 TUTORIAL.md, flash being
+# flash-attn 1.0.9 there).
+_FA1 = 137 / 328
+ATTENTION_KERNELS = {"fa1": (335 * _FA1, 322 * _FA1), "fa2": (335, 322), "fa3": (616, 561), "triton": (378, 322),
+                     "sdpa_math": (35, 181)}

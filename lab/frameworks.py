@@ -22,11 +22,12 @@ FRAMEWORKS = {
     # Megatron-Core today (its documentation: Transformer Engine's fused attention and kernels,
     # --tp-comm-overlap, --overlap-grad-reduce and --overlap-param-gather with the distributed optimizer)
     "megatron": dict(attention="fused", compile=1.0, pp_scatter=1.0, overlap=dict(tp=1.0, tp_b=1.0, step=1.0)),
-    # PyTorch's FSDP1 as llm-foundry runs it through Composer (FORCED_SYNC: every micro-batch's gradients reduced):
-    # its FlatParameter (views, as the course's: no copies around the collectives), each unit gathered in the next
-    # forward and its gradients reduce-scattered in each micro-batch's backward (fsdp1); the attention kernel is the
-    # run's (llm-foundry's attn_impl: --assume attention_kernel=triton)
-    "fsdp1": dict(fsdp1=1.0),
+    # PyTorch's FSDP1 as llm-foundry runs it through Composer (FORCED_SYNC: every micro-batch's gradients reduced;
+    # mixed precision DEFAULT: gathered in bf16, reduced in fp32): each unit gathered in the next forward and its
+    # gradients reduce-scattered in each micro-batch's backward (fsdp1), and the casts, concatenation and divisions
+    # around those collectives (fsdp1_copies); the attention kernel is the run's (llm-foundry's attn_impl: triton, its
+    # 2022 Triton port of FlashAttention, --assume attention_kernel=fa1; flash, FlashAttention-2 from 2024: fa2)
+    "fsdp1": dict(fsdp1=1.0, fsdp1_copies=1.0),
     # Megatron-DeepSpeed as BLOOM ran it (BigScience's Megatron-DeepSpeed, DeepSpeed's pipeline engine and
     # BF16_Optimizer): Megatron's fused kernels (bias-GeLU, scale-mask-softmax: attention as separate kernels), its
     # reentrant checkpoint, DeepSpeed's pipeline sending whole boundaries, each micro-batch's bf16 gradients added
@@ -122,17 +123,25 @@ MECHANISMS = [
      "S slower beside it (NCCL's kernels hold SMs)",
      "Lee et al. 2025 (arXiv:2507.03114): 18.9% on average on A100, H100, MI250, MI210",
      "0 (one core per rank: nothing hides)", "0.189", "0.189"),
-    ("the attention kernel", "attention_kernel=fa2|fa3|triton|sdpa_math",
+    ("the attention kernel", "attention_kernel=fa1|fa2|fa3|triton|sdpa_math",
      "attention: fused attention's forward and backward kernels at that kernel's rates, as measured beside "
-     "FlashAttention-2 on one H100 (ATTENTION_KERNELS): FlashAttention-3 1.8x and 1.7x, Triton 1.13x forward, "
-     "standard attention (SDPA's math) 0.10x and 0.56x",
-     "Shah et al. 2024 (FlashAttention-3, arXiv:2407.08608), Fig. 5-6", "fa2", "fa2", "the run's kernel"),
+     "FlashAttention-2 on one H100 (ATTENTION_KERNELS): FlashAttention-3 1.8x and 1.7x, the Triton tutorial's 1.13x "
+     "forward, standard attention (SDPA's math) 0.10x and 0.56x, FlashAttention (and the 2022 Triton port of it that "
+     "llm-foundry runs) 0.42x",
+     "Shah et al. 2024 (FlashAttention-3, arXiv:2407.08608), Fig. 5-6; Dao 2023 (FlashAttention-2, arXiv:2307.08691), "
+     "Fig. 7; flash-attn's flash_attn_triton.py; llm-foundry v0.3.0 TUTORIAL.md", "fa2", "fa2", "the run's kernel"),
     ("FSDP1's schedule", "fsdp1=0|1",
      "dp: ZeRO-2 gathers each unit in every micro-batch's forward (prefetched, behind it) and ZeRO-2/3 "
      "reduce-scatter in every micro-batch's backward, behind it, where the course's ZeRO-2 moves both at the step "
      "and its ZeRO-3 defers the reduce-scatters",
      "torch/distributed/fsdp/_runtime_utils.py (_pre_forward_unshard, _post_backward_reshard); Composer's "
      "FORCED_SYNC for FSDP", "0", "0", "fsdp1: 1"),
+    ("FSDP1's copies", "fsdp1_copies=0|1",
+     "fsdp1 copies: under mixed precision, the shard cast before each gather; each micro-batch's flat gradient "
+     "concatenated from the parameters' (views split off the flat parameter), cast to the reduce dtype and divided "
+     "before the reduce-scatter, the shard divided after it and added into the saved one -- memory-bound",
+     "torch/distributed/fsdp/_flat_param.py (_use_low_precision_shard), _runtime_utils.py (_post_backward_hook, "
+     "_reduce_grad); Composer's mixed precision DEFAULT", "0", "0", "fsdp1: 1"),
     ("DeepSpeed's fp32 gradient accumulation", "fp32_accumulation=0|1",
      "fp32 accumulation: after every micro-batch's backward its bf16 gradients added into fp32 buffers, tensor by "
      "tensor (FP32_ACCUMULATE_BYTES a parameter at the memory bandwidth), in the backward and so in the bubble",

@@ -28,8 +28,8 @@ with stage_time, which adds one function per mechanism, each naming its source:
     the step     clip_all_reduce (the clip's norm over every rank); collective_checks (lesson 0's mesh.agree before
                  each of fsdp.py's collectives); optimizer_time (AdamW and the clip's arithmetic, per element of the
                  local shard and per tensor piece)
-    frameworks'  fsdp2_copies (torchtitan's FSDP2)
-    extras
+    frameworks'  fsdp2_copies (torchtitan's FSDP2), fsdp1_copies (PyTorch's FSDP1, llm-foundry's), fp32_accumulation
+    extras       (DeepSpeed's)
 
 A probe runs ONE block and the head (a model of one layer, one sequence) per distinct (tp, cp, sp, cp method,
 checkpointing, sequence): the block's FLOPs and collective bytes scale with its layers and the micro-batch's
@@ -116,10 +116,14 @@ class Assumptions:
                 step's flash kernel (TORCH_CP_STEP_BYTES: the merges in fp32, the K/V and gradient concatenations);
                 0: a fused ring's own merges (12 bytes a query element a step forward, 24 backward)
     attention_kernel  the fused attention kernel: fa2 (FlashAttention-2, SDPA's flash backend), fa3
-                (FlashAttention-3: Hopper), triton, sdpa_math (unfused, in one call): ATTENTION_KERNELS' rates
+                (FlashAttention-3: Hopper), fa1 (FlashAttention, and the 2022 Triton port of it llm-foundry runs),
+                triton (the Triton tutorial's), sdpa_math (unfused, in one call): ATTENTION_KERNELS' rates
     fsdp1       1: ZeRO-2 and ZeRO-3 as PyTorch's FSDP1 runs them with every micro-batch synchronised (llm-foundry
                 through Composer): each unit gathered in the next forward, prefetched behind the compute, and its
                 gradients reduce-scattered in each micro-batch's backward (fsdp1_exposed)
+    fsdp1_copies  1: FSDP1's memory-bound work around its collectives under mixed precision (fsdp1_copies): the shard
+                cast before each gather, the flat gradient concatenated, cast to the reduce dtype and divided before
+                each reduce-scatter
     fp32_accumulation  1: each micro-batch's bf16 gradients added into fp32 buffers after its backward
                 (DeepSpeed's BF16_Optimizer under its pipeline engine: FP32_ACCUMULATE_BYTES a parameter)"""
     efficiency: float | None = None
@@ -144,6 +148,7 @@ class Assumptions:
     overlap_slowdown: float | None = None
     attention_kernel: str = "fa2"
     fsdp1: float = 0.0
+    fsdp1_copies: float = 0.0
     fp32_accumulation: float = 0.0
 
 
@@ -1239,6 +1244,28 @@ def fsdp2_copies(st: _Step, dp: dict) -> float:
     return st.assume.fsdp2_copies * nbytes / bandwidth(st.dev, st.assume)
 
 
+def fsdp1_copies(st: _Step, dp: dict) -> float:
+    """PyTorch FSDP1's extra (Assumptions.fsdp1_copies), as it runs ZeRO-2 and ZeRO-3 under mixed precision
+    (Composer's DEFAULT: parameters gathered in the compute dtype, gradients reduced in the store dtype), every
+    micro-batch synchronised. Per gather (ZeRO-3: each micro-batch's forward and backward; ZeRO-2: its forward) the
+    fp32 shard cast into the low-precision shard the gather reads (_flat_param.py, _use_low_precision_shard); per
+    micro-batch, the unsharded flat gradient made of the parameters' gradients (each parameter is a view split off the
+    flat parameter, and split's backward concatenates their gradients: read and written), then on the post-backward
+    stream cast to the reduce dtype and divided in place by the pre-divide factor before the reduce-scatter, the shard
+    divided by the post-divide factor after it (_runtime_utils.py, _post_backward_hook and _reduce_grad), and from the
+    second micro-batch on added into the saved gradient shard (_accumulate_sharded_grad). Memory-bound, taken from the
+    step's memory bandwidth as FSDP2's copies are. Seconds a step; 0 without sharding."""
+    a = st.args
+    if a.zero_stage < 2 or dp["shard"] <= 1 or a.pp > 1 or not st.assume.fsdp1_copies:
+        return 0.0
+    pb, sb, psi, n, m = _elem(a), train.store_dtype(a).itemsize, dp["psi"], dp["shard"], a.microbatches
+    cast = pb + sb if pb != sb else 0                         # a cast between the dtypes (none when they are one)
+    gathers = 2 * m if a.zero_stage == 3 else m
+    nbytes = gathers * psi / n * cast + m * psi * (2 * pb + cast + 2 * sb) + \
+        m * psi / n * 2 * sb + (m - 1) * psi / n * 3 * sb
+    return st.assume.fsdp1_copies * nbytes / bandwidth(st.dev, st.assume)
+
+
 def tp_gradient_sums(st: _Step, layers: int, last: bool) -> float:
     """tp's partial gradients (sequence parallel's norm weights; k and v where tp ranks share a kv head), summed
     over tp unit by unit before ZeRO reduces them (tensor_parallel.finish_grads): one all-reduce a unit, exposed."""
@@ -1316,6 +1343,10 @@ def stage_time(st: _Step, s: int, layers: int, dp_bytes: dict | None) -> dict:
     copies = fsdp2_copies(st, dp)
     if copies:
         exposed["fsdp2 copies"] = copies
+    copies1 = fsdp1_copies(st, dp)
+    if copies1:
+        exposed["fsdp1 copies"] = copies1
+        copies += copies1
     # what of the data-parallel collectives hid behind compute, slowing it
     dp_beside = st.slow * (sum(dp["seconds"].values()) + dp["replicas"] * o["replicas"] - dp_time)
     if dp_time:

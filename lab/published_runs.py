@@ -15,13 +15,16 @@ def _gpt(h: int, layers: int, heads: int) -> dict:
                 layer_norm_epsilon=1e-5, tie_word_embeddings=True)
 
 
-def _mpt(h: int, layers: int, heads: int) -> dict:
-    """MosaicML's MPT as llm-foundry's benchmarks configure it (scripts/train/yamls/pretrain/mpt-*.yaml: d_model,
-    n_heads, n_layers, expansion_ratio 4, learned positions, no biases, its 50,368-token vocabulary, tied) as a Llama
-    block of the same widths: its GELU MLP of 4h as a SwiGLU of the same parameters and FLOPs (F = 8h/3, a multiple
-    of 64), RMSNorm for LayerNorm, rotary positions for learned ones, the head apart from the embedding."""
-    return dict(vocab_size=50368, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=heads, intermediate_size=round(8 * h / 3 / 64) * 64, max_position_embeddings=65536)
+def _mpt(h: int, layers: int, heads: int, seq: int = 2048) -> dict:
+    """MosaicML's MPT as llm-foundry's benchmarks ran it (v0.3.0: scripts/train/yamls/pretrain/mpt-*.yaml gives
+    d_model, n_heads, n_layers, expansion_ratio 4 and the 50,368-token vocabulary; MPTConfig's defaults the rest --
+    learned positions up to max_seq_len, the run's sequence, for alibi is off; biases on every linear and LayerNorm,
+    for no_bias is False; exact GELU; the head tied to the embedding): GPT-2's block, as its config.json holds it. The
+    benchmark table's NumParams column is this count (7B at 2,048 tokens: 6,658,859,008; at 65,536 the positions'
+    63,488 more rows); the course's GPT-2 shape pads the vocabulary to 50,432 (64 rows more, 0.004% of the 7B)."""
+    return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=50368, n_embd=h, n_layer=layers,
+                n_head=heads, n_inner=4 * h, n_positions=seq, activation_function="gelu", layer_norm_epsilon=1e-5,
+                tie_word_embeddings=True)
 
 
 def _llama31(h: int, layers: int, heads: int, ffn: int) -> dict:
@@ -46,8 +49,9 @@ PUBLISHED_MODELS = {
     "gpt-18b": _gpt(6144, 40, 48), "gpt-39b": _gpt(8192, 48, 64), "gpt-76b": _gpt(10240, 60, 80),
     "gpt-145b": _gpt(12288, 80, 96), "gpt-310b": _gpt(16384, 96, 128), "gpt-530b": _gpt(20480, 105, 128),
     "gpt-1t": _gpt(25600, 128, 160),
+    # llm-foundry's MPT sizes (heads chosen so that each is 128 wide: the 30B's 56), at the sequences the rows ran
     "lf-mpt-1b": _mpt(2048, 24, 16), "lf-mpt-3b": _mpt(2560, 32, 20), "lf-mpt-7b": _mpt(4096, 32, 32),
-    "lf-mpt-13b": _mpt(5120, 40, 40), "lf-mpt-30b": _mpt(7168, 48, 64),
+    "lf-mpt-7b-8k": _mpt(4096, 32, 32, 8192), "lf-mpt-13b": _mpt(5120, 40, 40), "lf-mpt-30b": _mpt(7168, 48, 56),
 }
 
 
@@ -206,47 +210,50 @@ FURTHER = [replace(row, further=True) for row in (
 )]
 
 
-LLM_FOUNDRY = ("llm-foundry scripts/train/benchmarking/README.md (061f2c7), MPT on 8 GPUs a node; sweep.sh at "
-               "v0.0.4, submit_benchmarks.py's attn_impl triton; FSDP1 FULL_SHARD, bf16, every micro-batch "
-               "synchronised")
-LLM_FOUNDRY_SCALE = "llm-foundry scripts/train/benchmarking/README.md, its H100 table at 128-512 GPUs (a later version)"
+LLM_FOUNDRY = ("llm-foundry scripts/train/benchmarking/README.md (061f2c7), MPT on 8 GPUs a node, as its "
+               "submit_benchmarks.py (b2a43a1) ran them: llm-foundry v0.3.0 on torch 2.1, attn_impl triton, FSDP1 "
+               "mixed precision DEFAULT, every micro-batch synchronised")
+LLM_FOUNDRY_SCALE = ("llm-foundry scripts/train/benchmarking/README.md, its H100 table at 128-512 GPUs, as its "
+                     "sweep.py (5e85bd6) ran them: attn_impl flash (FlashAttention-2) for the 1B, 3B and 7B")
 
 
-def _foundry(name, model, device, gpus, seq, mbs, accum, checkpointing, tokens, zero=3, source=LLM_FOUNDRY):
+def _foundry(name, model, device, gpus, seq, mbs, accum, checkpointing, tokens, zero=3, source=LLM_FOUNDRY,
+             kernel="fa1"):
     """An llm-foundry benchmark row: Composer's FSDP1 with FULL_SHARD (ZeRO-3 over every GPU; SHARD_GRAD_OP:
-    zero=2), micro-batches of `mbs` sequences, `accum` of them a step, full checkpointing or none, Triton's flash
-    attention."""
+    zero=2), micro-batches of `mbs` sequences, `accum` of them a step, full checkpointing or none; the attention
+    kernel its attn_impl names (triton: the 2022 Triton port of FlashAttention, at FlashAttention's rates: fa1;
+    flash: fa2)."""
     flags = ["--dp-shard", str(gpus), "--zero-stage", str(zero), "--seq-len", str(seq), "--global-batch-size",
              str(gpus * mbs * accum), "--microbatches", str(accum), "--activation-checkpointing",
              "full" if checkpointing else "none"]
     return Published(source, name, model, device, gpus, tuple(flags),
-                     ("framework=fsdp1", "attention_kernel=triton"), tokens, further=True)
+                     ("framework=fsdp1", f"attention_kernel={kernel}"), tokens, further=True)
 
 
 FURTHER += [
     _foundry("MPT-7B, FSDP1 8 H100s, 2k tokens, micro-batch 6, no checkpointing", "lf-mpt-7b", "h100", 8, 2048, 6, 1,
              False, 10643),
-    _foundry("MPT-7B, FSDP1 8 H100s, 8k tokens, micro-batch 8 x 2, full", "lf-mpt-7b", "h100", 8, 8192, 8, 2, True,
-             6935),
+    _foundry("MPT-7B, FSDP1 8 H100s, 8k tokens, micro-batch 8 x 2, full", "lf-mpt-7b-8k", "h100", 8, 8192, 8, 2,
+             True, 6935),
     _foundry("MPT-13B, FSDP1 64 H100s, 2k tokens, micro-batch 2, no checkpointing", "lf-mpt-13b", "h100", 64, 2048, 2,
              1, False, 4800),
     _foundry("MPT-30B, FSDP1 32 H100s, 2k tokens, micro-batch 14 x 3, full", "lf-mpt-30b", "h100", 32, 2048, 14, 3,
              True, 2308),
     _foundry("MPT-7B, FSDP1 8 A100s, 2k tokens, micro-batch 6 x 2, no checkpointing", "lf-mpt-7b", "a100", 8, 2048, 6,
              2, False, 4641),
-    _foundry("MPT-7B, FSDP1 8 A100s, 8k tokens, micro-batch 8 x 2, full", "lf-mpt-7b", "a100", 8, 8192, 8, 2, True,
-             3206),
-    # the same file's later H100 table, 128 to 512 GPUs, SHARD_GRAD_OP for the 1B and 3B
+    _foundry("MPT-7B, FSDP1 8 A100s, 8k tokens, micro-batch 8 x 2, full", "lf-mpt-7b-8k", "a100", 8, 8192, 8, 2,
+             True, 3206),
+    # the same file's later H100 table, 128 to 512 GPUs, SHARD_GRAD_OP for the 1B and 3B, FlashAttention-2
     _foundry("MPT-1B, FSDP1 SHARD_GRAD_OP 128 H100s, micro-batch 12", "lf-mpt-1b", "h100", 128, 2048, 12, 1, False,
-             44123, zero=2, source=LLM_FOUNDRY_SCALE),
+             44123, zero=2, source=LLM_FOUNDRY_SCALE, kernel="fa2"),
     _foundry("MPT-1B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 12", "lf-mpt-1b", "h100", 512, 2048, 12, 1, False,
-             39837, zero=2, source=LLM_FOUNDRY_SCALE),
+             39837, zero=2, source=LLM_FOUNDRY_SCALE, kernel="fa2"),
     _foundry("MPT-3B, FSDP1 SHARD_GRAD_OP 128 H100s, micro-batch 8", "lf-mpt-3b", "h100", 128, 2048, 8, 1, False,
-             23422, zero=2, source=LLM_FOUNDRY_SCALE),
+             23422, zero=2, source=LLM_FOUNDRY_SCALE, kernel="fa2"),
     _foundry("MPT-3B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 8", "lf-mpt-3b", "h100", 512, 2048, 8, 1, False,
-             21664, zero=2, source=LLM_FOUNDRY_SCALE),
+             21664, zero=2, source=LLM_FOUNDRY_SCALE, kernel="fa2"),
     _foundry("MPT-7B, FSDP1 512 H100s, micro-batch 6, no checkpointing", "lf-mpt-7b", "h100", 512, 2048, 6, 1, False,
-             9670, source=LLM_FOUNDRY_SCALE),
+             9670, source=LLM_FOUNDRY_SCALE, kernel="fa2"),
 ]
 
 

@@ -679,6 +679,11 @@ def test_the_attention_kernel_runs_at_its_own_measured_rates():
     assert rates["fa3"]["attn_f"] / rates["fa2"]["attn_f"] == pytest.approx(616 / 335)
     assert rates["fa3"]["attn_b"] / rates["fa2"]["attn_b"] == pytest.approx(561 / 322)
     assert rates["sdpa_math"]["attn_f"] < rates["fa2"]["attn_f"] < rates["triton"]["attn_f"] < rates["fa3"]["attn_f"]
+    # FlashAttention (and the 2022 Triton port of it llm-foundry runs) at its share of FlashAttention-2's speed,
+    # forward and backward together, as FlashAttention-2's release measured them side by side on an H100
+    fa1 = T.kernel_rates(args, T.DEVICES["h100"], T.assumptions(["attention_kernel=fa1"]), False)
+    for k in ("attn_f", "attn_b"):
+        assert fa1[k] / rates["fa2"][k] == pytest.approx(137 / 328)
     assert rates["fa2"]["attn_f"] == T.DEVICES["h100"].flops["bfloat16"] * T.DEVICES["h100"].attention_efficiency
     fa2, fa3 = (_gpu("--dp-shard", "8", assume=[f"attention_kernel={k}"]) for k in ("fa2", "fa3"))
     assert fa3["parts"]["attention"] < fa2["parts"]["attention"] and fa3["parts"]["matmul"] == fa2["parts"]["matmul"]
@@ -696,13 +701,37 @@ def test_fsdp1_gathers_each_unit_in_the_next_forward_not_at_the_step():
     # of the course's one set a step here, all hidden, slowing the compute beside it
     s = T.DEVICES["h100"].overlap_slowdown
     assert fsdp1["exposed"]["overlap"] * (1 + s) / s == pytest.approx(2 * course["exposed"]["dp"], rel=1e-6)
-    # the published runs that found it: llm-foundry's MPT-1B and 3B on 512 H100s under SHARD_GRAD_OP, predicted
-    # at 0.84 and 0.83 of their published speed with the course's schedule, 0.99 and 1.00 with FSDP1's
+    # the published runs it moves most: llm-foundry's MPT-1B and 3B on 512 H100s under SHARD_GRAD_OP, predicted at
+    # 0.98 and 0.96 of their published speed with the course's schedule (everything at the step, exposed), 1.19 and
+    # 1.17 with FSDP1's, the bundle's copies included
     for name in ("MPT-1B, FSDP1 SHARD_GRAD_OP 512 H100s, micro-batch 12", "MPT-3B, FSDP1 SHARD_GRAD_OP 512 H100s, "
                                                                        "micro-batch 8"):
         row = next(r for r in T.FURTHER if r.name == name)
         course_ratio, ratio = (T.predict_published(r)["ratio"] for r in (dataclasses.replace(row, assume=()), row))
-        assert course_ratio < 0.86 and course_ratio + 0.1 < ratio and T.TARGET_BAND[0] <= ratio <= T.TARGET_BAND[1]
+        assert course_ratio + 0.15 < ratio and T.TARGET_BAND[0] <= ratio <= T.TARGET_BAND[1]
+
+
+def test_fsdp1_copies_are_priced_for_fsdp1_under_mixed_precision():
+    # FSDP1 under mixed precision casts the fp32 shard before each gather; each micro-batch it concatenates the
+    # parameters' bf16 gradients into the flat gradient, casts it to fp32 and divides it before the reduce-scatter,
+    # divides the shard after, and from the second micro-batch adds it into the saved shard
+    from lab.model import num_params
+    psi = num_params(train.config_of(train.parse_args(["--model", "small", "--layers", "2"])))
+    bw = T.bandwidth(T.DEVICES["h100"])
+    for zero, gathers in ((3, 4), (2, 2)):
+        flags = ("--dp-shard", "4", "--zero-stage", str(zero), "--microbatches", "2")
+        on, off = (_gpu(*flags, assume=["framework=fsdp1"] + a) for a in ([], ["fsdp1_copies=0"]))
+        want = (gathers * psi / 4 * (4 + 2) + 2 * psi * (2 * 2 + (2 + 4) + 2 * 4) + 2 * psi / 4 * 8
+                + psi / 4 * 12) / bw
+        assert on["exposed"]["fsdp1 copies"] == pytest.approx(want, rel=1e-6)
+        assert on["seconds"] - off["seconds"] == pytest.approx(want, rel=1e-6) and "fsdp1 copies" not in off["exposed"]
+    # the course's own ZeRO (and FSDP2's bundle) pay none of them; fp32 training casts nothing
+    assert "fsdp1 copies" not in _gpu("--dp-shard", "8", "--zero-stage", "3")["exposed"]
+    fp32 = train.parse_args(["--model", "small", "--layers", "2", "--seq-len", "256", "--global-batch-size", "8",
+                             "--dp-shard", "8", "--zero-stage", "3"])
+    a = T.assumptions(["framework=fsdp1"])
+    got = T.step_time(fp32, T.device_named("h100", a), a, 8)["exposed"]["fsdp1 copies"]
+    assert got == pytest.approx(psi * (2 * 4 + 2 * 4) / T.bandwidth(T.DEVICES["h100"]) + psi / 8 * 8 / bw, rel=1e-6)
 
 
 def test_deepspeed_adds_each_micro_batch_s_gradients_into_fp32():
@@ -731,6 +760,27 @@ def test_a_gpt_family_block_is_counted_as_its_own_parameters(model):
     # and Megatron's GPT rows are planned as GPT's block (GPT-2's config.json), not a SwiGLU stand-in
     cfg = train.config_of(T.published_args(next(r for r in T.PUBLISHED if r.name.startswith("GPT 1.7B"))))
     assert (cfg.mlp, cfg.norm, cfg.positions, cfg.bias, cfg.tie_embeddings) == ("gelu", "layer", "learned", True, True)
+
+
+def test_llm_foundry_s_mpt_rows_are_planned_as_the_block_its_benchmarks_ran():
+    # llm-foundry's benchmark yamls leave alibi off and no_bias False: learned positions as long as the run's
+    # sequence, biases everywhere, exact GELU, tied -- GPT-2's block. The benchmark table's NumParams column counts
+    # exactly that (the course pads the 50,368-token vocabulary to 50,432)
+    from lab.model import num_params
+    numparams = {("lf-mpt-1b", 2048): 1315950592, ("lf-mpt-3b", 2048): 2651837440, ("lf-mpt-7b", 2048): 6658859008,
+                 ("lf-mpt-7b-8k", 8192): 6684024832, ("lf-mpt-13b", 2048): 12853954560,
+                 ("lf-mpt-30b", 2048): 29975214080}
+    seen = set()
+    for row in T.FURTHER:
+        if row.model.startswith("lf-mpt"):
+            args = T.published_args(row)
+            cfg = train.config_of(args)
+            assert (cfg.mlp, cfg.gelu_approximate, cfg.norm, cfg.norm_bias, cfg.positions, cfg.bias,
+                    cfg.tie_embeddings, cfg.head_dim) == ("gelu", "none", "layer", True, "learned", True, True, 128)
+            padding = (cfg.padded_vocab - cfg.vocab_size) * cfg.dim
+            assert num_params(cfg) - padding == numparams[(row.model, args.seq_len)], row.name
+            seen.add(row.model)
+    assert seen == {m for m, _ in numparams}
 
 
 # ---- every prediction the README and the tests show, pinned: a refactor that changes one fails here ----------
