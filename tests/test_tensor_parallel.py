@@ -347,8 +347,8 @@ EXERCISES = [
              edits=(("tensor_parallel.py", '    group, partial = getattr(model, "tp_group", None)',
                      '    return\n    group, partial = getattr(model, "tp_group", None)'),), fails=True),
     Exercise("torchrun --nproc_per_node 2 tensor_parallel.py --model tiny --seq 64", _check_fused,
-             edits=(("tensor_parallel.py", "ColumnParallelLinear(w.weight, group, rows, input_op=None)",
-                     'ColumnParallelLinear(w.weight, group, rows, input_op="copy")'),
+             edits=(("tensor_parallel.py", "column_parallel(w, group, rows, input_op=None)",
+                     'column_parallel(w, group, rows, input_op="copy")'),
                     ("tensor_parallel.py", "super().forward(enter_tp(x, self.group, self.sp), cos, sin)",
                      "super().forward(x, cos, sin)")), fails=True),
 ]
