@@ -2,7 +2,7 @@
 train.py accepts, and on this machine its predictions follow measured step times.
 
 The comparison runs at a LOOSE band: the machine is shared and noisy (each prediction within 6x of the
-measured step); notebooks/plan_time.ipynb and the README state the tight band
+measured step); notebooks/plan_time.ipynb states the tight band
 and what was measured."""
 import dataclasses
 import json
@@ -786,7 +786,7 @@ def test_llm_foundry_s_mpt_rows_are_planned_as_the_block_its_benchmarks_ran():
 # ---- every prediction the README and the tests show, pinned: a refactor that changes one fails here ----------
 
 PINNED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_time_pinned.json")
-# the README's search tables (llama3-8b, 512 x 8,192 tokens, H100s 8 a node): each shown layout, timed alone
+# the search tables notebooks/published_runs.ipynb shows (llama3-8b, 512 x 8,192 tokens, H100s 8 a node): each shown layout, timed alone
 SEARCH_SHOWN = {8: (["--dp-shard", "8", "--zero-stage", "3", "--microbatches", "64"],
                     ["--pp", "2", "--dp-shard", "4", "--zero-stage", "3", "--microbatches", "128"],
                     ["--pp", "2", "--dp-shard", "4", "--zero-stage", "1", "--microbatches", "128"]),
@@ -808,7 +808,7 @@ def _numbers(r: dict) -> dict:
 
 def pinned_now() -> dict:
     """What the planner predicts today for every published and further row (its step and breakdown, its memory by
-    the formulas), the README's search tables, the calibrated layouts on the committed cpu-gloo profile, and the
+    the formulas), the notebook's search tables, the calibrated layouts on the committed cpu-gloo profile, and the
     memory test's layouts under every bundle."""
     out = {"published": {}, "search": {}, "cpu-gloo": {}, "layouts": {}}
     for row in T.PUBLISHED + T.FURTHER:
