@@ -19,7 +19,7 @@ order; the owner decides and sends its verdict back (a second small all-to-all).
 Aux loss (Switch §2.2, eq. 4–6): α·E·Σ_i f_i·P_i, f_i = c_i/(N·k) the share of the N·k assignments
 routed to expert i (no gradient), P_i = S_i/N its mean router probability (S_i = Σ_tokens p_i).
 
-Composition (the README's table): the tokens of a step may be split over the ranks in any way.
+Composition (train.py, lesson 8): the tokens of a step may be split over the ranks in any way.
   aux_group  every rank holding other tokens (dp × cp, × tp under tensor parallel); D what data parallel
              divides summed gradients by (dp·cp). A rank differentiates P = S/N + (S_local − sg(S_local))·D/N
              (sg: no gradient): summed and divided by D, the ranks' gradients are the global aux loss's,

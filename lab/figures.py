@@ -1,4 +1,4 @@
-"""The README's pictures, drawn by the course's own code — one command draws them all:
+"""The pictures the README shows, drawn by the course's own code — one command draws them all:
 
     python -m lab.figures [--out notebooks/figures]
 
@@ -186,7 +186,7 @@ FIGURES = {"mesh_groups.png": mesh_groups, "pipeline_1f1b_zb.png": pipeline_time
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="draw the README's pictures from the course's own code")
+    ap = argparse.ArgumentParser(description="draw the pictures the README shows, from the course's own code")
     ap.add_argument("--out", default=OUT, help="the folder to write them to")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -1024,7 +1024,7 @@ def float8_casts(args, b: int, layers: int, p: str, compiled: bool, recompute: b
     return nbytes, layers * len(sizes) * (2 if p == "f" else 3)
 
 
-# ---- one step, composed of its mechanisms (the README's list, one function each) ----------------------------
+# ---- one step, composed of its mechanisms (published_runs.ipynb lists them), one function each -----------------
 
 @dataclass(frozen=True)
 class _Step:
