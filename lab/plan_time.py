@@ -1586,7 +1586,7 @@ def search(base, N: int, dev: Device, gpus_per_node: int, memory: float, assume:
             continue
         confirmed.append((r[0], r[1], planned))
     return dict(ranked=confirmed + ranked, verified=len(confirmed), dropped=dropped, examples=examples,
-                layouts=seen, seconds=time.perf_counter() - t0, assume=assume)
+                layouts=seen, seconds=time.perf_counter() - t0, assume=assume, memory=memory)
 
 
 def breakdown(r: dict) -> str:
@@ -1603,6 +1603,9 @@ def print_search(base, N, G, dev, found: dict, top: int = 10) -> None:
           f"{base.dtype}, "
           f"global batch {base.global_batch_size} x {base.seq_len}: {found['layouts']} layouts in "
           f"{found['seconds']:.1f} s, {len(found['ranked'])} fit; assumptions: {assumed(found['assume'])}")
+    gb = f"{found['memory'] / 1e9:.0f} GB" if found["memory"] >= 1e9 else f"{found['memory']:,.0f} bytes"
+    print(f"  fits: * <= {gb} by the meta plan; the rest <= {gb} + {MEMORY_MARGIN:.0%} by the lessons' formulas "
+          f"(MEMORY_MARGIN: they read up to {MEMORY_MARGIN:.0%} above the meta plan)")
     for reason, n in sorted(found["dropped"].items(), key=lambda kv: -kv[1]):
         print(f"  dropped {n:6d}: {reason} (e.g. {found['examples'][reason]})")
     print(f"  {'#':>3s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>5s} {'GB':>6s}  layout")
@@ -1610,7 +1613,6 @@ def print_search(base, N, G, dev, found: dict, top: int = 10) -> None:
         mark = "*" if i < found["verified"] else " "
         print(f"  {i + 1:3d} {r['seconds']:8.3f} {r['tokens_per_s']:10.0f} {r['mfu']:5.2f} {mem / 1e9:5.1f}{mark} "
               f"{describe(a)}")
-    print("  (* memory confirmed by the meta plan, else the formulas)")
     for i, (r, a, mem) in enumerate(found["ranked"][:3]):
         print(f"  #{i + 1} {flags(a)}\n      seconds: {breakdown(r)}")
 

@@ -114,10 +114,14 @@ def test_a_group_with_many_ranks_in_a_node_crosses_at_the_node_s_nics():
     assert T.TARGET_BAND[0] <= r["ratio"] <= T.TARGET_BAND[1] and r["seconds"] < step
 
 
-def test_search_ranks_only_accepted_layouts_that_fit():
+def test_search_ranks_only_accepted_layouts_that_fit(capsys):
     base = args_of()
     dev = T.device_named("cpu-gloo")
     found = T.search(base, 4, dev, 2, 5e5)
+    # the output states the margin it allows a layout that only the formulas measured
+    T.print_search(base, 4, 2, dev, found)
+    out = capsys.readouterr().out
+    assert "fits: * <= 500,000 bytes by the meta plan; the rest <= 500,000 bytes + 5% by the lessons' formulas" in out
     ranked = [r for r, _, _ in found["ranked"]]
     secs = [r["seconds"] for r in ranked[found["verified"]:]]
     assert secs == sorted(secs)
