@@ -1632,7 +1632,7 @@ def print_time(args, dev: Device, G: int, plans, assume: Assumptions = Assumptio
 # one small model, 2 gloo ranks (one core each), every kind of layout (ep's experts are added to the dense probe
 # analytically, for uniform routing: _moe)
 # (--lr 0: every round takes the same step from the same weights — a router that learns moves tokens between
-#  experts, and the busiest rank's share of them went from 1.1x to 1.9x the uniform one within two steps here)
+#  experts: within two steps the busiest rank holds up to twice its uniform share of them)
 CALIBRATION_MODEL = ["--model", "small", "--layers", "2", "--seq-len", "64", "--global-batch-size", "4",
                      "--dtype", "float32", "--lr", "0"]
 # Every kind of layout, spread over the range (micro-batches and checkpointing added where two kinds measured
