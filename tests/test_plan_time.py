@@ -750,6 +750,32 @@ def test_deepspeed_adds_each_micro_batch_s_gradients_into_fp32():
 
 
 
+def test_alibi_s_masked_attention_is_counted_and_priced_as_the_run_s_kernel():
+    # ALiBi runs SDPA with a float bias (lab.model.ALiBi; on meta the fused CPU kernel, which takes it): the probe
+    # counts that kernel's FLOPs forward and backward -- every score's, for a mask hides nothing from a kernel (the
+    # causal half is is_causal's) -- and checkpointing's rerun of its forward
+    S, flags = 256, ("--model", "tiny-bloom")   # (_gpu: 256 tokens, one sequence a rank)
+    cfg = train.config_of(train.parse_args(list(flags)))
+    none, full = (T.probe("tiny-bloom", 0, 2, "bfloat16", S, 1, 1, False, "ring", 1, how)["block"]
+                  for how in ("none", "full"))
+    every = 4 * S * S * cfg.n_heads * cfg.head_dim
+    assert none["attn_f"] == every and none["attn_bwd_b"] == none["attn_b"] == 2.5 * every
+    assert full["attn_b"] - full["attn_bwd_b"] == every
+    # unfused attention (Megatron-DeepSpeed's, BLOOM's) computes every score's products too: QKᵀ and ·V forward, four
+    # products backward -- from the shapes, in place of the fused kernel's 1 + 2.5 (not twice the probe's count,
+    # which doubled ALiBi's: +10 where the kernels differ by -2); the bias is QKᵀ's input, 4 bytes a score more
+    code, unfused = (_gpu("--dp-shard", "8", model=flags, assume=a) for a in ([], ["attention=unfused"]))
+    L = cfg.n_layers
+    assert unfused["flops"] - code["flops"] == pytest.approx(L * (4 + 8 - 4 - 10) * S * S * cfg.dim)
+    scores = L * cfg.n_heads * S * S
+    per_score = sum(T.UNFUSED_SCORE_BYTES.values()) + sum(T.ALIBI_SCORE_BYTES.values())
+    assert unfused["parts"]["memory"] - code["parts"]["memory"] == pytest.approx(
+        scores * per_score / T.bandwidth(T.DEVICES["h100"]))
+    # BLOOM's run, under its framework: in the band
+    row = next(r for r in T.FURTHER if r.model == "bloom-176b")
+    assert T.TARGET_BAND[0] <= T.predict_published(row)["ratio"] <= T.TARGET_BAND[1]
+
+
 @pytest.mark.parametrize("model", ["gpt2", "tiny-bloom", "tiny"])
 def test_a_gpt_family_block_is_counted_as_its_own_parameters(model):
     # the planner's own count of a stage's parameters (ZeRO's bytes, the optimizer's work) is the model's: a GELU
