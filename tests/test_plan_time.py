@@ -776,6 +776,27 @@ def test_alibi_s_masked_attention_is_counted_and_priced_as_the_run_s_kernel():
     assert T.TARGET_BAND[0] <= T.predict_published(row)["ratio"] <= T.TARGET_BAND[1]
 
 
+def test_published_flop_rates_convert_by_their_source_s_formula_and_mfu_counts_a_tied_head():
+    # a row published as TFLOP/s per GPU becomes tokens/s by the FLOPs a token its SOURCE counted: Megatron's
+    # 96·l·h²(1 + s/6h + V/16lh) (Narayanan et al. 2021, with recomputation; Megatron-DeepSpeed's logged TFLOP/s for
+    # BLOOM, V its padded 250,880), not the planner's own count
+    converted = [r for r in T.PUBLISHED + T.FURTHER if r.how != "as published"]
+    assert {r.model for r in converted} >= {"gpt-1.7b", "gpt-1t", "bloom-176b"}
+    for row in converted:
+        cfg = train.config_of(T.published_args(row))
+        l, h, s, V = cfg.n_layers, cfg.dim, 2048, cfg.padded_vocab if row.model == "bloom-176b" else 51200
+        tflops = float(re.match(r"([\d.]+) TFLOP/s per GPU", row.how).group(1))
+        assert row.tokens_per_gpu * 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)) == pytest.approx(tflops * 1e12)
+    # MFU's model FLOPs (lab.model.flops_per_token): a tied head is a lookup AND a matmul -- its V·H counts; the
+    # lookups (learned positions here) do not
+    from lab.model import num_params
+    args = T.published_args(next(r for r in T.PUBLISHED if r.model == "gpt-1.7b"))
+    cfg = train.config_of(args)
+    assert cfg.tie_embeddings and cfg.positions == "learned"
+    per_token = 6 * (num_params(cfg) - cfg.max_seq_len * cfg.dim) + 6 * cfg.n_layers * cfg.dim * args.seq_len
+    assert T.model_flops(args) == args.global_batch_size * args.seq_len * per_token   # (num_params: V·H once)
+
+
 @pytest.mark.parametrize("model", ["gpt2", "tiny-bloom", "tiny"])
 def test_a_gpt_family_block_is_counted_as_its_own_parameters(model):
     # the planner's own count of a stage's parameters (ZeRO's bytes, the optimizer's work) is the model's: a GELU
