@@ -170,6 +170,15 @@ def step_activations(trainer, args, mesh) -> int:
     return kept
 
 
+def shared_tensors(trainer, mesh, S: int, device, dtype) -> list:
+    """The tensors every micro-batch's backward saves that the rank holds once, whatever it holds of micro-batches:
+    ALiBi's bias (lab.model.alibi_bias's one tensor for this rank's heads at S tokens, made on first use and kept)."""
+    from lab.model import ALiBi, alibi_bias
+    heads = trainer.cfg.n_heads // mesh.size("tp")
+    return [alibi_bias(m.n_heads, m.first, heads, S, S, device, dtype)
+            for m in trainer.model.modules() if isinstance(m, ALiBi)]
+
+
 def _bytes_of(dtype) -> int:
     return torch.finfo(dtype).bits // 8
 

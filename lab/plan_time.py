@@ -498,7 +498,7 @@ def _attention_core(forward):
 def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses, checkpointing,
                layers) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from lab.plan import _fused_attention_on_meta, _shaped
+    from lab.plan import _fused_attention_on_meta, _shaped, shared_tensors
     from mesh import Mesh
     model = _probe_shape(model)
     args = train.parse_args(["--layers", str(layers), "--tp", str(tp), "--cp", str(cp),
@@ -516,6 +516,10 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
         if cp > 1 and cp_ulysses < cp:   # ring attention: what a fused kernel per block would replace
             for block in trainer.model.layers:
                 block.attn.sdpa.forward = _attention_core(block.attn.sdpa.forward)
+        # a step's work: ALiBi's bias is made on first use and kept for every later step (lab.model.alibi_bias), so
+        # it is made here, before the counting, and each run of the probe counts the same whatever ran before it
+        param = next(trainer.model.parameters())
+        shared_tensors(trainer, mesh, seq_len // cp, param.device, param.dtype)
         x = torch.zeros(1, seq_len // cp, dtype=torch.long, device="meta")
         flops, comm = {}, {}
         with trainer.opt.accumulating(), _fused_attention_on_meta(), _counting_batches() as batches:

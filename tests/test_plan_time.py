@@ -761,6 +761,13 @@ def test_alibi_s_masked_attention_is_counted_and_priced_as_the_run_s_kernel():
     every = 4 * S * S * cfg.n_heads * cfg.head_dim
     assert none["attn_f"] == every and none["attn_bwd_b"] == none["attn_b"] == 2.5 * every
     assert full["attn_b"] - full["attn_bwd_b"] == every
+    # the bias is made once and kept (lab.model.alibi_bias): a probe counts a step's work, the same whether or not an
+    # earlier run made it
+    from lab.model import alibi_bias
+    key = ("tiny-bloom", 0, 2, "bfloat16", S, 1, 1, False, "ring", 1, "none", 1)
+    alibi_bias.cache_clear()
+    cold, warm = T._probe_run(*key), T._probe_run(*key)
+    assert cold == warm and cold["flops"]["mem_f"] > 0
     # unfused attention (Megatron-DeepSpeed's, BLOOM's) computes every score's products too: QKᵀ and ·V forward, four
     # products backward -- from the shapes, in place of the fused kernel's 1 + 2.5 (not twice the probe's count,
     # which doubled ALiBi's: +10 where the kernels differ by -2); the bias is QKᵀ's input, 4 bytes a score more
