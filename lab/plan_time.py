@@ -1454,8 +1454,10 @@ def memory_parts(args) -> dict:
     state (zero_state_formula), activations (plan.layer_formula per layer and token, plan.rest_formula for the
     last stage's norm, head and loss, × the micro-batches a pipeline rank holds), the step's transient buffers
     (one unit's packed gradient; ZeRO-3 a unit gathered twice, the next prefetched; a pipeline keeps its units
-    gathered): {state, activations, buffers, total}."""
-    from lab.plan import first_formula, layer_formula, rest_formula
+    gathered): {state, activations, buffers, total}. Activations: per token plan.first_formula on the first stage
+    (BLOOM's embedding norm), plan.layer_formula per layer, plan.rest_formula on the last; once per rank
+    plan.alibi_formula (ALiBi's bias, one tensor every layer and micro-batch shares)."""
+    from lab.plan import alibi_formula, first_formula, layer_formula, rest_formula
     cfg, z = _config(args), args.zero_stage
     b_p, bf16 = _elem(args), args.dtype == "bfloat16"
     b_m = 4 if bf16 else b_p
@@ -1485,7 +1487,7 @@ def memory_parts(args) -> dict:
             (b_p * psi + b_m * unit if args.pp > 1 else 3 * b_p * unit + b_m * unit)
         if z == 0 and bf16 and args.dp_replicate * args.dp_shard * args.cp > 1:
             buffers += 4 * psi
-        act = per_token * tokens * held
+        act = per_token * tokens * held + alibi_formula(cfg, b_p, args.tp, args.seq_len // args.cp)
         if state + act + buffers > worst["total"]:
             worst = dict(state=state, activations=act, buffers=buffers, total=state + act + buffers)
     return worst

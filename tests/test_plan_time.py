@@ -477,6 +477,31 @@ def test_the_search_formula_keeps_what_the_meta_plan_fits(flags):
     assert want * (1 - 2 * T.MEMORY_MARGIN) <= got <= want * (1 + T.MEMORY_MARGIN), (got / want, got, want)
 
 
+ALIBI_MEMORY = [["--pp", "2", "--tp", "4", "--microbatches", "4"]]
+
+
+def test_the_search_formula_holds_alibi_s_bias_once_as_the_meta_plan_does():
+    # ALiBi's bias, [1, a/t, S, S] (lab.model.alibi_bias: made once, every layer and micro-batch saving that one
+    # tensor), is held once by a rank, however many micro-batches it holds: the meta plan adds it once beside the
+    # measured micro-batch (lab.plan.shared_tensors), the formulas once beside the per-token bytes (alibi_formula);
+    # BLOOM's block (and its embedding's norm on the first stage); at tiny-bloom's widths the two within 3%
+    from lab import plan
+    common = ["--model", "tiny-bloom", "--seq-len", "64", "--global-batch-size", "8", "--dtype", "bfloat16"]
+    cfg = train.config_of(train.parse_args(common))
+    for flags in ALIBI_MEMORY:
+        args = train.parse_args(common + flags)
+        planned = plan.plan(args)
+        bias = plan.alibi_formula(cfg, 2, 4, 64)
+        assert bias == 2 * cfg.n_heads // 4 * 64 * 64 > 0
+        for p in planned:
+            assert p["activations_shared"] == bias
+            assert p["activations"] == p["activations_measured"] * p["held"] + bias, (flags, p)
+        first = planned[0]
+        assert first["activations_formula"] == pytest.approx(first["activations"], rel=0.03), (flags, first)
+        assert T.memory_parts(args)["activations"] == pytest.approx(max(p["activations"] for p in planned), rel=0.03)
+    assert first["held"] == 2                # (the pipeline's first stage: two micro-batches, one bias)
+
+
 # ---- issue 40: what a GPU run adds, as mechanisms -------------------------------------------------------------
 
 def _gpu(*flags, assume=(), device="h100", model=("--model", "small", "--layers", "2")):
