@@ -818,7 +818,8 @@ def test_published_flop_rates_convert_by_their_source_s_formula_and_mfu_counts_a
         cfg = train.config_of(T.published_args(row))
         l, h, s, V = cfg.n_layers, cfg.dim, 2048, cfg.padded_vocab if row.model == "bloom-176b" else 51200
         tflops = float(re.match(r"([\d.]+) TFLOP/s per GPU", row.how).group(1))
-        assert row.tokens_per_gpu * 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)) == pytest.approx(tflops * 1e12)
+        per_token = 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        assert row.tokens_per_gpu * per_token == pytest.approx(tflops * 1e12)
     # MFU's model FLOPs (lab.model.flops_per_token): a tied head is a lookup AND a matmul -- its V·H counts; the
     # lookups (learned positions here) do not
     from lab.model import num_params
