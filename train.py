@@ -524,8 +524,8 @@ def parse_args(argv=None):
                           "training, no memory, no processes — the sizes multiply to the world it plans for")
     out.add_argument("--device-memory", default=None, help="with --plan: say whether it fits, e.g. 80GB or 24GiB")
     out.add_argument("--device", default=None,
-                     help="with --plan: predict the step time, tokens/s and MFU on this device (lab/plan_time.py's "
-                          "DEVICES: h100, h200, a100, cpu-gloo)")
+                     help="with --plan: predict the step time, tokens/s and MFU on this device (lab/devices.py's "
+                          "DEVICES: h100, h100-gt, h200, a100, a100-jz, cpu-gloo)")
     out.add_argument("--search", action="store_true",
                      help="with --plan and --device: every layout for --gpus ranks, those that do not fit dropped "
                           "with why, the rest ranked by predicted step time (the model and batch flags as given)")
