@@ -565,11 +565,12 @@ class Comparison:
         got, want = (torch.tensor(v, dtype=torch.float64) for v in (loss["value"], ref["loss"]))
         if not self.differs(got, want, "loss"):
             return None
-        why = (f"{got.item():.10g} where one process has {want.item():.10g} ({(got / want).item():.4g}×) while "
+        why = (f"{got.item():.10g} where one process has {want.item():.10g} ({(got / want).item():.6g}×) while "
                f"every module's output agrees: the loss itself — its reduction over the vocabulary, the targets it "
                f"is given, or what it is divided by")
-        return Finding("loss", s, loss["rank"], "the loss", (got - want).abs().item(), why, loss["made_by"],
-                       "in the loss")
+        # (the global loss: a rank only where a collective made it, the vocab-parallel loss's)
+        return Finding("loss", s, loss["rank"] if loss["made_by"] else None, "the loss", (got - want).abs().item(),
+                       why, loss["made_by"], "in the loss")
 
     def _backward(self, s, pieces, ref, order):
         """Σ over the ranks holding the same slice (tp-partial ones: over tp too) ÷ dp·cp, against the gradient."""
@@ -623,8 +624,9 @@ class Comparison:
                 mine = self._flat_from(unit, {q.name: q.value for q in self.backward_pieces if q.rank == p.rank},
                                        zeros=True)[start:end]
                 cands += [(f"this rank's own gradient ÷ {self.D}: never summed over the ranks that hold it (the "
-                           f"sync's sum is missing)", mine / self.D),
-                          ("this rank's own gradient, neither summed nor divided", mine)]
+                           f"sync's sum is missing)", mine / self.D)] if self.D > 1 else []
+                cands += [("this rank's own gradient, " + ("neither summed nor divided" if self.D > 1 else
+                                                           "never summed with the other ranks' parts"), mine)]
             else:
                 before = self._flat(unit, ref["before"])[start:end]
                 cands.append(("as before the step: this slice was not updated", before))
@@ -804,10 +806,11 @@ def first_difference(args, device, last: int, reference_run) -> tuple[list[str],
 
 def _say(f: Finding, start: int) -> list[str]:
     """The report's first lines: the place, what differs there and how, the collective that made it, what agreed."""
-    lines = [f"  first difference from one process: step {f.step + 1}, {WHAT[f.kind]}, rank {f.rank}: {f.what} — "
+    who, on = ("every rank", "any rank") if f.rank is None else (f"rank {f.rank}", f"rank {f.rank}")
+    lines = [f"  first difference from one process: step {f.step + 1}, {WHAT[f.kind]}, {who}: {f.what} — "
              f"off by {f.diff:.2e}: {f.why}",
-             f"  made by: {f.made_by} (the last collective {f.window_text} on rank {f.rank})" if f.made_by else
-             f"  made by: no collective ran {f.window_text} on rank {f.rank}"]
+             f"  made by: {f.made_by} (the last collective {f.window_text} on {on})" if f.made_by else
+             f"  made by: no collective ran {f.window_text} on {on}"]
     earlier = (f"steps {start + 1}-{f.step}" if f.step > start + 1 else f"step {start + 1}") if f.step > start else ""
     here = ", ".join(WHAT[k] for k in KINDS[:KINDS.index(f.kind)])
     if earlier or here:
