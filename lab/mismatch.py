@@ -101,6 +101,11 @@ class CollectiveLog(CommCounter):
             (i for i in window if self.notes[i][4] is not None and self.notes[i][4].is_floating_point), None)
 
 
+def _host(t) -> torch.Tensor:
+    """A recorded copy: float64, in host memory (every rank's pieces travel to rank 0 and meet the reference there)."""
+    return t.detach().to("cpu", torch.float64, copy=True)
+
+
 def _storage(t) -> int:
     return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.untyped_storage().size() else 0
 
@@ -260,7 +265,7 @@ class Recorder:
             pos = self.positions.tensor_split(self.tp)[self.tr]
         full, narrow = self.t.places.get(f"{name}.weight", (None, None)) if name == "output" else (None, None)
         last = (narrow[1], narrow[2]) if narrow is not None and narrow[0] == 0 else None
-        self.pieces.append(Piece("output", name, out.detach().double().cpu().clone(), self.rank, (rows, pos, last), mb,
+        self.pieces.append(Piece("output", name, _host(out), self.rank, (rows, pos, last), mb,
                                  window=(start, len(self.log.events)), storages={_storage(out)},
                                  window_text=f"in {name}'s forward (micro-batch {mb})"))
 
@@ -272,7 +277,7 @@ class Recorder:
             if name in self.used or name not in self.t.places:
                 continue
             self.used.add(name)
-            self.pieces.append(Piece("in use", name, p.detach().double().cpu().clone(), self.rank, self.t.where(name),
+            self.pieces.append(Piece("in use", name, _host(p), self.rank, self.t.where(name),
                                      window=(0, len(self.log.events)), storages={_storage(p)},
                                      window_text="before the forward used it, in this step"))
 
@@ -298,7 +303,7 @@ class Recorder:
             if name in self.local:
                 continue
             g = x.grad if grads else x
-            self.local[name] = (None if g is None else g.detach().double().cpu().clone(), len(self.log.events),
+            self.local[name] = (None if g is None else _host(g), len(self.log.events),
                                 {_storage(g)} if g is not None else set())
 
     def _sync(self):
@@ -309,7 +314,7 @@ class Recorder:
                 continue
             local = set().union(*[self.local.get(n, (None, 0, set()))[2] for n in u.names])
             start = min([self.local[n][1] for n in u.names if n in self.local], default=0)
-            self.pieces.append(Piece("sync", u.names[0], g.detach().double().cpu().clone(), self.rank, k,
+            self.pieces.append(Piece("sync", u.names[0], _host(g), self.rank, k,
                                      window=(start, self.sync_at), storages={_storage(g)} | local,
                                      window_text="in the sync of its unit"))
 
@@ -332,7 +337,7 @@ class Recorder:
                                      window_text=where, none=g is None))
         sync_at = end if self.sync_at is None else self.sync_at
         for k, u in enumerate(self.t.opt.units):
-            self.pieces.append(Piece("step", u.names[0], u.master.detach().double().cpu().clone(), self.rank, k,
+            self.pieces.append(Piece("step", u.names[0], _host(u.master), self.rank, k,
                                      window=(sync_at, end), storages={_storage(u.master)},
                                      window_text="in the optimizer step"))
         if self.t.grad_norm is not None:
@@ -375,19 +380,19 @@ class Reference:
 
     def _output(self, name, out):
         if self.recording:
-            full = self.outputs.setdefault(name, out.new_zeros((self.B,) + tuple(out.shape[1:]), dtype=torch.float64))
-            full[self.rows] = out.detach().double()
+            full = self.outputs.setdefault(name, torch.zeros((self.B,) + tuple(out.shape[1:]), dtype=torch.float64))
+            full[self.rows.cpu()] = _host(out)
 
     def step(self, s: int, record: bool = True) -> dict:
         model = self.one.model
         self.recording, self.outputs, self.B = record, {}, self.batches[s][0].shape[0]
         named = lambda: dict(model.named_parameters(remove_duplicate=False))  # noqa: E731
-        before = {n: p.detach().double().clone() for n, p in named().items()} if record else None
+        before = {n: _host(p) for n, p in named().items()} if record else None
         grads = {}
 
         def after_backward(m):
             if record:
-                grads.update({n: None if p.grad is None else p.grad.detach().double().clone()
+                grads.update({n: None if p.grad is None else _host(p.grad)
                               for n, p in named().items()})
         loss = self.one.step(self.batches[s], after_backward)
         self.recording = False
@@ -395,7 +400,7 @@ class Reference:
             return {}
         return dict(before=before, outputs=self.outputs, loss=loss, grads=grads,
                     norm=self.one.norms[-1] if self.one.norms else None,
-                    after={n: p.detach().double().clone() for n, p in named().items()})
+                    after={n: _host(p) for n, p in named().items()})
 
 
 # ---- comparing one step --------------------------------------------------------------------------------------
