@@ -780,8 +780,11 @@ def first_difference(args, device, last: int, reference_run) -> tuple[list[str],
     place recorded and compared with one process (reference_run: see Reference). Returns the report's lines and
     whether it found a bug (False: the difference is float32's or bf16's rounding), the same on every rank."""
     tokens = load_corpus(args.data, tokenizer=checkpoint.tokenizer_of(args.init_from))
-    exact = args.dtype == "float64"
-    run64 = args if exact else argparse.Namespace(**dict(vars(args), dtype="float64"))
+    # float64, and without float8: float8 quantizes every matmul by design, which no one-process run does, so only
+    # the layout itself is held exact; the float8 run is then judged as float32's and bf16's are (AdamW's reach)
+    exact = args.dtype == "float64" and not args.float8
+    run64 = args if exact else argparse.Namespace(**dict(vars(args), dtype="float64", float8=False))
+    kind = args.dtype + (" float8" if args.float8 else "")
     found, start, compared = _replayed(run64, device, tokens, last, run64, reference_run, TOL)
     steps = f"step {start + 1}" if last == start + 1 else f"steps {start + 1}-{last}"
     seen = ", ".join(f"{compared.get(k, 0)} {k}" for k in KINDS) + " pieces compared"
@@ -789,24 +792,29 @@ def first_difference(args, device, last: int, reference_run) -> tuple[list[str],
         return _say(found, start) + [
             f"  verdict: a bug — in float64 a correct layout equals one process to rounding, within {TOL:g} of the "
             f"values' scale (measured ~1e-15); this is off by {found.diff:.2e}" + ("" if exact else
-            f" (found in this layout replayed in float64: a {args.dtype} run itself cannot be held that tight)")], True
+            f" (found in this layout replayed in float64{' without float8' if args.float8 else ''}: a {kind} run "
+            f"itself cannot be held that tight)")], True
     if exact:
         return [f"  no place of {steps} differs from one process by more than {TOL:g} when the run is replayed "
                 f"({seen}): the run itself is not deterministic (a race, an uninitialised buffer), or what differs "
                 f"is outside the places compared"], True
     # float32, bf16: the layout is exact; are the run's own parameters within what rounding can reach?
     reach = adamw_reach(args.lr, last)   # (lr_at never exceeds --lr: the bound holds for the schedule too)
-    found, start, _ = _replayed(args, device, tokens, last, argparse.Namespace(**dict(vars(args), dtype="float32")),
-                                reference_run, TOL, bound=reach)
+    # (the reference holds its parameters as the run stores them, train.store_dtype: fp32 for a bf16 run, float64
+    #  for a float64 one with float8)
+    found, start, _ = _replayed(args, device, tokens, last, args, reference_run, TOL, bound=reach)
     if found is not None:
         return _say(found, start) + [
-            f"  verdict: a bug that only {args.dtype} shows — in float64 this layout equals one process at every "
-            f"place of {steps}, but in {args.dtype} this parameter is off by {found.diff:.2e}, beyond AdamW's reach "
+            f"  verdict: a bug that only {kind} shows — in float64 this layout equals one process at every "
+            f"place of {steps}, but in {kind} this parameter is off by {found.diff:.2e}, beyond AdamW's reach "
             f"2·lr·Σc_t = {reach:.2e} (lab/baseline.adamw_reach), which no rounding exceeds"], True
-    return [f"  verdict: rounding, not a bug — replayed in float64 this layout equals one process at every place of "
-            f"{steps} (within {TOL:g}; {seen}), and in {args.dtype} every parameter stays within AdamW's reach "
-            f"2·lr·Σc_t = {reach:.2e} of one process's (lab/baseline.adamw_reach): {args.dtype}'s rounding, summed "
-            f"in another order by another layout"], False
+    why = (f"{args.dtype}'s rounding, summed in another order by another layout" if not args.float8 else
+           f"float8's quantization of every matmul, which the one-process run does not make, and {args.dtype}'s "
+           f"rounding")
+    return [f"  verdict: rounding, not a bug — replayed in float64{' without float8' if args.float8 else ''} this "
+            f"layout equals one process at every place of {steps} (within {TOL:g}; {seen}), and in {kind} every "
+            f"parameter stays within AdamW's reach 2·lr·Σc_t = {reach:.2e} of one process's "
+            f"(lab/baseline.adamw_reach): {why}"], False
 
 
 def _say(f: Finding, start: int) -> list[str]:

@@ -128,7 +128,10 @@ ON_LLAMA, IN_BF16 = "tp: f's backward all-reduce dropped", "ZeRO: the reduce-sca
 DTYPES = {"float32 bug": ("tp: f's backward all-reduce dropped", "--dtype float32"),
           "bf16 bug": (IN_BF16, "--dtype bfloat16"),
           "float32 rounding": (None, "--tp 2 --dtype float32 --check-tolerance 1e-9"),
-          "bf16 rounding": (None, "--dp-shard 2 --dtype bfloat16 --check-tolerance 1e-9")}
+          "bf16 rounding": (None, "--dp-shard 2 --dtype bfloat16 --check-tolerance 1e-9"),
+          # float8 quantizes every matmul, which one process does not: its float64 run is judged as float32's is
+          "float8 bug": ("tp: f's backward all-reduce dropped", "--float8"),
+          "float8 rounding": (None, "--tp 2 --float8")}
 CORRECT = ["--dp-replicate 2", "--dp-shard 2 --zero-stage 3", "--tp 2 --sequence-parallel",
            "--pp 2 --schedule interleaved --virtual-stages 2 --layers 4", "--cp 2 --cp-method ulysses", MOE, GPT_PP,
            "--dp-shard 2 --zero-stage 1 --pad-share 0.6 --activation-checkpointing full --microbatches 2"]
@@ -214,14 +217,17 @@ def test_on_a_hugging_face_llama(runs):
 
 def test_float32_and_bf16_rounding_is_rounding_a_bug_is_a_bug(runs):
     """A correct run held to 1e-9 differs by its rounding: judged rounding (float64 replay exact, parameters within
-    AdamW's reach) and the check passes. A seeded bug in a float32 or bf16 run: located in float64, judged a bug."""
-    for name in ("float32 rounding", "bf16 rounding"):
+    AdamW's reach) and the check passes. A seeded bug in a float32 or bf16 run: located in float64, judged a bug.
+    float8 (a float64 run): its quantization judged as float32's rounding is; a bug located in float64 without it."""
+    for name in ("float32 rounding", "bf16 rounding", "float8 rounding"):
         r0 = runs[name][0]
         assert r0["check_ok"] and r0["check_report"][-1].startswith("  verdict: rounding, not a bug"), r0
-    for name in ("float32 bug", "bf16 bug"):
+    assert "float8's quantization" in runs["float8 rounding"][0]["check_report"][-1]
+    for name in ("float32 bug", "bf16 bug", "float8 bug"):
         lines = runs[name][0]["check_report"]
         assert all(f in lines[0] for f in SEEDED[DTYPES[name][0]][4]), lines
         assert lines[-1].startswith("  verdict: a bug") and "replayed in float64" in lines[-1], lines
+    assert "replayed in float64 without float8" in runs["float8 bug"][0]["check_report"][-1]
 
 
 def test_correct_layouts_report_no_difference_at_any_place(runs):
