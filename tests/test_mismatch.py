@@ -4,7 +4,8 @@ Bugs are seeded into the STRATEGIES' code — a line of ddp.py, fsdp.py, hsdp.py
 ring_attention.py or expert_parallel.py changed in a copy, run with `--lesson NAME=FILE` (lab/changed_lesson.py), as
 a learner runs an edited lesson — and each must be located by --check at the right place: the step, the place in
 it, the rank, the tensor, the pattern, and the collective that made it (or that none ran), read from the report's
-first lines. At least two per strategy (ddp, ZeRO, HSDP, tp and sp, pp, cp, ep), on the course's model, a Hugging
+first lines. At least two per strategy (ddp, ZeRO, HSDP, tp and sp, pp, cp, ep), some inside a larger mesh (4
+ranks: the piece mapped back through two dimensions at once), on the course's model, a Hugging
 Face Llama started from a directory, and GPT-2's options (a head tied across pipeline stages). Correct layouts,
 replayed with every place compared, report no difference, and every kind of place is compared (a check that
 compares nothing cannot fail). float32 and bf16: rounding is judged rounding, a bug a bug. A bad --lesson is one
@@ -100,7 +101,7 @@ SEEDED = {
     "cp: dk, dv never brought home": (
         "ring_attention", "        dk, dv = acc.wait() if acc is not None else (dk, dv)",
         "        dk, dv = (acc.wait(), (dk, dv))[1] if acc is not None else (dk, dv)",
-        "--cp 2", ["step 1, the gradients after backward, rank 0: layers.1.attn.wv.weight"],
+        "--cp 2", ["step 1, the gradients after backward, rank 0: layers.1.attn.wv.weight", "in no simple pattern"],
         ["recv over ranks [0, 1]", "in backward"]),
     "cp: rotary positions of the contiguous layout": (
         "ring_attention", "    return shard_sequence(torch.arange(seq_len), cp, rank, layout, dim=0)",
@@ -118,10 +119,27 @@ SEEDED = {
     "ep: the aux loss's gradient not scaled by D": (
         "expert_parallel", "(S_local - S_local.detach()) * (self.grad_divisor / N.item())",
         "(S_local - S_local.detach()) * (1 / N.item())",
-        MOE, ["step 1, the gradients after backward, rank 0: layers.1.mlp.router.weight"],
+        MOE, ["step 1, the gradients after backward, rank 0: layers.1.mlp.router.weight", "in no simple pattern"],
         ["all_to_all over ranks [0, 1]"]),
 }
 FOUR = {"HSDP: no all-reduce across replicas", "HSDP: divided by R once more"}
+# the same seeded lessons inside a larger mesh (4 ranks): name -> (the seeded bug, the layout, what the first line
+# says, what its "made by" line says)
+NESTED = {
+    "tp inside dp x tp": ("tp: f's backward all-reduce dropped", "--dp-shard 2 --tp 2",
+                          ["the gradients after backward, rank 0: norm.weight", "summed over ranks [0, 2] ÷ 2",
+                           "only summed over the tp ranks too"], ["no collective ran in the backward of output"]),
+    "ZeRO-3 inside dp x tp": ("ZeRO-3: the gathered shard off by one", "--dp-shard 2 --zero-stage 3 --tp 2",
+                              ["the parameters as the forward uses them, rank 0: tok_embeddings.weight [256, 32], "
+                               "its [0:128] along dim 0", "rolled by +1 element(s)"],
+                              ["all_gather over ranks [0, 2]", "in unshard"]),
+    "sp inside pp x tp": ("sp: the norms' partial gradients not marked", "--pp 2 --tp 2 --sequence-parallel",
+                          ["the gradients after backward, rank 2: norm.weight", "over the tp ranks too (ranks [2, 3])"],
+                          ["reduce_scatter over ranks [2, 3]", "in _reduce_scatter_seq"]),
+    "cp's rotary inside dp x cp": ("cp: rotary positions of the contiguous layout", "--dp-shard 2 --cp 2",
+                                   ["every module's output in forward, rank 0: layers.0.attn's output",
+                                    "rows 0-3 of the global batch", "zigzag chunks [3] of 4"], ["recv over ranks [0, 1]"]),
+}
 # seeded on the Hugging Face Llama; seeded in a bf16 run only (its float64 replay locates it all the same)
 ON_LLAMA, IN_BF16 = "tp: f's backward all-reduce dropped", "ZeRO: the reduce-scatter's ÷P dropped"
 # the same bugs in float32 and bf16 runs, and correct ones held to a tolerance below their rounding
@@ -175,7 +193,7 @@ def _replays(layouts, common):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every run of this module: seeded bugs and dtype cases on 2 ranks (one spawned group), HSDP's on 4, and the
-    correct layouts replayed. name -> (the layout's result on rank 0, on rank 1)."""
+    correct layouts replayed. name -> (the layout's result on rank 0, on rank 1, ...)."""
     tmp = str(tmp_path_factory.mktemp("seeded"))
     llama = _llama(tmp)
 
@@ -186,10 +204,11 @@ def runs(tmp_path_factory):
     two |= {ON_LLAMA: layout(ON_LLAMA, f"--init-from {llama}"), "Llama, correct": f"--tp 2 --init-from {llama}"}
     two |= {name: (layout(bug) if bug else ONE_STEP) + " " + flags for name, (bug, flags) in DTYPES.items()}
     four = {name: layout(name) for name in FOUR}
+    four |= {name: f"{flags} {_seed(tmp, bug)} {ONE_STEP}" for name, (bug, flags, *_) in NESTED.items()}
     out = {}
     for world, cases in ((2, two), (4, four)):
         res = run_ranks(run_layouts, world, [f.split() for f in cases.values()], COMMON, timeout=900)
-        out.update({name: (res[0][i], res[1][i]) for i, name in enumerate(cases)})
+        out.update({name: tuple(r[i] for r in res) for i, name in enumerate(cases)})
     out[IN_BF16] = out["bf16 bug"]
     out["replayed"] = run_ranks(_replays, 2, [f.split() for f in CORRECT], [c for c in COMMON if c != "--check"],
                                 timeout=600)
@@ -201,11 +220,22 @@ def test_a_seeded_bug_is_located(runs, name):
     """Its first line names the step, the place, the rank, the tensor and the pattern; the next the collective that
     made it (or that none ran); the verdict is a bug; every rank holds the same report and fails the check."""
     first, made = SEEDED[name][4:]
-    r0, r1 = runs[name]
-    lines = r0["check_report"]
-    assert not r0["check_ok"] and not r1["check_ok"] and lines == r1["check_report"], lines
+    lines = runs[name][0]["check_report"]
+    assert all(not r["check_ok"] and r["check_report"] == lines for r in runs[name]), lines
     assert lines[0].startswith("  first difference from one process: ") and all(f in lines[0] for f in first), lines
     assert lines[1].startswith("  made by: ") and all(f in lines[1] for f in made), lines
+    assert lines[-1].startswith("  verdict: a bug"), lines
+
+
+@pytest.mark.parametrize("name", sorted(NESTED))
+def test_a_seeded_bug_is_located_inside_a_larger_mesh(runs, name):
+    """The piece mapped back through two dimensions at once (the dp rows and the tp slice, a stage and its tp
+    ranks, the dp rows and the zigzag chunks); every rank holds the same report."""
+    first, made = NESTED[name][2:]
+    reports = [r["check_report"] for r in runs[name]]
+    lines = reports[0]
+    assert all(not r["check_ok"] for r in runs[name]) and all(r == lines for r in reports), lines
+    assert all(f in lines[0] for f in first) and all(f in lines[1] for f in made), lines
     assert lines[-1].startswith("  verdict: a bug"), lines
 
 
