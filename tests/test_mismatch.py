@@ -76,6 +76,10 @@ SEEDED = {
         "--tp 2", ["step 1, the gradients after backward, rank 0: norm.weight",
                    "add up to the expected only summed over the tp ranks too (ranks [0, 1])"],
         ["no collective ran in the backward of output and norm"]),
+    "tp: g's backward all-reduces too": (
+        "tensor_parallel", "G_TP = (_all_reduce,         _identity)", "G_TP = (_all_reduce,         _all_reduce)",
+        "--tp 2", ["step 1, the gradients after backward, rank 0: layers.1.mlp.w2.weight [32, 64], its [0:32] along "
+                   "dim 1", "2× the expected (2 = tp)"], ["all_reduce over ranks [0, 1]", "in _all_reduce"]),
     "tp: the loss's partition sum not all-reduced": (
         "tensor_parallel", "            dist.all_reduce(sum_exp, group=group)                             "
                            "# 3: the partition sum\n", "",
