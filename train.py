@@ -71,7 +71,8 @@ one step, checkpoints), `train` (the loop), the steps' functions, then `parse_ar
 (every invalid layout named from the arguments alone, by the lessons' own checks, before any collective).
 What measures it — time, bytes, memory per step, the per-step lines, --check and --compare — attaches from outside
 (lab/train_demo.py, which `python train.py` and `torchrun ... train.py` run):
-    --check    afterwards rank 0 trains the model in ONE process (lab.baseline.single_process) and compares
+    --check    afterwards rank 0 trains the model in ONE process (lab.baseline.single_process) and compares; where
+               they differ, lab/mismatch.py says at which step and place, on which rank, in what pattern
     --compare  afterwards the same layout under PyTorch's FSDP2 + DTensor TP, losses and step times
 """
 from __future__ import annotations
@@ -511,7 +512,14 @@ def parse_args(argv=None):
                          "only")
     out = p.add_argument_group("what the run reports (lab/train_demo.py) and plans (lab/plan.py)")
     out.add_argument("--check", action="store_true",
-                     help="afterwards, train the same model in ONE process on rank 0 and compare the losses")
+                     help="afterwards, train the same model in ONE process on rank 0 and compare the losses (and "
+                          "gradient norms); if they differ, replay the run to say where it first differs")
+    out.add_argument("--check-tolerance", type=float, default=None,
+                     help="with --check: the largest loss difference (and relative norm difference) taken as equal "
+                          "(default: the dtype's, lab/baseline.py's LOSS_TOL)")
+    out.add_argument("--lesson", action="append", default=[], metavar="NAME=FILE",
+                     help="run with FILE (e.g. yours/tensor_parallel.py, or an edited copy) in place of the lesson "
+                          "NAME (lab/changed_lesson.py); repeatable")
     out.add_argument("--compare", action="store_true",
                      help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
     out.add_argument("--log-file", default=None, help="append one JSON object per step")
@@ -524,8 +532,8 @@ def parse_args(argv=None):
                           "training, no memory, no processes — the sizes multiply to the world it plans for")
     out.add_argument("--device-memory", default=None, help="with --plan: say whether it fits, e.g. 80GB or 24GiB")
     out.add_argument("--device", default=None,
-                     help="with --plan: predict the step time, tokens/s and MFU on this device (lab/plan_time.py's "
-                          "DEVICES: h100, h200, a100, cpu-gloo)")
+                     help="with --plan: predict the step time, tokens/s and MFU on this device (lab/devices.py's "
+                          "DEVICES: h100, h100-gt, h200, a100, a100-jz, cpu-gloo)")
     out.add_argument("--search", action="store_true",
                      help="with --plan and --device: every layout for --gpus ranks, those that do not fit dropped "
                           "with why, the rest ranked by predicted step time (the model and batch flags as given)")

@@ -10,6 +10,8 @@ rest of the package imports whatever it measures; the tests and notebooks import
     instruments.py    CommCounter (collectives and their bytes), memory, time, profiler spans
     launch.py         N gloo ranks from Python (tests, notebooks), and a torchrun entry point's clean end
     baseline.py       single_process: the one-process run every strategy must equal; snapshot, max_diff
+    mismatch.py       train.py --check: where a run first differs from one process (place, rank, pattern, collective)
+    changed_lesson.py train.py --lesson NAME=FILE: an edited copy of a lesson run in place of the course's
     report.py         print0, print_by_rank, all_agree, bytes_table: what demos print and agree on
     hf.py             the course's model <-> Hugging Face Llama / Mixtral: configs and state dicts, both ways
     references.py     PyTorch's own implementation of each lesson that has one (DDP, FSDP2, DTensor TP,

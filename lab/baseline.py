@@ -2,9 +2,10 @@
 global batches, and how a parallel run is compared with it.
 
     single_process(model, batches, ...)   the one single-process training loop (losses, parameters,
-                                          gradients, gradient norms)
+                                          gradients, gradient norms); OneProcess: the same, a step at a time
     snapshot(module), max_diff(a, b)      parameters (or gradients) by name, and their largest difference
     TOL64, adamw_reach(lr, steps)         what "equal" can mean after AdamW steps: in float64, and in fp32/bf16
+    LOSS_TOL                              what train.py --check holds a run's losses to, by dtype
 """
 from __future__ import annotations
 
@@ -20,47 +21,71 @@ def _default_loss(model, batch):
     return model(x, y)
 
 
-def single_process(model: nn.Module, batches, *, lr: float = 1e-3, optimizer=torch.optim.AdamW,
-                   lr_at=None, clip: float | None = None, loss_fn=_default_loss, compute_dtype=None,
-                   keep_grads: bool = False, copy_model: bool = True, **optimizer_kwargs) -> dict:
-    """Train `model` in ONE process on whole global batches, one optimizer step per batch.
+class OneProcess:
+    """THE single-process training loop, one step at a time: `model` trained in ONE process on whole global
+    batches, one optimizer step per batch (single_process runs it over a list; train.py's --check also looks
+    inside each step: lab/mismatch.py).
 
-    batches     [(inputs, targets)] global batches (or whatever `loss_fn(model, batch)` takes)
     lr_at       step (1-based) -> learning rate, set before each step (None: `lr` throughout)
-    clip        clip the gradient norm with torch's own clip_grad_norm_ (its norms are returned)
+    clip        clip the gradient norm with torch's own clip_grad_norm_ (its norms are kept in `norms`)
     compute_dtype  run forward/backward on a copy in this dtype (bf16 mixed precision) and step the
                 fp32 parameters with its gradients cast to fp32 — the casts a sharded bf16 run makes
-    keep_grads  also return every step's gradients by name
-
-    Returns dict(losses, norms, grads, model): the trained model (a deep copy unless copy_model=False).
+    keep_grads  also keep every step's gradients by name (in `grads`)
     """
-    model = copy.deepcopy(model) if copy_model else model
-    master = [p for p in model.parameters() if p.requires_grad]
-    compute = copy.deepcopy(model).to(compute_dtype) if compute_dtype is not None else model
-    opt = optimizer(master, lr=lr, **optimizer_kwargs)
-    out = dict(losses=[], norms=[], grads=[], model=model)
-    for step, batch in enumerate(batches, start=1):
-        if lr_at is not None:
+
+    def __init__(self, model: nn.Module, *, lr: float = 1e-3, optimizer=torch.optim.AdamW, lr_at=None,
+                 clip: float | None = None, loss_fn=_default_loss, compute_dtype=None, keep_grads: bool = False,
+                 copy_model: bool = True, **optimizer_kwargs):
+        self.model = copy.deepcopy(model) if copy_model else model
+        self.master = [p for p in self.model.parameters() if p.requires_grad]
+        self.compute = copy.deepcopy(self.model).to(compute_dtype) if compute_dtype is not None else self.model
+        self.opt = optimizer(self.master, lr=lr, **optimizer_kwargs)
+        self.lr_at, self.clip, self.loss_fn, self.keep_grads = lr_at, clip, loss_fn, keep_grads
+        self.losses, self.norms, self.grads, self.steps = [], [], [], 0
+
+    def step(self, batch, after_backward=None) -> float:
+        """One optimizer step on `batch`; after_backward(model), if given, sees the gradients before clipping
+        and the optimizer. Returns the loss."""
+        model, compute, opt = self.model, self.compute, self.opt
+        self.steps += 1
+        if self.lr_at is not None:
             for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-        loss = loss_fn(compute, batch)
+                g["lr"] = self.lr_at(self.steps)
+        loss = self.loss_fn(compute, batch)
         loss.backward()
         if compute is not model:  # bf16 gradients -> the fp32 parameters they belong to
             for p, c in zip(model.parameters(), compute.parameters()):
                 if p.requires_grad:
                     p.grad, c.grad = None if c.grad is None else c.grad.to(p.dtype), None
-        if clip is not None:
-            out["norms"].append(torch.nn.utils.clip_grad_norm_(master, clip).item())
-        if keep_grads:
-            out["grads"].append(snapshot(model, grads=True))
+        if after_backward is not None:
+            after_backward(model)
+        if self.clip is not None:
+            self.norms.append(torch.nn.utils.clip_grad_norm_(self.master, self.clip).item())
+        if self.keep_grads:
+            self.grads.append(snapshot(model, grads=True))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if compute is not model:
             with torch.no_grad():
                 for p, c in zip(model.parameters(), compute.parameters()):
                     c.copy_(p)
-        out["losses"].append(loss.item())
-    return out
+        self.losses.append(loss.item())
+        return self.losses[-1]
+
+
+def single_process(model: nn.Module, batches, *, lr: float = 1e-3, optimizer=torch.optim.AdamW,
+                   lr_at=None, clip: float | None = None, loss_fn=_default_loss, compute_dtype=None,
+                   keep_grads: bool = False, copy_model: bool = True, **optimizer_kwargs) -> dict:
+    """Train `model` in ONE process on whole global batches [(inputs, targets)] (or whatever `loss_fn(model,
+    batch)` takes), one optimizer step per batch: OneProcess over the list (its arguments are OneProcess's).
+
+    Returns dict(losses, norms, grads, model): the trained model (a deep copy unless copy_model=False).
+    """
+    run = OneProcess(model, lr=lr, optimizer=optimizer, lr_at=lr_at, clip=clip, loss_fn=loss_fn,
+                     compute_dtype=compute_dtype, keep_grads=keep_grads, copy_model=copy_model, **optimizer_kwargs)
+    for batch in batches:
+        run.step(batch)
+    return dict(losses=run.losses, norms=run.norms, grads=run.grads, model=run.model)
 
 
 def snapshot(module: nn.Module, grads: bool = False) -> dict:
@@ -92,6 +117,13 @@ def max_diff(a, b) -> float:
 # step does.
 
 TOL64 = 1e-9
+
+# What train.py --check holds a run's LOSSES (and gradient norms, relatively) to, by dtype. Losses, not parameters:
+# AdamW turns fp32 rounding on a gradient that is ~0 into whole steps, CPU by CPU (above), but on exactly the elements
+# the loss does not feel. float64: rounding; float32: a few units in the last place of the loss (measured 1e-6 on
+# default, AVX2 and AVX-512 kernels); bf16 compute against fp32: bf16's rounding of the activations, 2^-8 relative
+# each (measured ~1.4e-3).
+LOSS_TOL = {"float64": TOL64, "float32": 1e-4, "bfloat16": 5e-2}
 
 
 def adamw_reach(lr: float, steps: int, betas=(0.9, 0.999)) -> float:

@@ -41,9 +41,11 @@ MECHANISMS = [
     ("fused attention", "attention=code|fused|unfused",
      "attention: ring attention's blocks as one flash kernel per ring step (no fp32 score blocks in memory: "
      "their bytes and operations leave 'memory' and 'launch'), Ulysses' already are; unfused prices every score "
-     "in memory (UNFUSED_SCORE_BYTES) and every product at the matmul rate",
-     "Dao 2023 (arXiv:2307.08691); torch.distributed.tensor.experimental.context_parallel; Narayanan et al. 2021",
-     "code", "code", "torchtitan: fused; megatron2021: unfused; megatron: fused"),
+     "in memory (UNFUSED_SCORE_BYTES; ALiBi's bias, QKᵀ's input in Megatron-DeepSpeed: ALIBI_SCORE_BYTES) and every "
+     "product of the scores at the matmul rate (none skipped: a causal triangle or a mask computed whole)",
+     "Dao 2023 (arXiv:2307.08691); torch.distributed.tensor.experimental.context_parallel; Narayanan et al. 2021; "
+     "BigScience's Megatron-DeepSpeed (megatron/model/transformer.py)",
+     "code", "code", "torchtitan: fused; megatron2021, deepspeed: unfused; megatron: fused"),
     ("compile", "--compile, or compile=0|1",
      "memory, launch: each run of memory-bound operations between two matmuls (or attention, or a collective) "
      "in a block is one kernel that reads what enters it and writes what leaves it (the probe counts both)",
@@ -169,6 +171,11 @@ TORCH_CP_STEP_BYTES = {"f": 46, "b": 54}
 # and writes (5), softmax's reads the probabilities and the gradient and writes (6), dS·K and dSᵀ·Q read it (4),
 # Pᵀ·dO reads the kept probabilities (2)
 UNFUSED_SCORE_BYTES = dict(f=13, b=19)
+# ALiBi in Megatron-DeepSpeed's unfused attention (bigscience-workshop/Megatron-DeepSpeed, megatron/model/
+# transformer.py, ParallelAttention.forward: torch.baddbmm(alibi, q, kᵀ, beta=1.0)): the bias, [b·heads, 1, S], is
+# QKᵀ's input, broadcast-copied into the scores' buffer (2 written) and read by the matmul's accumulation (2), in the
+# forward (and checkpointing's rerun of it); it has no gradient
+ALIBI_SCORE_BYTES = dict(f=4, b=0)
 
 # DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, update_hp_grads, under the pipeline engine after
 # every micro-batch's backward): per parameter, the bf16 gradient read and cast to a temporary fp32 tensor (2 read,

@@ -12,9 +12,10 @@ off what that rank holds, by category:
     optimizer    AdamW's two moments, 2·b_m per element of its pieces, and a 4-byte step per piece
     activations  step_activations below: one micro-batch's forward and backward run on the meta device
                  through the real model, what autograd keeps for the backward counted, × the micro-batches the
-                 rank holds at once (pipeline.held_formula); beside it the formula: activation_formula
-                 (measured to the byte per block) × layers × tokens, plus each layer's input and the head's
-                 logits (b·H and 2·4·V/t per token) — dense models
+                 rank holds at once (pipeline.held_formula), and once the tensors every micro-batch shares
+                 (ALiBi's bias: alibi_formula); beside it the formula: activation_formula (measured to the byte
+                 per block) × layers × tokens, plus each layer's input and the head's logits (b·H and 2·4·V/t
+                 per token) — dense models
     buffers      the reduce's packed gradient of the largest unit, b_m·N; under stage 3 the peak of a unit's
                  backward: it gathered and its local gradients (2·b_p·N), the unit before it prefetched
                  (b_p·N_prev) and its packed gradient (b_m·N), plus a root unit kept gathered (_buffers); at
@@ -112,6 +113,14 @@ def first_formula(cfg, b: int, tp: int = 1, sp: bool = False) -> float:
     return (w * cfg.dim + 2 * w + b * cfg.dim) / t_norm if cfg.embed_norm else 0.0
 
 
+def alibi_formula(cfg, b: int, tp: int = 1, seq: int = 0) -> float:
+    """Bytes a rank keeps ONCE, beside the per-token ones: ALiBi's bias, [1, a/t, S, S] in the compute dtype, which
+    lab.model.alibi_bias makes once and keeps (every layer's attention, every micro-batch, checkpointing's rerun use,
+    and save for their backward, that one tensor — BLOOM's 112 heads at S = 2,048 on one rank: 0.94 GB); else
+    nothing."""
+    return b * (cfg.n_heads // tp) * seq * seq if cfg.positions == "alibi" else 0
+
+
 @contextmanager
 def _fused_attention_on_meta():
     """On the meta device SDPA would take its math fallback, which keeps the S×S scores; a real run takes a
@@ -148,7 +157,8 @@ def step_activations(trainer, args, mesh) -> int:
     model, opt = trainer.model, trainer.opt
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype   # (the compute copy's)
     b, S = args.global_batch_size // (mesh.size("dp") * args.microbatches), args.seq_len // mesh.size("cp")
-    keep = [*model.parameters(), *(t for u in opt.units for t in (u.buf, u.shard, u.master))]
+    keep = [*model.parameters(), *(t for u in opt.units for t in (u.buf, u.shard, u.master)),
+            *shared_tensors(trainer, mesh, S, device, dtype)]   # (held once, not per micro-batch: _read adds it)
     x, kept, outs = torch.zeros(b, S, dtype=torch.long, device=device), 0, []
     with opt.accumulating(), _fused_attention_on_meta() if device.type == "meta" else nullcontext():
         for chunk in range(getattr(model, "v", 1)):
@@ -168,6 +178,19 @@ def step_activations(trainer, args, mesh) -> int:
             out.backward(grad)
     opt.zero_grad(set_to_none=True)
     return kept
+
+
+def shared_tensors(trainer, mesh, S: int, device, dtype) -> list:
+    """The tensors every micro-batch's backward saves that the rank holds once, whatever it holds of micro-batches:
+    ALiBi's bias (lab.model.alibi_bias's one tensor for this rank's heads at S tokens, made on first use and kept)."""
+    from lab.model import ALiBi, alibi_bias
+    heads = trainer.cfg.n_heads // mesh.size("tp")
+    return [alibi_bias(m.n_heads, m.first, heads, S, S, device, dtype)
+            for m in trainer.model.modules() if isinstance(m, ALiBi)]
+
+
+def _distinct_bytes(tensors) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def _bytes_of(dtype) -> int:
@@ -215,8 +238,11 @@ def _read(args, trainer, mesh, measured=None) -> dict:
         per_token += rest_formula(cfg, b_c, t, sp)   # the final norm, the head's input, the loss
     if trainer.pipe is None or trainer.pipe.r == 0:
         per_token += first_formula(cfg, b_c, t, sp)  # the embedding's norm (BLOOM)
-    formula_activations = None if cfg.n_experts else per_token * tokens * held
-    activations = formula_activations if measured is None else measured * held
+    S = args.seq_len // mesh.size("cp")
+    device, dtype = next(trainer.model.parameters()).device, next(trainer.model.parameters()).dtype
+    shared = _distinct_bytes(shared_tensors(trainer, mesh, S, device, dtype))   # ALiBi's bias: once
+    formula_activations = None if cfg.n_experts else per_token * tokens * held + alibi_formula(cfg, b_c, t, S)
+    activations = formula_activations if measured is None else measured * held + shared
     buffers = _buffers(opt.units, z, b_p, keep_gathered=trainer.pipe is not None)
     if z == 0 and mesh.size("dp_cp") > 1 and args.dtype == "bfloat16":  # ddp.BucketedDDP's fp32 buckets
         buffers += 4 * sum(sum(u.numels) for u in opt.units)
@@ -230,7 +256,7 @@ def _read(args, trainer, mesh, measured=None) -> dict:
                                  2 * (4 if master_b else b_p)) if dense else {}
     return dict(rank=dist.get_rank(), coords=dict(mesh.coords), state=state, host=host, activations=activations,
                 building=_building(args, trainer, mesh, state),
-                activations_measured=measured, activations_formula=formula_activations,
+                activations_measured=measured, activations_formula=formula_activations, activations_shared=shared,
                 buffers=buffers, total=total, formula=formula, psi=psi, group=P, per_step=_per_step(args, trainer, mesh),
                 layers=layers, tokens=tokens, held=held)
 
@@ -384,7 +410,8 @@ def _restaged(args, p: dict, s: int, rank: int) -> dict:
     """Stage s's plan from the plan `p` of a stage of its kind: the same model state, buffers, per-micro-batch
     activations and bytes per step; its own rank, place on the mesh, and micro-batches held at once."""
     held = held_formula(args.schedule, args.pp, args.microbatches, s, args.virtual_stages) / args.virtual_stages
-    scale = lambda x: None if x is None else x * held / p["held"]   # noqa: E731 (activations: x held)
+    shared = p["activations_shared"]     # (held once, whatever the micro-batches)
+    scale = lambda x: None if x is None else (x - shared) * held / p["held"] + shared   # noqa: E731 (x held)
     activations = scale(p["activations"])
     total = p["total"] - (p["activations"] or 0) + (activations or 0)
     return dict(p, rank=rank, coords=dict(p["coords"], pp=s), held=held, activations=activations,
@@ -421,7 +448,9 @@ def print_plan(args, plans: list[dict]) -> None:
             print(f"  {k:14s} {p['state'][k] / gb:17.3f} {f.get(k, 0) / gb:13.3f}{where}")
         act = "not modelled (experts)" if p["activations"] is None else f"{p['activations'] / gb:.3f}"
         formula = "" if p["activations_formula"] is None else f"{p['activations_formula'] / gb:13.3f}"
-        how = "   (one micro-batch run on meta, x the micro-batches held)" if p["activations_measured"] is not None else ""
+        how = "   (one micro-batch run on meta, x the micro-batches held" + (
+            f", + ALiBi's bias once: {p['activations_shared'] / gb:.3f})" if p["activations_shared"] else ")") \
+            if p["activations_measured"] is not None else ""
         print(f"  {'activations':14s} {act:>17s} {formula}{how}\n  {'buffers':14s} {p['buffers'] / gb:17.3f}\n"
               f"  {'total':14s} {p['total'] / gb:17.3f}"
               + ("" if limit is None else f"   fits {args.device_memory}: "

@@ -61,7 +61,8 @@ import train
 from lab.devices import (ATTENTION_KERNELS, DEVICES, NCCL_BASE_LATENCY, NCCL_LL_CROSSING, NCCL_NET_LATENCY,
                          NCCL_NVLINK_LATENCY, NCCL_NVLS_EFFICIENCY, NCCL_PROTOCOLS, NCCL_RING_BANDWIDTH,
                          NCCL_RING_PLATEAU, NCCL_TREE_BANDWIDTH, NCCL_TREE_CORRECTION, Device)
-from lab.frameworks import FP32_ACCUMULATE_BYTES, FRAMEWORKS, MECHANISMS, TORCH_CP_STEP_BYTES, UNFUSED_SCORE_BYTES
+from lab.frameworks import (ALIBI_SCORE_BYTES, FP32_ACCUMULATE_BYTES, FRAMEWORKS, MECHANISMS, TORCH_CP_STEP_BYTES,
+                            UNFUSED_SCORE_BYTES)
 from lab.fsdp_demo import zero_comm_formula, zero_state_formula
 from lab.instruments import CommCounter, wire_bytes
 from lab.pipeline_demo import held_formula
@@ -497,7 +498,7 @@ def _attention_core(forward):
 def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_ulysses, checkpointing,
                layers) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from lab.plan import _fused_attention_on_meta, _shaped
+    from lab.plan import _fused_attention_on_meta, _shaped, shared_tensors
     from mesh import Mesh
     model = _probe_shape(model)
     args = train.parse_args(["--layers", str(layers), "--tp", str(tp), "--cp", str(cp),
@@ -515,6 +516,10 @@ def _probe_run(model, experts, top_k, dtype, seq_len, tp, cp, sp, cp_method, cp_
         if cp > 1 and cp_ulysses < cp:   # ring attention: what a fused kernel per block would replace
             for block in trainer.model.layers:
                 block.attn.sdpa.forward = _attention_core(block.attn.sdpa.forward)
+        # a step's work: ALiBi's bias is made on first use and kept for every later step (lab.model.alibi_bias), so
+        # it is made here, before the counting, and each run of the probe counts the same whatever ran before it
+        param = next(trainer.model.parameters())
+        shared_tensors(trainer, mesh, seq_len // cp, param.device, param.dtype)
         x = torch.zeros(1, seq_len // cp, dtype=torch.long, device="meta")
         flops, comm = {}, {}
         with trainer.opt.accumulating(), _fused_attention_on_meta(), _counting_batches() as batches:
@@ -912,7 +917,7 @@ def compute_time(args, dev: Device, assume: Assumptions, pr: dict, b: int, layer
             t, fl, nbytes, n = fused_ring_attention(args, assume, rate, b, layers, p, recompute)
             attention, flops, mem, launches = attention + t, flops + fl - core, mem + nbytes, launches + n
         if assume.attention == "unfused" and attn_flops:
-            t, fl, nbytes, n = unfused_attention(args, rate, pr, b, layers, last, p)
+            t, fl, nbytes, n = unfused_attention(args, rate, pr, b, layers, p)
             attention, flops, mem, launches = attention + t - fused, flops + fl - attn_flops, mem + nbytes, \
                 launches + n
         if float8:
@@ -993,16 +998,21 @@ def fused_ring_attention(args, assume: Assumptions, rate: dict, b: int, layers: 
     return seconds, layers * fl, nbytes, layers * 2 * cp * (2 if p == "b" else 1)
 
 
-def unfused_attention(args, rate: dict, pr: dict, b: int, layers: int, last: bool, p: str) -> tuple:
-    """attention=unfused (Megatron-LM 2021): QKᵀ, softmax, dropout and ·V as separate kernels, every product at
-    the matmul rate and every score in memory (UNFUSED_SCORE_BYTES). (seconds, FLOPs, bytes, launches) in place
-    of the fused kernel's."""
-    cfg, blk, rst, S, cp = _config(args), pr["block"], pr["rest"], args.seq_len, args.cp
-    a_f = b * (layers * blk["attn_f"] + (rst["attn_f"] if last else 0))   # flash forward: causal half
-    again = blk["attn_b"] / blk["attn_f"] > 3 if blk["attn_f"] else False   # backward recomputes it
-    full = 2 * a_f if p == "f" else (4 + (2 if again else 0)) * a_f    # every score; no recompute of QKᵀ
+def unfused_attention(args, rate: dict, pr: dict, b: int, layers: int, p: str) -> tuple:
+    """attention=unfused (Megatron-LM 2021, Megatron-DeepSpeed): QKᵀ, softmax, dropout and ·V as separate kernels,
+    every product of the S×S scores computed at the matmul rate (a causal triangle or a mask skips none: 4·S·S·d a
+    head forward, twice that backward, the forward's again where the backward reruns it) and every score in memory
+    (UNFUSED_SCORE_BYTES; under ALiBi the bias added inside QKᵀ too, ALIBI_SCORE_BYTES). (seconds, FLOPs, bytes,
+    launches) in place of the fused kernel's. The products come from the shapes, not from the probe's fused count,
+    which is the causal half for is_causal but every score for ALiBi's masked call."""
+    cfg, blk, S, cp = _config(args), pr["block"], args.seq_len, args.cp
+    again = blk["attn_b"] / blk["attn_f"] > 3 if blk["attn_f"] else False   # backward recomputes the forward
     scores = b * layers * cfg.n_heads / args.tp * (S / cp) * S
-    nbytes = scores * (UNFUSED_SCORE_BYTES[p] + (UNFUSED_SCORE_BYTES["f"] if p == "b" and again else 0))
+    forward = 4 * scores * cfg.head_dim                                  # QKᵀ and ·V
+    full = forward if p == "f" else (2 + (1 if again else 0)) * forward   # dS·K, dSᵀ·Q, dO·Vᵀ, Pᵀ·dO
+    per_score = {k: v + (ALIBI_SCORE_BYTES[k] if cfg.positions == "alibi" else 0)
+                 for k, v in UNFUSED_SCORE_BYTES.items()}
+    nbytes = scores * (per_score[p] + (per_score["f"] if p == "b" and again else 0))
     return full / rate["mm"], full, nbytes, layers * (6 if p == "f" else 9)
 
 
@@ -1444,8 +1454,10 @@ def memory_parts(args) -> dict:
     state (zero_state_formula), activations (plan.layer_formula per layer and token, plan.rest_formula for the
     last stage's norm, head and loss, × the micro-batches a pipeline rank holds), the step's transient buffers
     (one unit's packed gradient; ZeRO-3 a unit gathered twice, the next prefetched; a pipeline keeps its units
-    gathered): {state, activations, buffers, total}."""
-    from lab.plan import first_formula, layer_formula, rest_formula
+    gathered): {state, activations, buffers, total}. Activations: per token plan.first_formula on the first stage
+    (BLOOM's embedding norm), plan.layer_formula per layer, plan.rest_formula on the last; once per rank
+    plan.alibi_formula (ALiBi's bias, one tensor every layer and micro-batch shares)."""
+    from lab.plan import alibi_formula, first_formula, layer_formula, rest_formula
     cfg, z = _config(args), args.zero_stage
     b_p, bf16 = _elem(args), args.dtype == "bfloat16"
     b_m = 4 if bf16 else b_p
@@ -1475,7 +1487,7 @@ def memory_parts(args) -> dict:
             (b_p * psi + b_m * unit if args.pp > 1 else 3 * b_p * unit + b_m * unit)
         if z == 0 and bf16 and args.dp_replicate * args.dp_shard * args.cp > 1:
             buffers += 4 * psi
-        act = per_token * tokens * held
+        act = per_token * tokens * held + alibi_formula(cfg, b_p, args.tp, args.seq_len // args.cp)
         if state + act + buffers > worst["total"]:
             worst = dict(state=state, activations=act, buffers=buffers, total=state + act + buffers)
     return worst

@@ -26,9 +26,10 @@ import torch.distributed as dist
 
 import fsdp
 import train
-from lab import checkpoint, plan, references
+from lab import checkpoint, mismatch, plan, references
+from lab.changed_lesson import lessons_in_place
 from lab.plan import activation_formula
-from lab.baseline import single_process
+from lab.baseline import LOSS_TOL, OneProcess
 from lab.data import IGNORE, get_batch, load_corpus
 from lab.fsdp_demo import held_bytes, offload_formula
 from lab.instruments import (CommCounter, ProfileSpans, memory_tracker, overlap_fraction, peak_memory_bytes, sync,
@@ -202,21 +203,40 @@ def measured_train(args, device=None, verbose: bool = True, meter=None) -> dict:
               + f" ({state['total'] / n:.2f} bytes per parameter of the model)", flush=True)
         print_checkpoint_io(io, args, out)
     if args.check:
-        ok = True
-        if dist.get_rank() == 0:
-            last = args.stop_at or args.steps
-            want = reference_losses(args, range(out["start"], last), device)
-            err = max(abs(a - b) for a, b in zip(out["losses"], want))
-            # Losses, not parameters: AdamW turns fp32 rounding on a gradient that is ~0 into whole steps, CPU by CPU
-            # (lab/baseline.py), but on exactly the elements the loss does not feel. float64: rounding; float32: a few
-            # units in the last place of the loss (measured 1e-6 on default, AVX2 and AVX-512 kernels); bf16 compute
-            # against fp32: bf16's rounding of the activations, 2^-8 relative each (measured ~1.4e-3)
-            tol = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}[args.dtype]
-            ok = err < tol
-            print(f"losses vs the single-process run: max |diff| {err:.2e} (tolerance {tol}: {args.dtype} losses) -> "
-                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
-        out["check_ok"] = all_agree(ok)
+        out["check_ok"], out["check_report"] = check(args, device, out)
     return out
+
+
+def check(args, device, out) -> tuple[bool, list[str]]:
+    """--check: the run's losses (and, with clipping, its gradient norms: AdamW all but hides a gradient's scale from
+    the losses, not from the norm) against the single-process run, on rank 0; where they differ, lab.mismatch replays
+    the run to say where it first differs, and whether a float32 or bf16 difference is rounding (then the run is
+    right: ok) or a bug. Returns (ok, on every rank alike; the report's lines)."""
+    ok, last, lines = True, 0, []
+    if dist.get_rank() == 0:
+        stop = args.stop_at or args.steps
+        one = reference_losses(args, range(out["start"], stop), device, norms=True)
+        want, norms = one["losses"], one["norms"]
+        tol = args.check_tolerance if args.check_tolerance is not None else LOSS_TOL[args.dtype]
+        bad = [i for i, (a, b) in enumerate(zip(out["losses"], want)) if not abs(a - b) <= tol]
+        err = max(abs(a - b) for a, b in zip(out["losses"], want))
+        line = f"losses vs the single-process run: max |diff| {err:.2e} (tolerance {tol}: {args.dtype} losses)"
+        if norms and all(n is not None for n in out["grad_norms"]):
+            rel = [abs(a - b) / max(b, 1e-30) for a, b in zip(out["grad_norms"], norms)]
+            bad = sorted(set(bad) | {i for i, r in enumerate(rel) if not r <= tol})
+            line += f"; gradient norms: max relative diff {max(rel):.2e}"
+        ok = not bad
+        print(f"{line} -> {'ok' if ok else 'MISMATCH'}", flush=True)
+        last = out["start"] + bad[0] + 1 if bad else 0
+    ok = all_agree(ok)
+    if not ok:
+        step = [last]
+        dist.broadcast_object_list(step, src=0)
+        lines, bug = mismatch.first_difference(args, device, step[0], reference_run)
+        if dist.get_rank() == 0:
+            print("\n".join(lines), flush=True)
+        ok = not bug   # rounding, not a bug: the run is right, held to a tolerance tighter than its dtype's
+    return ok, lines
 
 
 def checkpoint_io(trainer, saves, loads, inits, exports) -> dict:
@@ -256,40 +276,59 @@ def print_checkpoint_io(io, args, out) -> None:
 
 # ---- the single-process reference ------------------------------------------------------------------------
 
-def reference_losses(args, steps: range = None, device=None) -> list[float]:
-    """model.py's model in ONE process on the whole global batch (lab.baseline.single_process): AdamW,
-    torch's own clip_grad_norm_, the same learning rate (bf16 runs are compared with fp32). With experts and
-    m > 1 micro-batches it accumulates over the same micro-batches a parallel run makes — micro-batch
-    i gathers the i-th rows of every data-parallel rank — since the aux loss is per forward."""
-    steps = steps or range(args.steps)
+def reference_run(args, device=None, on_rows=None):
+    """The single-process reference of a run: (lab.baseline.OneProcess, the global batches of its steps) — model.py's
+    model in ONE process on the whole global batch: AdamW, torch's own clip_grad_norm_, the same learning rate (bf16
+    runs are compared with fp32). With experts and m > 1 micro-batches it accumulates over the same micro-batches a
+    parallel run makes — micro-batch i gathers the i-th rows of every data-parallel rank — since the aux loss is per
+    forward. on_rows(rows): told, before each forward, which rows of the global batch it runs on."""
     cfg = config_of(args)
     model = build_model(cfg, seed=args.seed, device=device, dtype=store_dtype(args))
     if args.init_from:  # the same start as the parallel run: a plain state dict or a Hugging Face directory
         model.load_state_dict(checkpoint.whole_model(args.init_from))
     tokens = load_corpus(args.data, tokenizer=checkpoint.tokenizer_of(args.init_from))
     batches = [get_batch(tokens, s, args.global_batch_size, args.seq_len, args.seed, pad_share=args.pad_share,
-                         device=device or "cpu") for s in range(steps.stop)]
+                         device=device or "cpu") for s in range(args.stop_at or args.steps)]
     dp, m = args.dp_replicate * args.dp_shard, args.microbatches
+    said = on_rows or (lambda rows: None)
 
     def loss_fn(model, batch):
         x, y = batch
         if not cfg.n_experts or m == 1:
+            said(torch.arange(len(x)))
             return model(x, y)
         model.loss_fn.divide_by = max(int((y != IGNORE).sum()), 1) / m   # Σ CE over micro-batch / (counted/m)
         rows = torch.arange(len(x)).view(dp, m, -1).transpose(0, 1).reshape(m, -1)  # [m, rows of mb i]
-        loss = sum(model(x[r], y[r]) for r in rows) / m
+        loss = 0
+        for r in rows:
+            said(r)
+            loss = loss + model(x[r], y[r])
         model.loss_fn.divide_by = None
-        return loss
-    out = single_process(model, batches, lr=args.lr, lr_at=lambda s: lr_at(s, args),
-                         clip=args.grad_clip or None, loss_fn=loss_fn)
-    return out["losses"][steps.start:]
+        return loss / m
+    return OneProcess(model, lr=args.lr, lr_at=lambda s: lr_at(s, args), clip=args.grad_clip or None,
+                      loss_fn=loss_fn, copy_model=False), batches
+
+
+def reference_losses(args, steps: range = None, device=None, norms: bool = False):
+    """The losses of steps `steps` (default all) in ONE process (reference_run); norms: dict(losses, norms), the
+    gradient norms too (None without clipping)."""
+    steps = steps or range(args.steps)
+    one, batches = reference_run(args, device)
+    for batch in batches[:steps.stop]:
+        one.step(batch)
+    losses = one.losses[steps.start:]
+    return dict(losses=losses, norms=one.norms[steps.start:] or None) if norms else losses
 
 
 def run_layouts(layouts: list[list[str]], common: list[str] = ()) -> list[dict]:
     """A rank function (launch.run_ranks): train each layout in turn on the same ranks; every layout's
     flags are `common + layout`. Returns each layout's result on this rank."""
-    return [dict(measured_train(parse_args([*common, *flags, "--quiet"]), verbose=False), flags=" ".join(flags))
-            for flags in layouts]
+    out = []
+    for flags in layouts:
+        args = parse_args([*common, *flags, "--quiet"])
+        with lessons_in_place(args.lesson):   # --lesson NAME=FILE: that layout's changed lesson, then the course's
+            out.append(dict(measured_train(args, verbose=False), flags=" ".join(flags)))
+    return out
 
 
 # ---- the entry point ---------------------------------------------------------------------------------------
@@ -346,8 +385,14 @@ def compare_with_twin(args, trainer, device, switch: str, rounds: int = 3) -> fl
 
 def run(argv=None, compare=references.train_fsdp2_tp) -> int:
     """torchrun entry point. compare(args, device) -> (losses, seconds per step): the same layout under
-    PyTorch's own FSDP2 + DTensor TP, for --compare (with --save: their checkpointing beside ours too)."""
+    PyTorch's own FSDP2 + DTensor TP, for --compare (with --save: their checkpointing beside ours too).
+    --lesson NAME=FILE: the run uses that file in place of the lesson (lab/changed_lesson.py)."""
     args = parse_args(argv)
+    with lessons_in_place(args.lesson):
+        return _run(args, compare)
+
+
+def _run(args, compare) -> int:
     if args.plan:  # one process plans for the whole layout: the world is the product of the sizes
         from lab import plan_time
         assume = plan_time.assumptions(args.assume)   # --assume KEY=VALUE: a bad key raises, naming the known

@@ -103,7 +103,8 @@ class Exercise:
               or `python file.py ...`)
     check     check(output) asserts that what the exercise says to look for is in what it printed
     edits     the code changes the exercise asks for: (file, old text, new text), applied to a copy
-              of the repository (the lesson itself is never touched)
+              of the repository (the lesson itself is never touched); file "a.py -> b.py": the learner's
+              copy b.py of a.py, with the change
     fails     the exercise is about an error: the command must exit non-zero
     setup     README commands the exercise runs first, in the same directory (e.g. the run that saves
               the checkpoint a resume reads); they must succeed, their output is not checked
@@ -134,10 +135,10 @@ def _copy_repository(dst: str, edits=()) -> None:
         if name.endswith((".py", ".ini")) or name in ("tests", "lab"):
             (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(dst, name))
     for file, old, new in edits:
-        path = os.path.join(dst, file)
-        text = open(path).read()
-        assert text.count(old) == 1, f"the exercise's edit of {file} must match exactly once: {old!r}"
-        open(path, "w").write(text.replace(old, new))
+        source, _, target = file.partition(" -> ")   # "a.py -> b.py": the edit goes into b.py, a copy of a.py
+        text = open(os.path.join(dst, source)).read()
+        assert text.count(old) == 1, f"the exercise's edit of {source} must match exactly once: {old!r}"
+        open(os.path.join(dst, target or source), "w").write(text.replace(old, new))
 
 
 class SetupCache:

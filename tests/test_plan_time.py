@@ -481,6 +481,31 @@ def test_the_search_formula_keeps_what_the_meta_plan_fits(flags):
     assert want * (1 - 2 * T.MEMORY_MARGIN) <= got <= want * (1 + T.MEMORY_MARGIN), (got / want, got, want)
 
 
+ALIBI_MEMORY = [["--pp", "2", "--tp", "4", "--microbatches", "4"]]
+
+
+def test_the_search_formula_holds_alibi_s_bias_once_as_the_meta_plan_does():
+    # ALiBi's bias, [1, a/t, S, S] (lab.model.alibi_bias: made once, every layer and micro-batch saving that one
+    # tensor), is held once by a rank, however many micro-batches it holds: the meta plan adds it once beside the
+    # measured micro-batch (lab.plan.shared_tensors), the formulas once beside the per-token bytes (alibi_formula);
+    # BLOOM's block (and its embedding's norm on the first stage); at tiny-bloom's widths the two within 3%
+    from lab import plan
+    common = ["--model", "tiny-bloom", "--seq-len", "64", "--global-batch-size", "8", "--dtype", "bfloat16"]
+    cfg = train.config_of(train.parse_args(common))
+    for flags in ALIBI_MEMORY:
+        args = train.parse_args(common + flags)
+        planned = plan.plan(args)
+        bias = plan.alibi_formula(cfg, 2, 4, 64)
+        assert bias == 2 * cfg.n_heads // 4 * 64 * 64 > 0
+        for p in planned:
+            assert p["activations_shared"] == bias
+            assert p["activations"] == p["activations_measured"] * p["held"] + bias, (flags, p)
+        first = planned[0]
+        assert first["activations_formula"] == pytest.approx(first["activations"], rel=0.03), (flags, first)
+        assert T.memory_parts(args)["activations"] == pytest.approx(max(p["activations"] for p in planned), rel=0.03)
+    assert first["held"] == 2                # (the pipeline's first stage: two micro-batches, one bias)
+
+
 # ---- issue 40: what a GPU run adds, as mechanisms -------------------------------------------------------------
 
 def _gpu(*flags, assume=(), device="h100", model=("--model", "small", "--layers", "2")):
@@ -752,6 +777,61 @@ def test_deepspeed_adds_each_micro_batch_s_gradients_into_fp32():
     assert "fp32 accumulation" not in without["exposed"]
     assert with_["seconds"] - without["seconds"] >= with_["exposed"]["fp32 accumulation"] * 0.99
 
+
+
+def test_alibi_s_masked_attention_is_counted_and_priced_as_the_run_s_kernel():
+    # ALiBi runs SDPA with a float bias (lab.model.ALiBi; on meta the fused CPU kernel, which takes it): the probe
+    # counts that kernel's FLOPs forward and backward -- every score's, for a mask hides nothing from a kernel (the
+    # causal half is is_causal's) -- and checkpointing's rerun of its forward
+    S, flags = 256, ("--model", "tiny-bloom")   # (_gpu: 256 tokens, one sequence a rank)
+    cfg = train.config_of(train.parse_args(list(flags)))
+    none, full = (T.probe("tiny-bloom", 0, 2, "bfloat16", S, 1, 1, False, "ring", 1, how)["block"]
+                  for how in ("none", "full"))
+    every = 4 * S * S * cfg.n_heads * cfg.head_dim
+    assert none["attn_f"] == every and none["attn_bwd_b"] == none["attn_b"] == 2.5 * every
+    assert full["attn_b"] - full["attn_bwd_b"] == every
+    # the bias is made once and kept (lab.model.alibi_bias): a probe counts a step's work, the same whether or not an
+    # earlier run made it
+    from lab.model import alibi_bias
+    key = ("tiny-bloom", 0, 2, "bfloat16", S, 1, 1, False, "ring", 1, "none", 1)
+    alibi_bias.cache_clear()
+    cold, warm = T._probe_run(*key), T._probe_run(*key)
+    assert cold == warm and cold["flops"]["mem_f"] > 0
+    # unfused attention (Megatron-DeepSpeed's, BLOOM's) computes every score's products too: QKᵀ and ·V forward, four
+    # products backward -- from the shapes, in place of the fused kernel's 1 + 2.5 (not twice the probe's count,
+    # which doubled ALiBi's: +10 where the kernels differ by -2); the bias is QKᵀ's input, 4 bytes a score more
+    code, unfused = (_gpu("--dp-shard", "8", model=flags, assume=a) for a in ([], ["attention=unfused"]))
+    L = cfg.n_layers
+    assert unfused["flops"] - code["flops"] == pytest.approx(L * (4 + 8 - 4 - 10) * S * S * cfg.dim)
+    scores = L * cfg.n_heads * S * S
+    per_score = sum(T.UNFUSED_SCORE_BYTES.values()) + sum(T.ALIBI_SCORE_BYTES.values())
+    assert unfused["parts"]["memory"] - code["parts"]["memory"] == pytest.approx(
+        scores * per_score / T.bandwidth(T.DEVICES["h100"]))
+    # BLOOM's run, under its framework: in the band
+    row = next(r for r in T.FURTHER if r.model == "bloom-176b")
+    assert T.TARGET_BAND[0] <= T.predict_published(row)["ratio"] <= T.TARGET_BAND[1]
+
+
+def test_published_flop_rates_convert_by_their_source_s_formula_and_mfu_counts_a_tied_head():
+    # a row published as TFLOP/s per GPU becomes tokens/s by the FLOPs a token its SOURCE counted: Megatron's
+    # 96·l·h²(1 + s/6h + V/16lh) (Narayanan et al. 2021, with recomputation; Megatron-DeepSpeed's logged TFLOP/s for
+    # BLOOM, V its padded 250,880), not the planner's own count
+    converted = [r for r in T.PUBLISHED + T.FURTHER if r.how != "as published"]
+    assert {r.model for r in converted} >= {"gpt-1.7b", "gpt-1t", "bloom-176b"}
+    for row in converted:
+        cfg = train.config_of(T.published_args(row))
+        l, h, s, V = cfg.n_layers, cfg.dim, 2048, cfg.padded_vocab if row.model == "bloom-176b" else 51200
+        tflops = float(re.match(r"([\d.]+) TFLOP/s per GPU", row.how).group(1))
+        per_token = 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        assert row.tokens_per_gpu * per_token == pytest.approx(tflops * 1e12)
+    # MFU's model FLOPs (lab.model.flops_per_token): a tied head is a lookup AND a matmul -- its V·H counts; the
+    # lookups (learned positions here) do not
+    from lab.model import num_params
+    args = T.published_args(next(r for r in T.PUBLISHED if r.model == "gpt-1.7b"))
+    cfg = train.config_of(args)
+    assert cfg.tie_embeddings and cfg.positions == "learned"
+    per_token = 6 * (num_params(cfg) - cfg.max_seq_len * cfg.dim) + 6 * cfg.n_layers * cfg.dim * args.seq_len
+    assert T.model_flops(args) == args.global_batch_size * args.seq_len * per_token   # (num_params: V·H once)
 
 
 @pytest.mark.parametrize("model", ["gpt2", "tiny-bloom", "tiny"])

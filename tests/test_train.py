@@ -586,7 +586,7 @@ def _check_init(mode):
 
 
 def _check_mismatch(out):
-    assert "MISMATCH" in out
+    assert "MISMATCH" in out and "first difference from one process: step 1, the loss, every rank" in out, out[-3000:]
 
 
 SAVE = "torchrun --nproc_per_node 4 train.py --pp 2 --dp-shard 2 --steps 10 --stop-at 5 --save ckpt"
