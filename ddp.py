@@ -42,16 +42,15 @@ but the last, so only the last all-reduces (overlapped with it) — a pipeline c
 backward of its schedule — `synchronize()` for what is left, and `groups_of` for parameters averaged over a
 group of their own (an expert's weights: the ranks holding that expert).
 
-Communication per step (Ψ gradient elements of b bytes each, n parameter tensors; "API bytes" are
-handed to the collective, "ring bytes" are what one rank sends on a ring)
-    gradients, API bytes        Ψ·b           naive: n calls;  bucketed: one call per bucket
-    gradients, ring bytes       2(P-1)/P · Ψ·b
-    used flags, API bytes       n             one call (uint8, MAX)
+Communication per step (Ψ gradient elements of b bytes each, n parameter tensors; API bytes, handed to
+the collective — what one rank sends on a ring is mesh.py's all-reduce factor of them, lesson 0)
+    gradients                   Ψ·b           naive: n calls;  bucketed: one call per bucket
+    used flags                  n             one call (uint8, MAX)
     once, when wrapping         a broadcast of the parameters and buffers from the first rank
 b is the reduce dtype: compute_dtype=bf16 (autocast) keeps fp32 gradients, b = 4; reduce_dtype=bf16
 sums in bf16, b = 2 (half the bytes, less precise sums).
-Memory saved: none — every rank holds all parameters, gradients and optimizer state, e.g.
-(4 + 4 + 8)·Ψ bytes for fp32 AdamW (ZeRO and FSDP, the next lessons, shard them). Gradients kept as
+Memory saved: none — every rank holds all parameters, gradients and optimizer state (fsdp.py's stage 0,
+lesson 2, which shards them). Gradients kept as
 views into their flat bucket avoid a second gradient-sized buffer: Ψ·b saved.
 """
 from __future__ import annotations

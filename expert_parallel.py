@@ -19,7 +19,7 @@ order; the owner decides and sends its verdict back (a second small all-to-all).
 Aux loss (Switch §2.2, eq. 4–6): α·E·Σ_i f_i·P_i, f_i = c_i/(N·k) the share of the N·k assignments
 routed to expert i (no gradient), P_i = S_i/N its mean router probability (S_i = Σ_tokens p_i).
 
-Composition (the README's table): the tokens of a step may be split over the ranks in any way.
+Composition (train.py, lesson 8): the tokens of a step may be split over the ranks in any way.
   aux_group  every rank holding other tokens (dp × cp, × tp under tensor parallel); D what data parallel
              divides summed gradients by (dp·cp). A rank differentiates P = S/N + (S_local − sg(S_local))·D/N
              (sg: no gradient): summed and divided by D, the ranks' gradients are the global aux loss's,
@@ -36,14 +36,14 @@ Composition (the README's table): the tokens of a step may be split over the ran
 Communication per MoE layer and forward, per rank (b bytes per element; all-to-all: bytes sent to
 OTHER ranks; all-reduce, all-gather: ring wire bytes, see mesh.py):
     counts     ep·(E/ep + 1) int64 (+ ep·E/ep back with a capacity)
-    aux        all-reduce of 2E + 1 float64 over aux_group (P ranks): 2(P−1)/P·(2E + 1)·8
+    aux        one all-reduce of 2E + 1 float64 over aux_group
     dispatch   Σ_{j≠me} n_j·H·b, n_j my kept assignments to rank j; uniform routing T·k·H·b·(ep−1)/ep
     combine    the same rows back; backward: both again
     tp split   all-gather of the output [T, H], in backward of the input gradient: (tp−1)/tp·T·H·b each
-Per step (Ψ_E expert elements of the model, n_e = dp·cp/ep ranks holding each copy): expert gradients
-all-reduced over edp_cp, wire 2(n_e−1)/n_e·Ψ_E/ep·b (ZeRO-1/2 there: reduce-scatter + all-gather, the
-same; ZeRO-3: 3(n_e−1)/n_e·Ψ_E/ep·b). Memory per rank for the experts: (b_p + b_g + K)·Ψ_E/ep (K
-optimizer bytes per element; ZeRO over edp_cp divides the sharded terms by n_e), not divided by tp.
+Per step (Ψ_E expert elements of the model, n_e = dp·cp/ep ranks holding each copy): the expert gradients,
+Ψ_E/ep·b API bytes, all-reduced over edp_cp (or ZeRO's collectives there, fsdp.py). Memory per rank for the
+experts: fsdp.py's model state (lesson 2) of Ψ_E/ep elements, ZeRO over edp_cp dividing its sharded terms by
+n_e; not divided by tp.
 """
 from __future__ import annotations
 

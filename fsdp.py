@@ -13,9 +13,9 @@ copy when the compute copy is bf16). ZeRO shards it step by step; bytes per rank
 Communication per step in elements (ZeRO §7): stage 0 all-reduces the gradients, 2Ψ (a reduce-scatter
 plus an all-gather); stages 1-2 reduce-scatter the gradients and all-gather the new parameters, 2Ψ;
 stage 3 all-gathers each unit before its forward and again before its backward and reduce-scatters its
-gradient, 3Ψ. In API bytes (what is handed to a collective; README "Formulas, conventions and sources"):
-stage 3 all-gathers b_p·(2Ψ − Ψ_root) and reduce-scatters b_m·Ψ (gradients reduced in the fp32 master's
-b_m = 4 bytes); the root unit — what no unit encloses — stays gathered from its forward into its backward
+gradient, 3Ψ. In API bytes (handed to a collective; README section "Lesson 0 — ranks, process groups",
+its three conventions): stage 3 all-gathers b_p·(2Ψ − Ψ_root) and reduce-scatters b_m·Ψ (gradients
+reduced in the fp32 master's b_m = 4 bytes); the root unit — what no unit encloses — stays gathered from its forward into its backward
 (Ψ_root = 0 for the course's model); with reshard_after_forward=False every unit does: b_p·Ψ. Each step
 also all-reduces one int32 per parameter tensor: which got a gradient on any rank.
 
@@ -828,7 +828,7 @@ def unit_groups(model: nn.Module, units) -> list:
 #   full     {name: whole tensor}, the same on every rank, as the plain model's state_dict() has it (a tied
 #            weight under each of its names; frozen parameters and buffers too), so it loads with
 #            load_state_dict(strict=True) into an unsharded model. Making it all-gathers every unit's
-#            master slices: API bytes b_m·Ψ (b_m = 4 for fp32 masters); a ring sends (P-1)/P of it.
+#            master slices: API bytes b_m·Ψ (b_m = 4 for fp32 masters).
 #   sharded  this rank's master slices [n] and its optimizer's state: no collective at all, and it
 #            reloads only into the same layout (same P, same units) — what a resumed run needs.
 # Either load writes the master slices and then refreshes every compute copy (FlatUnit.publish):

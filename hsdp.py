@@ -15,13 +15,13 @@ which parameters got a gradient) after the reduce-scatter and before the divisio
 goes through that seam — `across_replicas` — and the one call that shards a model this way.
 
 Per step, API bytes (what is handed to the collective; Ψ elements, b_p parameter bytes, fp32
-gradients) and in brackets what one rank sends on a ring:
-    shard dim      all-gather b_p·(2Ψ − Ψ_root)   reduce-scatter 4Ψ      [× (S−1)/S]
-    replicate dim  all-reduce 4Ψ/S                                       [× 2(R−1)/R]
+gradients; what one rank sends on a ring is mesh.py's factor for each collective, over S or R ranks):
+    shard dim      all-gather b_p·(2Ψ − Ψ_root)   reduce-scatter 4Ψ
+    replicate dim  all-reduce 4Ψ/S
     both dims      all-reduce 4k: one int32 per parameter tensor (k of them), the used-flags
 (Ψ_root: the root unit's parameters, gathered once; 0 for the course's model: fsdp.default_units.)
-Model state per rank: (b_p + b_g + K)·Ψ/S — sharded S ways, not R·S: HSDP trades memory for keeping
-the big collectives on the fast links (ZeRO's formulas, Rajbhandari et al. 2020 §5, with P = S).
+Model state per rank: fsdp.py's stage 3 (lesson 2) with P = S — sharded S ways, not R·S: HSDP trades
+memory for keeping the big collectives on the fast links.
 
     torchrun --nproc_per_node 4 hsdp.py          # 2 x 2: bytes on each mesh dimension, memory, parity
 """

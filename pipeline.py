@@ -564,7 +564,7 @@ def split_linears(module: nn.Module) -> nn.Module:
     module (`module.deferring_weight_grads`, which DeferWeightGrads sets); outside DeferWeightGrads they compute
     as before. (A layer whose matmul was swapped already, a float8 one, is left alone: B computes its weight
     gradient.) Swapping the layers once costs nothing per op, where a TorchFunctionMode watching every torch
-    call would run Python on every op (README, "How some numbers were chased down")."""
+    call would run Python on every op."""
     if not hasattr(module, "deferring_weight_grads"):
         module.deferring_weight_grads = []
     linear = functools.partial(deferring_linear, switch=module.deferring_weight_grads)

@@ -135,7 +135,7 @@ DEVICES = {
                    matmul_efficiency={"bfloat16": 256.5 / 312}, attention_efficiency=0.55,
                    hbm_efficiency=1.655 / 2.039, **_GPU),
     # the A100 80GB nodes of Jean Zay (IDRIS), on which BLOOM trained: 8 A100 SXM4 on NVLink, 4 Omni-Path links of
-    # 100 Gb/s a node (BigScience's tr11-176B-ml README, "Hardware"; huggingface/blog bloom-megatron-deepspeed-
+    # 100 Gb/s a node (bigscience train/tr11-176B-ml/README.md, "Hardware"; huggingface/blog bloom-megatron-deepspeed-
     # technology.md): 6.25 GB/s per GPU between nodes; the rest the A100's
     "a100-jz": Device("a100-jz", {"bfloat16": 312e12, "float32": 19.5e12, "float64": 9.7e12}, 2.04e12, 5e-6, 240e9,
                       10e-6, 50e9 / 8, 80e9, 8, "the A100 profile; BigScience tr11-176B-ml README (Jean Zay's nodes)",

@@ -1,4 +1,4 @@
-"""The README's pictures, drawn by the course's own code — one command draws them all:
+"""The pictures the README shows, drawn by the course's own code — one command draws them all:
 
     python -m lab.figures [--out notebooks/figures]
 
@@ -8,6 +8,8 @@
                          score matrix, at which step of the ring, contiguous against zigzag
     zero_memory.png      each rank's model state at ZeRO stages 0-3, measured on 4 gloo ranks (fsdp_demo's
                          train_and_measure), by category, beside the formulas
+    published_runs.png   lab.plan_time's predicted tokens/s per GPU against what 55 published runs measured
+                         (lab/published_runs.py), each from its config, layout and framework's bundle
 
 tests/test_figures.py runs it. Nothing here is drawn by hand: change the code and the pictures change.
 """
@@ -153,12 +155,38 @@ def zero_memory(path: str, P: int = 4) -> None:
     plt.close(fig)
 
 
+def published_runs(path: str) -> None:
+    """Each published run's tokens/s per GPU against the planner's prediction (lab.plan_time.published_report),
+    on log axes, with the 0.8x and 1.25x band."""
+    from lab import plan_time as T
+    rows = T.PUBLISHED + T.FURTHER
+    _, got = T.published_report()
+    fig, ax = plt.subplots(figsize=(7.5, 6))
+    kinds = (("torchtitan, H100", lambda row: "torchtitan" in row.source and not row.further, "o", COLORS[0]),
+             ("Megatron-LM 2021, A100", lambda row: "Narayanan" in row.source and not row.further, "o", COLORS[1]),
+             ("held-out runs: torchtitan (H200, A100, 405B), llm-foundry, BLOOM", lambda row: row.further, "D",
+              COLORS[2]))
+    for label, pick, marker, color in kinds:
+        pts = [(row.tokens_per_gpu, r["per_gpu"]) for row, r in zip(rows, got) if pick(row)]
+        ax.scatter(*zip(*pts), marker=marker, color=color, label=f"{label} ({len(pts)})", zorder=3)
+    lo, hi = 10, 60000
+    for k, style in ((1, "-"), (T.TARGET_BAND[0], ":"), (T.TARGET_BAND[1], ":")):
+        ax.plot([lo, hi], [k * lo, k * hi], style, color="gray", lw=1)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="published tokens/s per GPU",
+           ylabel="predicted tokens/s per GPU", title="the planner against published runs (dotted: 0.8x, 1.25x)")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 FIGURES = {"mesh_groups.png": mesh_groups, "pipeline_1f1b_zb.png": pipeline_timelines,
-           "ring_attention.png": ring_attention, "zero_memory.png": zero_memory}
+           "ring_attention.png": ring_attention, "zero_memory.png": zero_memory,
+           "published_runs.png": published_runs}
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="draw the README's pictures from the course's own code")
+    ap = argparse.ArgumentParser(description="draw the pictures the README shows, from the course's own code")
     ap.add_argument("--out", default=OUT, help="the folder to write them to")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -1,6 +1,6 @@
 """What a GPU run adds to the course's code, as the time planner (lab/plan_time.py) prices it: the frameworks'
 bundles of mechanisms (--assume framework=NAME), the table of every mechanism with its switch, what it changes,
-its source and its defaults (the README's table), and the bytes measured from a framework's code."""
+its source and its defaults (notebooks/published_runs.ipynb prints them), and the bytes measured from a framework's code."""
 
 
 # What torchtitan and Megatron do beyond the course's code, as --assume framework=NAME sets it (a run's own

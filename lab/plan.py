@@ -48,7 +48,7 @@ def activation_formula(cfg, how: str, b: int, tp: int = 1, sp: bool = False) -> 
     """Bytes per token (of the B·S the layer sees) that one block of lab/model.py keeps for its backward,
     beyond its input — computing in b bytes per element, statistics (the norms', SDPA's) in w = max(b, 4),
     fp32 for 16-bit compute — counted from what
-    autograd saves, op by op (the README's checkpointing section walks through it). H = dim, a = n_heads,
+    autograd saves, op by op. H = dim, a = n_heads,
     F = ffn_dim, t = tp, K = the kv width a tp rank keeps, max(n_kv_heads·head_dim/t, head_dim);
     H' = H/t and t' = t under sequence parallel (the norms see S/t tokens), else H and 1.
       none       per norm     w/t' (1/rms; LayerNorm: 2w/t', its mean too) + b·H' (x/rms, for the weight's

@@ -1034,7 +1034,7 @@ def float8_casts(args, b: int, layers: int, p: str, compiled: bool, recompute: b
     return nbytes, layers * len(sizes) * (2 if p == "f" else 3)
 
 
-# ---- one step, composed of its mechanisms (the README's list, one function each) ----------------------------
+# ---- one step, composed of its mechanisms (published_runs.ipynb lists them), one function each -----------------
 
 @dataclass(frozen=True)
 class _Step:
@@ -1598,7 +1598,7 @@ def search(base, N: int, dev: Device, gpus_per_node: int, memory: float, assume:
             continue
         confirmed.append((r[0], r[1], planned))
     return dict(ranked=confirmed + ranked, verified=len(confirmed), dropped=dropped, examples=examples,
-                layouts=seen, seconds=time.perf_counter() - t0, assume=assume)
+                layouts=seen, seconds=time.perf_counter() - t0, assume=assume, memory=memory)
 
 
 def breakdown(r: dict) -> str:
@@ -1615,6 +1615,9 @@ def print_search(base, N, G, dev, found: dict, top: int = 10) -> None:
           f"{base.dtype}, "
           f"global batch {base.global_batch_size} x {base.seq_len}: {found['layouts']} layouts in "
           f"{found['seconds']:.1f} s, {len(found['ranked'])} fit; assumptions: {assumed(found['assume'])}")
+    gb = f"{found['memory'] / 1e9:.0f} GB" if found["memory"] >= 1e9 else f"{found['memory']:,.0f} bytes"
+    print(f"  fits: * <= {gb} by the meta plan; the rest <= {gb} + {MEMORY_MARGIN:.0%} by the lessons' formulas "
+          f"(MEMORY_MARGIN: they read up to {MEMORY_MARGIN:.0%} above the meta plan)")
     for reason, n in sorted(found["dropped"].items(), key=lambda kv: -kv[1]):
         print(f"  dropped {n:6d}: {reason} (e.g. {found['examples'][reason]})")
     print(f"  {'#':>3s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>5s} {'GB':>6s}  layout")
@@ -1622,7 +1625,6 @@ def print_search(base, N, G, dev, found: dict, top: int = 10) -> None:
         mark = "*" if i < found["verified"] else " "
         print(f"  {i + 1:3d} {r['seconds']:8.3f} {r['tokens_per_s']:10.0f} {r['mfu']:5.2f} {mem / 1e9:5.1f}{mark} "
               f"{describe(a)}")
-    print("  (* memory confirmed by the meta plan, else the formulas)")
     for i, (r, a, mem) in enumerate(found["ranked"][:3]):
         print(f"  #{i + 1} {flags(a)}\n      seconds: {breakdown(r)}")
 
@@ -1642,7 +1644,7 @@ def print_time(args, dev: Device, G: int, plans, assume: Assumptions = Assumptio
 # one small model, 2 gloo ranks (one core each), every kind of layout (ep's experts are added to the dense probe
 # analytically, for uniform routing: _moe)
 # (--lr 0: every round takes the same step from the same weights — a router that learns moves tokens between
-#  experts, and the busiest rank's share of them went from 1.1x to 1.9x the uniform one within two steps here)
+#  experts: within two steps the busiest rank holds up to twice its uniform share of them)
 CALIBRATION_MODEL = ["--model", "small", "--layers", "2", "--seq-len", "64", "--global-batch-size", "4",
                      "--dtype", "float32", "--lr", "0"]
 # Every kind of layout, spread over the range (micro-batches and checkpointing added where two kinds measured

@@ -278,6 +278,6 @@ def _bloom():
 FURTHER.append(_bloom())
 
 
-# the target: every row within 0.8-1.25x of its published tokens/s, the median within 0.9-1.1x
+# the band: every row within 0.8-1.25x of its published tokens/s, the median within 0.9-1.1x
 # (tests/test_plan_time.py holds a few rows to it and every further run to the band; the notebook prints them all)
 TARGET_BAND = (0.8, 1.25)

@@ -7,7 +7,7 @@ from harness import ROOT, run_command
 from lab.figures import FIGURES
 
 SHOWN_IN = {"mesh_groups.png": "## Lesson 0", "zero_memory.png": "## Lesson 2", "pipeline_1f1b_zb.png": "## Lesson 5",
-            "ring_attention.png": "## Lesson 6"}
+            "ring_attention.png": "## Lesson 6", "published_runs.png": "## Running for real: speed"}
 
 
 def _png_size(path):
