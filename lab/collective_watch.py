@@ -821,9 +821,11 @@ def _stop(e: Exception) -> Exception:
     run = _S["run"]
     if run is not None and dist.is_initialized() and not run.get("raised"):
         run["raised"] = True
-        _store().compare_set(_key("verdict"), "", str(e))
+        said = _store().compare_set(_key("verdict"), "", str(e)).decode()
         _S["trips"] += 1
         _say_where(sys._getframe(2), "stops", at=_S["current"])
+        if said != str(e):   # a peer found it first (two ranks that see a peer leave at once): its words
+            return type(e)(said)
     return e
 
 
@@ -886,11 +888,12 @@ def summary(seconds: float | None = None, of: str = "the run") -> str:
 #     is (its last lines per group), from which the peer waiting in the store names the mismatch; the watchdog then
 #     reads that verdict, prints it and ends the process (its collective would only end at the timeout).
 # Keys: course/guard/<step>/<group>/<k> (a collective agreed on its own: one line per rank, appended), .../gate (the
-# step's records), course/guard/at/<rank> (where a waiting or stalled rank is), course/guard/verdict/<step>.
+# step's records; /n counts the ranks in, /done is "ok" once all are, or a verdict), course/guard/at/<rank> (where a waiting or stalled rank is), course/guard/verdict/<step>.
 
 STALL = 1.0      # seconds without progress after which a rank's watchdog says where it is
 _G = dict(epoch=0, log=[], history=None, count={}, crc={}, known={}, said={}, state=("idle",), progress=0,
-          tainted=False, handled=None, thread=None, groups={}, mine=[], gates=0, slow=0, fast=0, seconds=0.0)
+          tainted=False, handled=None, thread=None, groups={}, mine=[], gates=0, slow=0, fast=0, seconds=0.0,
+          gate=None, waiter=None)
 
 
 def _info(group) -> dict:
@@ -1081,11 +1084,9 @@ def settle(fix: str = "", groups=(), patience: float = 120.0) -> None:
     mine = {n: [_G["count"].get(n, 0), _G["crc"].get(n, 0), ranks] for n, ranks in known.items()}
     _G["state"] = ("gate",)
     _G["progress"] += 1
-    _publish()
     if _G["thread"] is None:
         _start_watchdog()
-    said = _gather(f"course/guard/{e}/gate", me, dict(g=mine, t=_G["tainted"]), part,
-                   lambda said, missing, waited: _look_gate(missing, waited, patience, fix))
+    said = _gate(f"course/guard/{e}/gate", me, dict(g=mine, t=_G["tainted"]), part, patience, fix)
     bad = sorted({n for q in part for n, (c, x, ranks) in mine.items()
                   if q in ranks and said[q]["g"].get(n, [0, 0])[:2] != [c, x]}
                  | {n for q in part for n, (c, x, ranks) in said[q]["g"].items()
@@ -1098,37 +1099,89 @@ def settle(fix: str = "", groups=(), patience: float = 120.0) -> None:
     _G["progress"] += 1
     _G["gates"] += 1
     if me == part[0]:   # every participant has read these: the step's own keys, and the last step's gate
-        for key in old + ([f"course/guard/{e - 1}/gate"] if e else []):
+        for key in old + ([f"course/guard/{e - 1}/gate{x}" for x in ("", "/n", "/done")] if e else []):
             _store().delete_key(key)
             _S["trips"] += 1
         _G["mine"].append(f"course/guard/{e}/gate")
     _G["seconds"] += time.perf_counter() - t0
 
 
-def _look_gate(missing, waited, patience, fix):
-    """This rank reached the optimizer step; `missing` have not: where are they?"""
+def _gate(key, me, mine, part, patience, fix) -> dict:
+    """The step's gate: append my record to `key`, count myself in; the last rank in opens the gate, the others
+    block in the store until it does (no polling: a waiting rank leaves the cores to the ranks still computing),
+    while the watchdog thread looks at who is missing (_gate_look) and may close the gate with a verdict instead.
+    Returns {rank: record}; raises the verdict."""
+    store = _store()
+    store.append(key, json.dumps([me, mine]) + "\n")
+    done = key + "/done"
+    _S["trips"] += 2
+    if store.add(key + "/n", 1) == len(part):
+        v = store.compare_set(done, "", "ok").decode()   # (a verdict the watchdog of a rank gave up with stands)
+        _S["trips"] += 1
+    else:
+        if _G["waiter"] is None or _G["waiter"][0] is not store:   # a client of its own: the watchdog uses the
+            _G["waiter"] = (store, store.clone())                     # store while this one blocks
+        _G["gate"] = dict(key=key, done=done, part=part, t=time.monotonic(), patience=patience, fix=fix,
+                          published=False)
+        try:
+            v = _G["waiter"][1].get(done).decode()
+        finally:
+            _G["gate"] = None
+        _S["trips"] += 1
+    if v != "ok":
+        raise _failed_here(None, None, v)
+    _S["trips"] += 1
+    return {r: x for r, x in (json.loads(row) for row in store.get(key).decode().splitlines())}
+
+
+def _gate_look() -> None:
+    """The watchdog's look while the main thread waits at the gate (after 0.2 s): say where this rank is, once; a
+    verdict (a peer gone, a peer inside a collective this rank never makes, the patience spent) closes the gate."""
+    g = _G["gate"]
+    if g is None or time.monotonic() - g["t"] < 0.2:
+        return
+    if not g["published"]:
+        _publish()
+        g["published"] = True
+    said = {json.loads(row)[0] for row in (_peek(g["key"]) or "").splitlines()}
+    missing = [r for r in g["part"] if r not in said]
+    v = _gate_verdict(missing, time.monotonic() - g["t"], g["patience"], g["fix"]) if missing else None
+    if v is not None:
+        _store().compare_set(g["done"], "", v)
+        _S["trips"] += 1
+
+
+def _gate_verdict(missing, waited, patience, fix) -> str | None:
+    """This rank reached the optimizer step; `missing` have not: where are they? The verdict, or None (wait on)."""
     me, e = dist.get_rank(), _G["epoch"]
-    _verdict_raised()
+    shared = f"course/guard/verdict/{e}"
+    v = _peek(shared)
+    if v is not None:
+        return v
     for q in missing:
         pos = _position(q)
+        msg = None
         if pos is not None and pos["state"] == "left":
-            _conclude(f"rank {me} reached the optimizer step of step {e + 1}, but rank {q} left the run (exit code "
-                      f"{pos['exit']}) before it. No update was applied.")
-        if pos is None or pos["state"] not in ("fast", "slow", "after") or pos["name"] is None:
-            continue
-        n, k = pos["name"], pos["k"]
-        if me in pos["ranks"].get(n, []) and _G["count"].get(n, 0) <= k:
-            _conclude(f"rank {q} {pos['line']} (its collective #{k + 1} over ranks {pos['ranks'][n]} in step {e + 1})"
-                      f", but rank {me} reached the optimizer step after {_G['count'].get(n, 0)} collectives there: a "
-                      f"collective some ranks make and others skip. No update was applied. {fix}")
+            msg = (f"rank {me} reached the optimizer step of step {e + 1}, but rank {q} left the run (exit code "
+                   f"{pos['exit']}) before it. No update was applied.")
+        elif pos is not None and pos["state"] in ("fast", "slow", "after") and pos["name"] is not None:
+            n, k = pos["name"], pos["k"]
+            if me in pos["ranks"].get(n, []) and _G["count"].get(n, 0) <= k:
+                msg = (f"rank {q} {pos['line']} (its collective #{k + 1} over ranks {pos['ranks'][n]} in step {e + 1})"
+                       f", but rank {me} reached the optimizer step after {_G['count'].get(n, 0)} collectives there: "
+                       f"a collective some ranks make and others skip. No update was applied. {fix}")
+        if msg is not None:   # the first verdict said is every rank's
+            _S["trips"] += 1
+            return _store().compare_set(shared, "", msg.rstrip()).decode()
     if waited > patience:
         lasts = {q: _position(q) for q in missing}
-        raise _failed_here(None, None, f"rank {me} reached the optimizer step of step {e + 1}, but " + "; ".join(
+        return (f"rank {me} reached the optimizer step of step {e + 1}, but " + "; ".join(
             f"rank {q} did not within {patience:.0f} s (its last collective: "
             + (f"{p['line']} over ranks {p['ranks'][p['name']]}" if p and p.get("line") else "none this step")
             + f"{_stalled_at(q, p)})"
             for q, p in lasts.items()) + ". Every rank must make the same collectives in the same order. "
             + f"{fix} {WATCH_HINT}")
+    return None
 
 
 def _records_differ(e, bad, said, fix) -> str:
@@ -1212,6 +1265,9 @@ def _watchdog() -> None:
         try:
             if _S["run"] is not None:
                 _run_verdict()
+                continue
+            if _G["gate"] is not None:
+                _gate_look()
                 continue
             p, state = _G["progress"], _G["state"][0]
             now = time.monotonic()
