@@ -211,7 +211,7 @@ def validate_mesh(shape: dict, world_size: int, ep: int = 1) -> None:
 # were the same — through the job's key-value store, the one the ranks met at (not a collective: it cannot itself
 # be mismatched, and the bytes on the wire stay what the formulas say). Cheaply: a line equal to the one at the
 # same place of the last step (which every rank agreed on) costs nothing; a new line is agreed on its own before
-# its collective runs; the step's lines are agreed once, one store round trip, before anything is applied. Lines
+# its collective runs; the step's lines are agreed once, a few store round trips, before anything is applied. Lines
 # that differ: every rank raises the same error, naming each rank's collective, no update applied; a peer that
 # never comes: after the collective timeout, the error names its last line. COURSE_CHECK_COLLECTIVES=0 turns it
 # off. (lab/collective_watch.py holds how: the guard; its --watch checks every collective and transfer.)
@@ -229,7 +229,7 @@ def agree(group, what: str, fix: str = "") -> None:
 
 
 def agree_step(fix: str = "", groups=()) -> None:
-    """Before an optimizer applies a step: every rank's collectives since the last step agreed in one round trip;
+    """Before an optimizer applies a step: every rank's collectives since the last step agreed at once;
     raise RuntimeError on every rank, before anything is applied, when they differ. `groups`: the groups the step
     reduces over (every rank of them takes part)."""
     if checking_collectives():

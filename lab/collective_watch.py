@@ -869,7 +869,7 @@ def summary(seconds: float | None = None, of: str = "the run") -> str:
             f"of {of} ({total:.2f} s; it also waited {_S['slept']:.2f} s for slower peers)")
 
 
-# ---- the guard: what every run checks, one store round trip a step (mesh.agree, mesh.agree_step) -------------------
+# ---- the guard: what every run checks, a few store round trips a step (mesh.agree, mesh.agree_step) ---------------
 #
 # The watch above says every collective through the store before it runs: exact, and a few store round trips each.
 # Every run keeps a cheaper promise by default: a collective that differs across ranks never applies a wrong update,
@@ -880,7 +880,7 @@ def summary(seconds: float | None = None, of: str = "the run") -> str:
 #     traffic. Another line (or no step agreed yet): it is agreed on its own through the store before it runs, as
 #     the watch would, so a collective of another size never reaches gloo (which aborts a process sent more bytes
 #     than it expects). A rank whose line differs from the last step's and its peers' cannot pass.
-#   - Before the optimizer applies the step (settle), every rank says its record in one store round trip and reads
+#   - Before the optimizer applies the step (settle), every rank says its record (an append and a count) and reads
 #     its peers': records that differ, or a peer still inside a collective this rank never makes, raise on every
 #     rank — the update is not applied. Then this step's lines are the next step's to compare with.
 #   - A rank that entered a collective its peers never make (it followed the last step, a peer did not) waits inside
@@ -888,7 +888,8 @@ def summary(seconds: float | None = None, of: str = "the run") -> str:
 #     is (its last lines per group), from which the peer waiting in the store names the mismatch; the watchdog then
 #     reads that verdict, prints it and ends the process (its collective would only end at the timeout).
 # Keys: course/guard/<step>/<group>/<k> (a collective agreed on its own: one line per rank, appended), .../gate (the
-# step's records; /n counts the ranks in, /done is "ok" once all are, or a verdict), course/guard/at/<rank> (where a waiting or stalled rank is), course/guard/verdict/<step>.
+# step's records; /n counts the ranks in, /done is "ok" once all are, or a verdict), course/guard/at/<rank> (where a
+# waiting or stalled rank is), course/guard/verdict/<step>.
 
 STALL = 1.0      # seconds without progress after which a rank's watchdog says where it is
 _G = dict(epoch=0, log=[], history=None, count={}, crc={}, known={}, said={}, state=("idle",), progress=0,
@@ -1066,7 +1067,7 @@ def _look_slow(g, k, what, missing, waited, patience, before, fix):
 
 def settle(fix: str = "", groups=(), patience: float = 120.0) -> None:
     """Before an optimizer applies a step: every rank's record of the step (per group: how many collectives, and a
-    checksum of their lines) agreed with its peers' in one round trip; raises CollectiveMismatch on every rank when
+    checksum of their lines) agreed with its peers' at one gate (_gate); raises CollectiveMismatch on every rank when
     they differ, before anything is applied (mesh.agree_step). `groups`: the groups the step reduces over (their
     ranks take part even where this rank announced nothing on them)."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or _ORIGINAL:
