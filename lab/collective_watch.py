@@ -806,7 +806,7 @@ def start(patience: float = 30.0) -> None:
     install(patience)
     begin_check()
     _S["run"] = dict(t0=time.perf_counter(), printed=False)
-    signal.signal(signal.SIGUSR1, lambda signum, frame: _say_where(frame, "kill -USR1"))
+    answer_usr1()
     if _G["thread"] is None:
         _start_watchdog()
 
@@ -829,8 +829,22 @@ def _stop(e: Exception) -> Exception:
     return e
 
 
+def answer_usr1() -> None:
+    """kill -USR1 <pid> prints where this rank is (pending()) and its Python stack, the run going on: --watch's
+    words, or without it the guard's (the collective it announced last). Every lesson's run answers it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda signum, frame: _say_where(frame, "kill -USR1"))
+
+
 def pending() -> str:
     """What this rank waits for now, or its last collective or transfer (with what it belongs to)."""
+    if _S["run"] is None and not _ORIGINAL:   # no watch: what the guard knows
+        state = _G["state"]
+        where = {"gate": "waits at the gate before the optimizer step (its peers' records of the step)",
+                 "slow": "waits for its peers' lines at", "fast": "last announced", "after": "last announced"}
+        return (f"{where[state[0]]}{' ' + state[3] if len(state) > 3 else ''} (step {_G['epoch'] + 1}; the "
+                f"collective itself may be running: --watch says)" if state[0] in where else
+                f"not at an announced collective (step {_G['epoch'] + 1}; --watch sees every collective)")
     if _S["waiting"]:
         return f"waits at {_S['waiting']}" if not _S["waiting"].startswith("waits ") else _S["waiting"]
     flying = in_flight()

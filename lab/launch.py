@@ -203,13 +203,15 @@ def parse(parser, argv=None):
 
 
 def start_watch(args) -> None:
-    """--watch: every collective and transfer checked before it runs (lab/collective_watch.py), from the first on.
-    Not with --compare: its round trips would be timed with the run (ValueError, on every rank alike)."""
+    """--watch: every collective and transfer checked before it runs (lab/collective_watch.py), from the first on;
+    kill -USR1 answered in every run. Not with --compare: its round trips would be timed with the run (ValueError, on every rank alike)."""
     if getattr(args, "watch", False):
         if getattr(args, "compare", False):
             raise ValueError("--watch checks every collective through the store, which a timing run would time too: "
                              "leave --compare out (or --watch), and run them one after the other")
         watch.start(args.patience)
+    else:
+        watch.answer_usr1()   # (kill -USR1 still says where each rank is: the guard's last collective, the stack)
 
 
 def finish(ok: bool = True) -> int:
