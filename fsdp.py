@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mesh import agree, all_gather_single, collective_device, reduce_scatter_single, resolve_group
+from mesh import agree, agree_step, all_gather_single, collective_device, reduce_scatter_single, resolve_group
 
 
 # ---- 1. the core: ZeRO as the paper states it ---------------------------------------------------------
@@ -146,16 +146,17 @@ def gather_when_used(module: nn.Module, flat: FlatParameter) -> None:
 
 # ---- 2. the flat unit: the core's FlatParameter for any model -------------------------------------------
 #
-# Every collective below is announced first (mesh.agree): ranks that are about to make different ones — a unit
-# only some ranks run, units in another order — stop with one error naming each rank's, instead of aborting,
-# hanging or swapping data. What to do then:
+# Every collective below is announced first (mesh.agree), and the optimizer's step agreed before it is applied
+# (mesh.agree_step): ranks that are about to make different ones — a unit only some ranks run, units in another
+# order — stop with one error naming each rank's, instead of aborting, hanging or swapping data. What to do then:
 AGREE_FIX = ("Every rank must run the same sharded modules in the same order: a module that only some ranks run "
              "cannot be gathered unit by unit. Run it on every rank, or keep it gathered: leave it out of units= "
              "(it joins the root unit, gathered from forward into backward), or pass reshard_after_forward=False.")
 
 
-def _agree(group, what):
-    agree(group, what, AGREE_FIX)
+def _agree(group, what, t=None):
+    """mesh.agree, with the collective's size: ranks whose units differ in size stop here, never in gloo."""
+    agree(group, what if t is None else f"{what} [{t.numel():,} {str(t.dtype).replace('torch.', '')}]", AGREE_FIX)
 
 
 class FlatUnit(FlatParameter):
@@ -234,7 +235,7 @@ class FlatUnit(FlatParameter):
         """After the master slice changed (a step, a load): refresh every compute copy of it — zero_step's 3."""
         self.refresh_shard()
         if self.stage in (1, 2):
-            _agree(self.group, f"gathers {self.label}'s new parameters")
+            _agree(self.group, f"gathers {self.label}'s new parameters", self.buf)
             self.all_gather()
         if self.stage == 3:
             self.free()  # a gathered copy would be stale: the next use gathers the new values
@@ -242,7 +243,7 @@ class FlatUnit(FlatParameter):
     def unshard(self, why="for forward"):
         """Stage 3: start the all-gather of buf, [n] per rank -> [N], unless it is gathered already."""
         if self.gather_work is None and self.buf.untyped_storage().size() == 0:
-            _agree(self.group, f"gathers {self.label} {why}")
+            _agree(self.group, f"gathers {self.label} {why}", self.buf)
             self.gather_work = super().unshard(async_op=True)
             for p, view in zip(self.params, self.views(self.buf.data)):
                 _Resharded.restore(p, view)
@@ -271,9 +272,9 @@ class FlatUnit(FlatParameter):
         if self.stage == 0:  # (a group of one has nothing to add; nor have gradients averaged already)
             single = dist.get_world_size(self.group) == 1 or self.averaged
             if not single:
-                _agree(self.group, f"all-reduces {self.label}'s gradients")
+                _agree(self.group, f"all-reduces {self.label}'s gradients", g)
             return g, None if single else dist.all_reduce(g, group=self.group, async_op=True), g
-        _agree(self.group, f"reduce-scatters {self.label}'s gradients")
+        _agree(self.group, f"reduce-scatters {self.label}'s gradients", g)
         return (*self.reduce_scatter(g, async_op=True), g)
 
 
@@ -324,6 +325,10 @@ class ZeroOptimizer:
         self.async_reduce = all(dist.get_backend(u.group) == "nccl" for u in units)
         self.pending, self.deferring, self.in_backward, self.reduced, self.grad_norm = [], False, False, False, None
         self.saw_backward = False  # a backward hook ran since the last step (stages 2-3)
+        # the groups a step reduces over, whose ranks agree on it (a unit's, hsdp's replicas', the clip's)
+        self.groups = list({id(g): g for g in [u.group for u in units if stage > 0 or not u.averaged]
+                            + [getattr(u.after_reduce, "group", None) for u in units]
+                            if g is not None}.values())
 
     param_groups = property(lambda self: self.inner.param_groups)  # what LR schedulers set
 
@@ -405,6 +410,8 @@ class ZeroOptimizer:
         self.reduce_gradients()
         if self.max_grad_norm is not None:
             self.clip_grad_norm_(self.max_grad_norm)
+        # every rank made the same collectives since the last step, or none applies it (mesh.agree_step)
+        agree_step(groups=self.groups)
         self.inner.step()
         for u in self.units:
             if self.stage <= 1:  # the reduced gradient lived for this step only
@@ -429,6 +436,8 @@ class ZeroOptimizer:
                 s += (q.grad.double().pow(2).sum() * (1.0 if weight_of is None else weight_of(u.names[i]))).to(s.device)
         for g, s in sums.items():
             if g is not None:
+                if all(g is not h for h in self.groups):
+                    self.groups.append(g)
                 _agree(g, "all-reduces the gradients' squared norm (clipping)")
                 dist.all_reduce(s, group=g)
         self.grad_norm = sum(sums.values()).sqrt()
@@ -851,7 +860,7 @@ def full_state_dict(opt) -> dict:
         if opt.stage > 0:
             mine = full.to(u.used.device)  # (an offloaded master: gathered on the device our groups use)
             full = mine.new_empty(u.flat_numel)
-            _agree(u.group, f"gathers {u.label} for full_state_dict")
+            _agree(u.group, f"gathers {u.label} for full_state_dict", full)
             all_gather_single(full, mine, group=u.group)
         out.update((n, v.clone()) for names, v in zip(u.aliases, u.views(full)) for n in names)
     return out

@@ -43,6 +43,7 @@ def across_replicas(replicate_group):
     def all_reduce_across(t):
         agree(replicate_group, f"all-reduces {t.numel()} summed gradient elements across replicas", AGREE_FIX)
         dist.all_reduce(t, group=replicate_group)
+    all_reduce_across.group = replicate_group   # (whose ranks agree on each step: mesh.agree_step)
     return all_reduce_across
 
 

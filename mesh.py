@@ -32,8 +32,9 @@ d = r_i * D + d_i (0 <= d < dp_replicate*dp_shard) is split as d = e_out * ep + 
     and average those experts' gradients). ep must divide dp_replicate*dp_shard.
 
 Ranks pair the collectives on a group by the order they issue them, nothing else: `agree` has every
-rank say its next collective through the job's key-value store first, so ranks that disagree stop with
-one error naming each rank's collective (lesson 2 calls it before each of its collectives).
+rank say its next collective, and `agree_step` checks every rank said the same before a step is applied
+(through the job's key-value store), so ranks that disagree stop with one error naming each rank's
+collective (lesson 2 calls them before each of its collectives and before its optimizer's step).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from lab import collective_watch as guard
 from lab.launch import free_port
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -204,15 +206,15 @@ def validate_mesh(shape: dict, world_size: int, ep: int = 1) -> None:
 # more (a module only it runs, under ZeRO-3), one fewer, or the same ones in another order pairs its call with
 # whatever its peers do next: a different size aborts the process (gloo), an equal size silently hands each
 # rank the other's data (a swapped unit), NCCL waits forever. So before each collective a lesson makes from a
-# model's hooks, `agree` has every rank of the group say in one line what it is about to do ("gathers unit 0
-# (tok_embeddings) for forward") and read its peers' lines — through the job's key-value store, the one the
-# ranks met at (not a collective: it cannot itself be mismatched, and the bytes on the wire stay what the
-# formulas say). Lines that differ: every rank raises the same error, naming each rank's collective. A peer
-# that never comes: after the collective timeout, the error names its last line. Cost per collective: one
-# store write and one read of P lines (and a delete), ~0.1-0.4 ms on gloo here; COURSE_CHECK_COLLECTIVES=0
-# turns it off.
-
-_AGREED: dict[str, int] = {}  # group name -> collectives checked on it so far (the same count on every rank)
+# model's hooks, `agree` says in one line what this rank is about to do ("gathers unit 0 (tok_embeddings) for
+# forward"), and before its optimizer applies a step, `agree_step` checks that every rank's lines of the step
+# were the same — through the job's key-value store, the one the ranks met at (not a collective: it cannot itself
+# be mismatched, and the bytes on the wire stay what the formulas say). Cheaply: a line equal to the one at the
+# same place of the last step (which every rank agreed on) costs nothing; a new line is agreed on its own before
+# its collective runs; the step's lines are agreed once, a few store round trips, before anything is applied. Lines
+# that differ: every rank raises the same error, naming each rank's collective, no update applied; a peer that
+# never comes: after the collective timeout, the error names its last line. COURSE_CHECK_COLLECTIVES=0 turns it
+# off. (lab/collective_watch.py holds how: the guard; its --watch checks every collective and transfer.)
 
 
 def checking_collectives() -> bool:
@@ -220,32 +222,18 @@ def checking_collectives() -> bool:
 
 
 def agree(group, what: str, fix: str = "") -> None:
-    """Before a collective on `group`: every rank says `what` it is about to do; raise RuntimeError on every rank
-    unless all said the same. No-op for a group of one, a fake group (a memory plan) or when turned off."""
-    group = group if group is not None else dist.group.WORLD
-    n = dist.get_world_size(group)
-    if n == 1 or not checking_collectives() or dist.get_backend(group) not in ("gloo", "nccl"):
-        return
-    store, name, me = dist.distributed_c10d._get_default_store(), group.group_name, dist.get_rank(group)
-    seq = _AGREED[name] = _AGREED.get(name, -1) + 1
-    key = lambda s, r: f"course/agree/{name}/{s}/{r}"  # noqa: E731
-    store.set(key(seq, me), what)
-    ranks = dist.get_process_group_ranks(group)
-    try:
-        said = [v.decode() for v in store.multi_get([key(seq, r) for r in range(n)])]
-    except dist.DistStoreError:  # a peer never came (the store's wait is the collective timeout)
-        missing = [r for r in range(n) if not store.check([key(seq, r)])]
-        last = {r: store.get(key(seq - 1, r)).decode() if seq and store.check([key(seq - 1, r)]) else "none yet"
-                for r in missing}
-        raise RuntimeError(f"rank {ranks[me]} {what}, but " + "; ".join(
-            f"rank {ranks[r]} never reached its next collective over ranks {ranks} (its last: {last[r]})"
-            for r in missing) + f" within {timeout_seconds():.0f} s. Every rank must make the same collectives "
-            f"in the same order. {fix}".rstrip()) from None
-    if seq >= 2:  # every peer read my line of two collectives ago before it passed the last one
-        store.delete_key(key(seq - 2, me))
-    if len(set(said)) > 1:
-        raise RuntimeError(f"the ranks of group {ranks} disagree on their next collective: "
-                           + "; ".join(f"rank {ranks[r]} {s}" for r, s in enumerate(said)) + f". {fix}".rstrip())
+    """Before a collective on `group`: this rank says `what` it is about to do; raise RuntimeError on every rank of
+    the group when their lines differ. No-op for a group of one, a fake group (a memory plan) or when turned off."""
+    if checking_collectives():
+        guard.announce(group, what, fix, timeout_seconds())
+
+
+def agree_step(fix: str = "", groups=()) -> None:
+    """Before an optimizer applies a step: every rank's collectives since the last step agreed at once;
+    raise RuntimeError on every rank, before anything is applied, when they differ. `groups`: the groups the step
+    reduces over (every rank of them takes part)."""
+    if checking_collectives():
+        guard.settle(fix, groups, timeout_seconds())
 
 
 # ---- running for real: joining the job, torch's names, restarts --------------------------------------

@@ -95,7 +95,7 @@ import hsdp
 import pipeline
 import ring_attention
 import tensor_parallel
-from lab import checkpoint, hf
+from lab import checkpoint, collective_watch, hf
 from lab.data import IGNORE, get_batch, load_corpus
 from lab.model import CONFIGS, build_model, get_config, init_tensor, use_float8
 from mesh import DIMS, Mesh, mesh_problems
@@ -165,15 +165,16 @@ class Trainer:
             if self.pipe is not None:
                 if dp is not None:
                     dp.sync_next_backward(False)
-                out = pipeline.pipeline_step(model, self.actions, self.pipe, x, y, m,
+                out = pipeline.pipeline_step(model, self.actions, self.pipe, x, y, m, trace=_micro_batch,
                                              before_last_backward=dp and dp.sync_next_backward)
                 loss += sum(v.double() for v in (out["loss"], out["aux"]) if v is not None)
             else:
                 for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):  # gradient accumulation
-                    lm = model(xm, ym, positions=self.positions)
-                    if dp is not None:
-                        dp.sync_next_backward(i == m - 1)
-                    (lm / m).backward()
+                    with collective_watch.context(f"micro-batch {i + 1} of {m}") if m > 1 else nullcontext():
+                        lm = model(xm, ym, positions=self.positions)
+                        if dp is not None:
+                            dp.sync_next_backward(i == m - 1)
+                        (lm / m).backward()
                     loss += lm.detach().double() / m
         if dp is not None:
             dp.synchronize()          # (nothing left, unless no gradient reached a hook in the last backward)
@@ -382,6 +383,13 @@ def shard(model, args, mesh: Mesh, full_shapes: dict, experts: set, pipelined: b
 
 # ---- what the steps use: activation checkpointing, a pipeline's ZeRO units --------------------------------
 
+def _micro_batch(group):
+    """What a pipeline's group of actions belongs to, for --watch's lines: "SEND_F of micro-batch 2, RECV_B of
+    micro-batch 1"."""
+    return collective_watch.context(", ".join(f"{a.op} of micro-batch {a.mb + 1}" + (f" (chunk {a.chunk})" if a.chunk
+                                                                                       else "") for a in group))
+
+
 # Selective activation checkpointing keeps the outputs of these ops — the matmuls and attention, which
 # cost the most to recompute — and recomputes everything else of a block in backward (the norms, rotary,
 # SwiGLU's silu and product, the residual adds: cheap, and together most of the bytes). Change the list
@@ -522,6 +530,7 @@ def parse_args(argv=None):
                           "NAME (lab/changed_lesson.py); repeatable")
     out.add_argument("--compare", action="store_true",
                      help="afterwards, run the same layout with PyTorch's FSDP2 + DTensor TP and compare")
+    collective_watch.add_flags(out)   # --watch, --patience
     out.add_argument("--log-file", default=None, help="append one JSON object per step")
     out.add_argument("--quiet", action="store_true", help="no per-step lines")
     out.add_argument("--track-memory", action="store_true",

@@ -40,12 +40,18 @@ names already bound in the course's modules.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import inspect
 import json
 import os
+import signal
 import sys
+import threading
 import time
+import traceback
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -55,7 +61,10 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather_single", "all_gather_into_
 _ORIGINAL: dict[str, object] = {}
 _PG_ORIGINAL: dict[str, object] = {}   # ProcessGroup.send / .recv: where every transfer is posted
 _S = dict(check=0, seq={}, posted={}, pending=[], n=0, patience=10.0, events=[], probe=None, broken=None, works={},
-          on_drop=None, dropped=[], calls=0, spent=0.0, unusable={})
+          on_drop=None, dropped=[], calls=0, spent=0.0, unusable={}, notes={}, trips=0, cycle=None, waiting=None,
+          run=None, slept=0.0, current=None)
+_CONTEXT = contextvars.ContextVar("course_collective_context", default=())
+_ABSENT = "\x00"  # what compare_set expects and no key holds: a read that returns at once, set or not
 events: list[dict] = _S["events"]
 
 
@@ -135,8 +144,12 @@ def _wrap(name, orig):
         bound.apply_defaults()
         a = bound.arguments
         t0 = time.perf_counter()
-        rec = _collective(name, a)
-        _S["calls"], _S["spent"] = _S["calls"] + 1, _S["spent"] + time.perf_counter() - t0
+        try:
+            rec = _collective(name, a)
+        except CollectiveMismatch as e:
+            raise _stop(e) from None
+        finally:
+            _S["calls"], _S["spent"] = _S["calls"] + 1, _S["spent"] + time.perf_counter() - t0
         if rec is None:
             return orig(*args, **kwargs)
         try:
@@ -243,13 +256,14 @@ def _collective(name, a) -> dict | None:
     gname = group.group_name
     seq = _S["seq"][gname] = _S["seq"].get(gname, -1) + 1
     _S["n"] += 1
-    mine = dict(line=rec["line"], send=rec.get("send"), recv=rec.get("recv"), rows=rec.get("rows"), seq=seq)
-    store = _store()
-    store.set(_key("c", gname, seq, me), json.dumps(mine))
-    keys = [_key("c", gname, seq, r) for r in ranks]
-    where = f"{rec['line']} over ranks {ranks} (its collective #{seq + 1} there)"
-    _wait(keys, ranks, where, lambda r: _last_line(gname, seq, r))
-    said = {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys))}
+    note, at = _S["notes"].pop(gname, None), _at()
+    line = rec["line"] + (f" — {note}" if note else "")   # (a strategy's own words: mesh.agree)
+    rec.update(line=line, at=at)
+    mine = dict(line=line, send=rec.get("send"), recv=rec.get("recv"), rows=rec.get("rows"), seq=seq, at=at)
+    key = _key("c", gname, seq)   # one key a collective: each rank appends its line, one read sees them all
+    _store().append(key, json.dumps([me, mine]) + "\n")
+    where = f"{line} over ranks {ranks} (its collective #{seq + 1} there{', ' + at if at else ''})"
+    said = _lines(_wait([(r, key, "line") for r in ranks], where, lambda r: _last_line(gname, seq, r))[key])
     lines = {r: s["line"] for r, s in said.items()}
     if len(set(lines.values())) > 1:
         raise CollectiveMismatch(_differ(ranks, said))
@@ -258,17 +272,36 @@ def _collective(name, a) -> dict | None:
     return rec
 
 
+def _lines(value) -> dict:
+    """{rank: what it said} of a collective's key (one JSON [rank, entry] a line)."""
+    out = {}
+    for row in (value or "").splitlines():
+        r, x = json.loads(row)
+        out[r] = x
+    return out
+
+
 def _last_line(gname, seq, r) -> str:
-    key = _key("c", gname, seq - 1, r)
-    return json.loads(_store().get(key))["line"] if seq and _store().check([key]) else "none yet"
+    said = _lines(_peek(_key("c", gname, seq - 1))) if seq else {}
+    return _with_at(said[r]) if r in said else "none yet"
+
+
+def _with_at(s) -> str:
+    return s["line"] + (f" ({s['at']})" if s.get("at") else "")
 
 
 def _differ(ranks, said) -> str:
     lines = {r: s["line"] for r, s in said.items()}
     kinds = {line.split(" of ")[0] for line in lines.values()}   # the op and its reduction: "all_reduce (sum)"
+    sizes = {line.split(" — ")[0] for line in lines.values()}
+    words = {line.split(" — ", 1)[1] if " — " in line else "" for line in lines.values()}
     if len(kinds) > 1:
         what = ("different collectives: the ranks make theirs in a different order, or one rank makes one more or "
                 "one fewer")
+    elif len(words) > 1:
+        what = ("the same collective made for different things (the lessons' own words differ): one rank makes one "
+                "more or one fewer, or the ranks make them in a different order"
+                + (" — of the same size, gloo would have handed each the other's data" if len(sizes) == 1 else ""))
     elif next(iter(kinds)).startswith("all_to_all"):
         what = ("the rows differ in shape or dtype: an all-to-all's ranks may send different numbers of rows, but "
                 "every row must have the same shape and dtype on every rank")
@@ -276,7 +309,7 @@ def _differ(ranks, said) -> str:
         what = ("the same collective with different sizes (or dtypes): every rank must hand over the same shape "
                 "— or one rank is a collective ahead of the others")
     return (f"the ranks of group {ranks} disagree on their collective #{said[ranks[0]]['seq'] + 1} there — "
-            + "; ".join(f"rank {r}: {lines[r]}" for r in ranks) + f" — {what}")
+            + "; ".join(f"rank {r}: {_with_at(said[r])}" for r in ranks) + f" — {what}")
 
 
 def _check_own_splits(rec) -> None:
@@ -324,8 +357,12 @@ def _wrap_transfer(kind, orig):
         if not _watched(group):
             return orig(group, tensors, peer, tag)
         t0 = time.perf_counter()
-        op = _post(group, kind, tensors[0], peer, tag)
-        _S["calls"], _S["spent"] = _S["calls"] + 1, _S["spent"] + time.perf_counter() - t0
+        try:
+            op = _post(group, kind, tensors[0], peer, tag)
+        except CollectiveMismatch as e:
+            raise _stop(e) from None
+        finally:
+            _S["calls"], _S["spent"] = _S["calls"] + 1, _S["spent"] + time.perf_counter() - t0
         return _Work(orig(group, tensors, peer, _scoped(group, tag)), op)
     wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__ = kind, orig.__doc__, orig
     return wrapped
@@ -360,10 +397,11 @@ def _post(group, kind, t, peer, tag) -> dict:
     op = dict(kind=kind, peer=other, me=me, src=src, dst=dst, n=n, what=what, numel=t.numel(), dtype=_dt(t),
               key=_key("p", pair, n, kind), other=_key("p", pair, n, "recv" if kind == "send" else "send"),
               matched=False)
-    store = _store()
-    store.set(op["key"], json.dumps(dict(what=what, numel=op["numel"], dtype=op["dtype"])))
-    if store.check([op["other"]]):   # (published before looking: of two sides posted at once, one sees the other)
-        _match(op, store)
+    _store().set(op["key"], json.dumps(dict(what=what, numel=op["numel"], dtype=op["dtype"], at=_at())))
+    _S["current"] = f"posts the {_short(op)} ({what}{', ' + _at() if _at() else ''})"
+    theirs = _peek(op["other"])   # (published before looking: of two sides posted at once, one sees the other)
+    if theirs is not None:
+        _match(op, theirs)
     rec = dict(op=kind, group=[me, other], numel=t.numel(), dtype=_dt(t), asynchronous=not _blocking(), bytes=_nb(t),
                in_backward=torch._C._current_graph_task_id() != -1, t=time.monotonic(), line=what)
     if _S["probe"] is not None:
@@ -388,11 +426,11 @@ def _short(op) -> str:
     return f"{op['kind'].replace('recv', 'receive')} #{op['n']} from {op['src']} to {op['dst']}"
 
 
-def _match(op, store) -> None:
+def _match(op, theirs) -> None:
     """The other side is posted: the two must agree on the size (gloo aborts a receiver sent more than it has room
     for, and leaves the rest of a larger one unwritten). Of two sides that differ, the one posted second is refused
     before gloo sees it."""
-    theirs = json.loads(store.get(op["other"]))
+    theirs = json.loads(theirs)
     if (theirs["numel"], theirs["dtype"]) != (op["numel"], op["dtype"]):
         sent, room = (op["what"], theirs["what"]) if op["kind"] == "send" else (theirs["what"], op["what"])
         s, r, n = op["src"], op["dst"], op["n"]
@@ -438,11 +476,15 @@ class _Work(dist.Work):
         op = self._op
         if "kind" in op and not op["matched"]:
             t0 = time.perf_counter()
-            _wait([op["other"]], [op["peer"]], "waits " + _say(op),
-                  lambda r: f"{op['n'] - 1} {'receives' if op['kind'] == 'send' else 'sends'} posted with rank "
-                            f"{op['me']}", op)
-            _match(op, _store())
-            _S["spent"] += time.perf_counter() - t0
+            try:
+                got = _wait([(op["peer"], op["other"], "set")], "waits " + _say(op),
+                            lambda r: f"{op['n'] - 1} {'receives' if op['kind'] == 'send' else 'sends'} posted with "
+                                      f"rank {op['me']}", op)
+                _match(op, got[op["other"]])
+            except CollectiveMismatch as e:
+                raise _stop(e) from None
+            finally:
+                _S["spent"] += time.perf_counter() - t0
         try:
             done = self._work.wait(timeout or _bound())
         except Exception as e:  # noqa: BLE001 - gloo gave up: say what this rank waited for
@@ -538,8 +580,27 @@ def explain(e) -> str:
 # ---- waiting, with the deadlock and the missing peer named -------------------------------------------------------
 
 def _state(r):
-    key = _key("s", r)
-    return json.loads(_store().get(key)) if _store().check([key]) else None
+    v = _peek(_key("s", r))
+    return json.loads(v) if v is not None else None
+
+
+def _peek(key):
+    """The value of `key` now, or None if it is not set: one round trip that never waits (compare_set with an
+    expected value no key holds returns the value, or that expected value when there is none)."""
+    _S["trips"] += 1
+    v = _store().compare_set(key, _ABSENT, "")
+    return None if v == _ABSENT.encode() else v.decode()
+
+
+def _read(need) -> tuple[dict, list]:
+    """({key: its value}, the needs [(rank, key, kind)] not met): kind "set", the key is set; "line", the rank's line
+    is among the key's. One read a key."""
+    vals = {k: _peek(k) for k in dict.fromkeys(k for _, k, _ in need)}
+    return vals, [n for n in need if not _met(vals[n[1]], n[0], n[2])]
+
+
+def _met(value, r, kind) -> bool:
+    return value is not None and (kind == "set" or f"[{r}, " in value and r in _lines(value))
 
 
 def _unmet(but=None) -> list:
@@ -548,54 +609,67 @@ def _unmet(but=None) -> list:
     return [[op["other"], _short(op)] for op in _S["pending"] if not op["matched"] and op is not but]
 
 
-def _wait(keys, ranks, where, last_of, op=None) -> None:
-    """Wait until every key is set; meanwhile publish what I wait for, and raise as soon as the wait cannot end."""
+def _wait(need, where, last_of, op=None) -> dict:
+    """Wait until every need [(rank, key, kind)] is met (_read); meanwhile publish what I wait for, and raise as soon
+    as the wait cannot end. Returns {key: value} as last read."""
     store, me, start = _store(), dist.get_rank(), time.monotonic()
-    nap, blocked, seen, next_look = 0.0002, False, None, start + 0.05
-    while True:
-        # poll (store.wait with a short timeout would log a warning at every expiry): soon, then less often
-        if store.check(keys):
-            break
-        time.sleep(nap)
-        nap = min(0.02, nap * 2)
-        if time.monotonic() < next_look:
-            continue
-        next_look = time.monotonic() + 0.2
-        missing = [(r, k) for r, k in zip(ranks, keys) if not store.check([k])]
-        if not missing:
-            break
-        state = dict(state="blocked", where=where, n=_S["n"], waits=[[r, k] for r, k in missing], also=_unmet(op))
-        store.set(_key("s", me), json.dumps(state))
-        blocked = True
-        if store.check([_key("verdict")]):
-            raise CollectiveMismatch(store.get(_key("verdict")).decode())
-        for r, _ in missing:
-            s = _state(r)
-            if s is not None and s["state"] == "done":
-                how = f"it raised {s['error']}" if s.get("error") else "it finished the check"
-                if op is None:
-                    raise PeerLeft(f"rank {me} {_strip(where)}, but rank {r} left without it ({how}); its last: "
-                                   f"{s['where']}. Every rank must make the same collectives and transfers, in the "
-                                   f"same order")
-                mine, theirs = ("sends to", "receives from") if op["kind"] == "send" else ("receives from", "sends to")
-                raise PeerLeft(f"rank {me} {_strip(where)}, but rank {r} left without it ({how}): rank {me} posts "
-                               f"more {mine} rank {r} than rank {r} posts {theirs} it — a step one of them skips, or "
-                               f"one transfer more on one side")
-        cycle = _deadlock(me)
-        if cycle is not None and cycle == seen:
-            msg = ("deadlock: every rank here waits for a peer that waits elsewhere — "
-                   + "; ".join(f"rank {r} {_strip(s['where'], 'waits at ')}, waiting for rank(s) "
-                               f"{[w for w, _ in s['waits']]}" + _also(s) for r, s in sorted(cycle.items())) + ". "
-                   + _advice(cycle) + f" (found after {time.monotonic() - start:.2f} s)")
-            store.set(_key("verdict"), msg)
-            raise CollectiveMismatch(msg)
-        seen = cycle
-        if time.monotonic() - start > _S["patience"]:
-            who = "; ".join(f"rank {r} never reached it (its last: {last_of(r)}; it is not waiting at a watched "
-                            f"collective or transfer: still computing, or in an endless loop?)" for r, _ in missing)
-            raise CollectiveMismatch(f"rank {me} {_strip(where)}, but {who} within {_S['patience']:.0f} s")
+    nap, blocked, seen, next_look = 0.00005, False, None, start + 0.05
+    _S["waiting"] = _S["current"] = where
+    try:
+        while True:
+            # poll (store.wait with a short timeout would log a warning at every expiry): soon, then less often
+            vals, missing = _read(need)
+            if not missing:
+                break
+            t0 = time.perf_counter()
+            time.sleep(nap)
+            _S["slept"] += time.perf_counter() - t0
+            # (a peer a few ms behind is met within a ms; one far behind costs a read every 10 ms)
+            nap = min(0.01 if time.monotonic() - start > 0.02 else 0.001, nap * 2)
+            if time.monotonic() < next_look:
+                continue
+            next_look = time.monotonic() + 0.2
+            _look(store, me, start, where, missing, last_of, op, seen)
+            blocked, seen = True, _S["cycle"]
+    finally:
+        _S["waiting"] = None
     if blocked:
         store.set(_key("s", me), json.dumps(dict(state="running", where=where, n=_S["n"], waits=[])))
+    return vals
+
+
+def _look(store, me, start, where, missing, last_of, op, seen) -> None:
+    """A wait's look, every 0.2 s: say what this rank waits for; raise if a peer's verdict, departure, a deadlock or
+    the patience says the wait cannot end."""
+    state = dict(state="blocked", where=where, n=_S["n"], waits=[list(n) for n in missing], also=_unmet(op))
+    store.set(_key("s", me), json.dumps(state))
+    v = _peek(_key("verdict"))
+    if v is not None:
+        raise CollectiveMismatch(v)
+    for r, _, _ in missing:
+        s = _state(r)
+        if s is not None and s["state"] == "done":
+            how = s.get("how") or (f"it raised {s['error']}" if s.get("error") else "it finished the check")
+            if op is None:
+                raise PeerLeft(f"rank {me} {_strip(where)}, but rank {r} left without it ({how}); its last: "
+                               f"{s['where']}. Every rank must make the same collectives and transfers, in the "
+                               f"same order")
+            mine, theirs = ("sends to", "receives from") if op["kind"] == "send" else ("receives from", "sends to")
+            raise PeerLeft(f"rank {me} {_strip(where)}, but rank {r} left without it ({how}): rank {me} posts "
+                           f"more {mine} rank {r} than rank {r} posts {theirs} it — a step one of them skips, or "
+                           f"one transfer more on one side")
+    cycle = _S["cycle"] = _deadlock(me)
+    if cycle is not None and cycle == seen:
+        msg = ("deadlock: every rank here waits for a peer that waits elsewhere — "
+               + "; ".join(f"rank {r} {_strip(s['where'], 'waits at ')}, waiting for rank(s) "
+                           f"{[w[0] for w in s['waits']]}" + _also(s) for r, s in sorted(cycle.items())) + ". "
+               + _advice(cycle) + f" (found after {time.monotonic() - start:.2f} s)")
+        store.set(_key("verdict"), msg)
+        raise CollectiveMismatch(msg)
+    if time.monotonic() - start > _S["patience"]:
+        who = "; ".join(f"rank {r} never reached it (its last: {last_of(r)}; it is not waiting at a watched "
+                        f"collective or transfer: still computing, or in an endless loop?)" for r, _, _ in missing)
+        raise _stop(CollectiveMismatch(f"rank {me} {_strip(where)}, but {who} within {_S['patience']:.0f} s"))
 
 
 def _strip(where, prefix="waits at "):
@@ -603,7 +677,7 @@ def _strip(where, prefix="waits at "):
 
 
 def _also(s) -> str:
-    also = [what for key, what in s.get("also", []) if not _store().check([key])]
+    also = [what for key, what in s.get("also", []) if _peek(key) is None]
     return f" (its other transfers not met yet: {', '.join(also[:4])}{' …' if len(also) > 4 else ''})" if also else ""
 
 
@@ -630,9 +704,9 @@ def _deadlock(me):
         if s is None or s["state"] == "running":
             return None
         if s["state"] == "blocked":
-            if any(store.check([k]) for _, k in s["waits"]):
+            if any(_met(_peek(k), w, kind) for w, k, kind in s["waits"]):
                 return None  # what it waited for has come: it is moving on
-            todo += [w for w, _ in s["waits"]]
+            todo += [w[0] for w in s["waits"]]
         seen[r] = s
     return {r: s for r, s in seen.items() if s["state"] == "blocked"} or None
 
@@ -646,6 +720,8 @@ def begin_check() -> None:
     _S["broken"] = None
     events.clear()
     _S["probe"] = None
+    if _S["run"] is not None:   # a watched run's verdict is its scope's: the next scope starts with none said
+        _S["run"].update(raised=False, printed=False)
 
 
 def set_probe(fn) -> None:
@@ -654,9 +730,10 @@ def set_probe(fn) -> None:
 
 
 def stats() -> dict:
-    """The watch's own cost since install: calls watched, and seconds spent in it (its store round trips, and its
-    waits for peers, which the collective itself would otherwise have spent in gloo)."""
-    return dict(calls=_S["calls"], seconds=_S["spent"])
+    """The watch's own cost since install: calls watched, seconds spent in it (its store round trips, and its waits
+    for peers, which the collective itself would otherwise have spent in gloo), of them asleep waiting for a peer,
+    and store round trips."""
+    return dict(calls=_S["calls"], seconds=_S["spent"], waiting=_S["slept"], round_trips=_S["trips"])
 
 
 def end_check(error: str | None, wait: float | None = None, broken: str | None = None) -> dict:
@@ -684,7 +761,7 @@ def end_check(error: str | None, wait: float | None = None, broken: str | None =
         if s is None or s["state"] != "done":
             errors[r] = dirty[r] = "never finished the check"
         else:
-            errors[r] = s["error"]
+            errors[r] = s["error"] if "error" in s else s.get("how")   # (a rank that left the run: how it left)
             if s.get("broken"):
                 dirty[r] = s["broken"]
     if dirty:   # (a rank that finishes late reads the others' verdict)
@@ -700,3 +777,585 @@ def unusable() -> dict:
     ranks closed by a timeout, or a rank never finished the scope): the group must be rebuilt. The same on every
     rank. (A transfer posted that no peer met leaves nothing behind: each scope's transfers carry their own tags.)"""
     return dict(_S["unusable"])
+
+
+# ---- a run under --watch: what each collective belongs to, the cost, and each rank's pending collective ----------
+#
+# `torchrun ... train.py --watch` (or any lesson's run) installs the watch for the whole run (start): every
+# collective and transfer is checked as above, its line names what it belongs to — the strategy's own words
+# (mesh.agree: "gathers unit 2 (layers.1) for forward") and the labels the composition and demos set around it
+# (context: "step 3 › micro-batch 1") — and the first rank that finds a mismatch, a deadlock or a rank that never
+# came makes it every rank's verdict: each rank prints where it was (its pending collective, its Python stack) and
+# the run ends. `kill -USR1 <a rank's pid>` prints the same at any moment, the run going on. summary() says what it
+# cost.
+
+def context(label: str):
+    """Inside, each collective and transfer this rank makes belongs to `label` too (nested labels join: "step 3 ›
+    micro-batch 1"). Costs next to nothing: set it around every step."""
+    return _labelled(label)
+
+
+@contextlib.contextmanager
+def _labelled(label):
+    token = _CONTEXT.set(_CONTEXT.get() + (label,))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def _at() -> str:
+    return " › ".join(_CONTEXT.get())
+
+
+def add_flags(parser) -> None:
+    """--watch and --patience, on a lesson's (or train.py's) command line."""
+    parser.add_argument("--watch", action="store_true",
+                        help="check every collective and transfer against the other ranks' before it runs (through "
+                             "the job's store): a mismatch, a deadlock or a rank that stops coming ends the run with "
+                             "each rank's pending collective and stack; kill -USR1 a rank's pid prints them (slower: "
+                             "never for timing)")
+    parser.add_argument("--patience", type=float, default=float(os.environ.get("COURSE_WATCH_PATIENCE", "30")),
+                        help="with --watch: seconds a rank waits for a peer that does not come before it names it "
+                             "(COURSE_WATCH_PATIENCE)")
+
+
+def start(patience: float = 30.0) -> None:
+    """Watch the whole run (every rank, before its first collective): install(patience), one scope, the verdict
+    shared, kill -USR1 answered, and a thread that prints where this rank is when another rank stopped the run."""
+    install(patience)
+    begin_check()
+    _S["run"] = dict(t0=time.perf_counter(), printed=False)
+    answer_usr1()
+    if _G["thread"] is None:
+        _start_watchdog()
+
+
+def watching() -> bool:
+    return _S["run"] is not None
+
+
+def _stop(e: Exception) -> Exception:
+    """In a run, the error this rank found becomes every rank's verdict (the first one said), and the rank says where
+    it stopped."""
+    run = _S["run"]
+    if run is not None and dist.is_initialized() and not run.get("raised"):
+        run["raised"] = True
+        said = _store().compare_set(_key("verdict"), "", str(e)).decode()
+        _S["trips"] += 1
+        _say_where(sys._getframe(2), "stops", at=_S["current"])
+        if said != str(e):   # a peer found it first (two ranks that see a peer leave at once): its words
+            return type(e)(said)
+    return e
+
+
+def answer_usr1() -> None:
+    """kill -USR1 <pid> prints where this rank is (pending()) and its Python stack, the run going on: --watch's
+    words, or without it the guard's (the collective it announced last). Every lesson's run answers it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda signum, frame: _say_where(frame, "kill -USR1"))
+
+
+def pending() -> str:
+    """What this rank waits for now, or its last collective or transfer (with what it belongs to)."""
+    if _S["run"] is None and not _ORIGINAL:   # no watch: what the guard knows
+        state = _G["state"]
+        where = {"gate": "waits at the gate before the optimizer step (its peers' records of the step)",
+                 "slow": "waits for its peers' lines at", "fast": "last announced", "after": "last announced"}
+        return (f"{where[state[0]]}{' ' + state[3] if len(state) > 3 else ''} (step {_G['epoch'] + 1}; the "
+                f"collective itself may be running: --watch says)" if state[0] in where else
+                f"not at an announced collective (step {_G['epoch'] + 1}; --watch sees every collective)")
+    if _S["waiting"]:
+        return f"waits at {_S['waiting']}" if not _S["waiting"].startswith("waits ") else _S["waiting"]
+    flying = in_flight()
+    if flying:
+        return "posted and not waited yet: " + "; ".join(w["what"] for w in flying[:3])
+    last = events[-1] if events else None
+    where = f" ({_at()})" if _at() else ""
+    return (f"not at a watched collective{where}; its last: {last['line']} over ranks {last['group']}"
+            + (f" ({last['at']})" if last.get("at") else "") if last else f"no collective yet{where}")
+
+
+def _say_where(frame, why, at=None) -> None:
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no Python frame)\n"
+    print(f"[rank {dist.get_rank() if dist.is_initialized() else os.environ.get('RANK', '0')}] {why}: "
+          f"{_strip(at) if at else pending()}. Its Python stack, innermost last:\n{stack}", file=sys.stderr, end="",
+          flush=True)
+
+
+def report(seconds: float | None = None, of: str = "the run") -> None:
+    """Print summary() once, on every rank (a run under --watch; nothing otherwise)."""
+    if _S["run"] is None or _S["run"].get("reported"):
+        return
+    _S["run"]["reported"] = True
+    sys.stdout.write(f"[rank {dist.get_rank()}] {summary(seconds, of)}\n")   # (one write: ranks share a terminal)
+    sys.stdout.flush()
+
+
+def summary(seconds: float | None = None, of: str = "the run") -> str:
+    """One line: what the watch cost this rank — calls watched, store round trips and milliseconds each (its own
+    work: the round trips and the bookkeeping, not the time it waited for a slower peer, which the collective would
+    have waited in gloo), and their share of `seconds` (default: since start)."""
+    calls, trips, own = _S["calls"], _S["trips"], _S["spent"] - _S["slept"]
+    total = seconds if seconds is not None else time.perf_counter() - (_S["run"] or dict(t0=0))["t0"]
+    each = f"{trips / calls:.1f} store round trips and {own / calls * 1e3:.2f} ms each" if calls else "nothing"
+    return (f"--watch: {calls} collectives and transfers watched, {each} on average: {own:.3f} s, {own / total:.1%} "
+            f"of {of} ({total:.2f} s; it also waited {_S['slept']:.2f} s for slower peers)")
+
+
+# ---- the guard: what every run checks, a few store round trips a step (mesh.agree, mesh.agree_step) ---------------
+#
+# The watch above says every collective through the store before it runs: exact, and a few store round trips each.
+# Every run keeps a cheaper promise by default: a collective that differs across ranks never applies a wrong update,
+# and ends in one clear error on every rank.
+#   - Before each collective a strategy announces (announce: fsdp.py's gathers and reductions, hsdp.py's all-reduce),
+#     the rank folds its line into its record of the step (per group: a count and a checksum) and compares it with
+#     the line at the same place of the last step, which every rank agreed on. The same line: nothing more, no store
+#     traffic. Another line (or no step agreed yet): it is agreed on its own through the store before it runs, as
+#     the watch would, so a collective of another size never reaches gloo (which aborts a process sent more bytes
+#     than it expects). A rank whose line differs from the last step's and its peers' cannot pass.
+#   - Before the optimizer applies the step (settle), every rank says its record (an append and a count) and reads
+#     its peers': records that differ, or a peer still inside a collective this rank never makes, raise on every
+#     rank — the update is not applied. Then this step's lines are the next step's to compare with.
+#   - A rank that entered a collective its peers never make (it followed the last step, a peer did not) waits inside
+#     gloo, where it cannot say anything: after STALL seconds without progress a watchdog thread publishes where it
+#     is (its last lines per group), from which the peer waiting in the store names the mismatch; the watchdog then
+#     reads that verdict, prints it and ends the process (its collective would only end at the timeout).
+# Keys: course/guard/<step>/<group>/<k> (a collective agreed on its own: one line per rank, appended), .../gate (the
+# step's records; /n counts the ranks in, /done is "ok" once all are, or a verdict), course/guard/at/<rank> (where a
+# waiting or stalled rank is), course/guard/verdict/<step>.
+
+STALL = 1.0      # seconds without progress after which a rank's watchdog says where it is
+_G = dict(epoch=0, log=[], history=None, count={}, crc={}, known={}, said={}, state=("idle",), progress=0,
+          tainted=False, handled=None, thread=None, groups={}, mine=[], gates=0, slow=0, fast=0, seconds=0.0,
+          gate=None, waiter=None)
+
+
+def _info(group) -> dict:
+    """What the guard needs of a group, looked up once: is it checked (more than one rank, gloo or NCCL), its name,
+    ranks and this rank."""
+    g = _G["groups"].get(id(group))
+    if g is None or g["pg"] is not group:
+        live = dist.get_world_size(group) > 1 and dist.get_backend(group) in ("gloo", "nccl")
+        g = dict(pg=group, live=live, name=group.group_name if live else None, me=dist.get_rank(),
+                 ranks=dist.get_process_group_ranks(group) if live else [])
+        _G["groups"][id(group)] = g
+    return g
+
+
+def announce(group, what: str, fix: str = "", patience: float = 120.0) -> None:
+    """Before a collective on `group`: this rank is about to do `what` (one line). Raises CollectiveMismatch on every
+    rank of the group when their lines differ, or a peer cannot come (mesh.agree)."""
+    group = group if group is not None else dist.group.WORLD
+    g = _info(group)
+    if not g["live"]:
+        return
+    name = g["name"]
+    if _ORIGINAL:   # the watch checks every collective itself: the line names the next one on the group
+        _S["notes"][name] = what
+        return
+    t0 = time.perf_counter()
+    k, i = _G["count"].get(name, 0), len(_G["log"])
+    _G["count"][name] = k + 1
+    _G["crc"][name] = zlib.crc32(what.encode(), _G["crc"].get(name, 0))
+    _G["log"].append((name, what))
+    _G["known"][name] = g["ranks"]
+    _G["progress"] += 1
+    h = _G["history"]
+    if h is not None and i < len(h) and h[i] == (name, what):   # as in the last step, which every rank agreed on
+        _G["state"] = ("fast", name, k, what)
+        _G["fast"] += 1
+        if _G["thread"] is None:
+            _start_watchdog()
+        return
+    _G["slow"] += 1
+    try:
+        _agree_one(g, k, what, fix, patience)
+    finally:
+        _G["seconds"] += time.perf_counter() - t0
+
+
+def _agree_one(g, k, what, fix, patience) -> None:
+    """One collective agreed through the store before it runs: every member's line at the same place."""
+    name, ranks, me, e = g["name"], g["ranks"], g["me"], _G["epoch"]
+    _G["state"] = ("slow", name, k, what)
+    _publish()
+    before = _G["said"].get(name, {})
+    if _G["thread"] is None:
+        _start_watchdog()
+
+    def look(said, missing, waited):
+        return _look_slow(g, k, what, missing, waited, patience, before, fix)
+    said = _gather(f"course/guard/{e}/{name}/{k}", me, what, ranks, look)
+    if me == min(ranks):
+        _G["mine"].append(f"course/guard/{e}/{name}/{k}")
+    _G["said"][name] = said
+    _G["state"] = ("after", name, k, what)
+    _G["progress"] += 1
+    if len(set(said.values())) > 1:
+        _fail(name, k, _differ_line(ranks, said, fix))
+
+
+def _differ_line(ranks, said, fix) -> str:
+    return (f"the ranks of group {ranks} disagree on their next collective: "
+            + "; ".join(f"rank {r} {said[r]}" for r in ranks) + f". {fix}".rstrip())
+
+
+def _gather(key, me, mine, members, look) -> dict:
+    """Append my entry to `key` and wait until every member's is there ({rank: entry}); every 0.2 s `look` at who
+    is missing (it may raise, or answer for a member: {rank: entry})."""
+    _store().append(key, json.dumps([me, mine]) + "\n")
+    start = time.monotonic()
+    nap, next_look, extra = 5e-5, start + 0.05, {}
+    while True:
+        v = _peek(key)
+        said = dict(extra)
+        for row in (v or "").splitlines():
+            r, x = json.loads(row)
+            said[r] = x
+        missing = [r for r in members if r not in said]
+        if not missing:
+            return said
+        time.sleep(nap)
+        nap = min(nap * 2, 0.005)
+        now = time.monotonic()
+        if now >= next_look:
+            next_look = now + 0.2
+            extra.update(look(said, missing, now - start) or {})
+
+
+def _publish(at=None) -> None:
+    """Where this rank is (what it waits for, its last lines per group this step), for a peer that waits for it."""
+    state, log = _G["state"], list(_G["log"])
+    tails = {}
+    for n, line in log:
+        tails.setdefault(n, []).append(line)
+    _store().set(f"course/guard/at/{dist.get_rank()}", json.dumps(dict(
+        epoch=_G["epoch"], state=state[0], exit=_G.get("exit"), at=at or _main_at(),
+        name=state[1] if len(state) > 1 else None,
+        k=state[2] if len(state) > 2 else None, line=state[3] if len(state) > 3 else None,
+        count=dict(_G["count"]), ranks=dict(_G["known"]),
+        tails={n: [len(lines) - len(lines[-8:]), lines[-8:]] for n, lines in tails.items()})))
+
+
+def _main_at() -> str | None:
+    """file:line in function of the main thread's innermost frame outside torch (where a stalled rank is)."""
+    f, torch_dir = sys._current_frames().get(threading.main_thread().ident), os.path.dirname(torch.__file__)
+    while f is not None and (f.f_code.co_filename.startswith(torch_dir) or f.f_code.co_filename == __file__):
+        f = f.f_back
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}" if f is not None else None
+
+
+def _position(r):
+    v = _peek(f"course/guard/at/{r}")
+    pos = json.loads(v) if v else None
+    return pos if pos is not None and pos["epoch"] == _G["epoch"] else None
+
+
+def _stalled_at(q, pos=None) -> str:
+    pos = pos or _position(q)
+    return f"; it waits at {pos['at']}" if pos and pos.get("at") else ""
+
+
+def _line_at(pos, name, k):
+    """A peer's line number k on group `name` this step, from its published tail (None: not there)."""
+    first, lines = pos["tails"].get(name, [0, []])
+    return lines[k - first] if first <= k < first + len(lines) else None
+
+
+def _look_slow(g, k, what, missing, waited, patience, before, fix):
+    """A collective agreed on its own, and `missing` have not said theirs: where are they?"""
+    name, ranks, me = g["name"], g["ranks"], g["me"]
+    _verdict_raised()
+    answered = {}
+    for q in missing:
+        pos = _position(q)
+        if pos is None:
+            continue
+        theirs = _line_at(pos, name, k)
+        if pos["state"] == "left" and pos["count"].get(name, 0) <= k:
+            _conclude(f"rank {me} {what} (its collective #{k + 1} over ranks {ranks} in step {_G['epoch'] + 1}), "
+                      f"but rank {q} left the run (exit code {pos['exit']}) without it.")
+        if pos["state"] == "gate" and pos["count"].get(name, 0) <= k:
+            _conclude(f"rank {me} {what} (its collective #{k + 1} over ranks {ranks} in step {_G['epoch'] + 1}), "
+                      f"but rank {q} reached the optimizer step after {pos['count'].get(name, 0)} collectives "
+                      f"there: a collective some ranks make and others skip. {fix}")
+        elif theirs is not None:   # it passed this place without asking: its line is the last step's
+            if theirs != what:
+                _conclude(_differ_line(ranks, {**{r: what for r in ranks}, q: theirs}, fix)
+                          + f" (collective #{k + 1} there in step {_G['epoch'] + 1})")
+            answered[q] = theirs
+        elif pos["state"] == "slow" and (pos["name"], pos["k"]) != (name, k) \
+                and me in pos["ranks"].get(pos["name"], []) and _G["count"].get(pos["name"], 0) <= pos["k"]:
+            _conclude(f"rank {me} {what} (collective #{k + 1} over ranks {ranks}), while rank {q} {pos['line']} "
+                      f"(collective #{pos['k'] + 1} over ranks {pos['ranks'][pos['name']]}) and waits for rank "
+                      f"{me} there: the ranks make their collectives in a different order. {fix}")
+    if waited > patience:
+        agreed = [line for n, line in _G["log"][:-1] if n == name]   # (every member made these, as this rank did)
+        raise _failed_here(name, k, f"rank {me} {what}, but " + "; ".join(
+            f"rank {q} never reached its next collective over ranks {ranks} (its last: "
+            f"{before.get(q) or (agreed[-1] if agreed else 'none yet')}{_stalled_at(q)})" for q in missing)
+            + f" within {patience:.0f} s. " + (fix or "Every rank must make the same collectives in the same order."))
+    return answered
+
+
+def settle(fix: str = "", groups=(), patience: float = 120.0) -> None:
+    """Before an optimizer applies a step: every rank's record of the step (per group: how many collectives, and a
+    checksum of their lines) agreed with its peers' at one gate (_gate); raises CollectiveMismatch on every rank when
+    they differ, before anything is applied (mesh.agree_step). `groups`: the groups the step reduces over (their
+    ranks take part even where this rank announced nothing on them)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or _ORIGINAL:
+        return
+    t0 = time.perf_counter()
+    me, e = dist.get_rank(), _G["epoch"]
+    for group in groups:
+        g = _info(group if group is not None else dist.group.WORLD)
+        if g["live"]:
+            _G["known"].setdefault(g["name"], g["ranks"])
+    known = _G["known"]
+    if not known:
+        return
+    part = sorted({r for ranks in known.values() for r in ranks})
+    mine = {n: [_G["count"].get(n, 0), _G["crc"].get(n, 0), ranks] for n, ranks in known.items()}
+    _G["state"] = ("gate",)
+    _G["progress"] += 1
+    if _G["thread"] is None:
+        _start_watchdog()
+    said = _gate(f"course/guard/{e}/gate", me, dict(g=mine, t=_G["tainted"]), part, patience, fix)
+    bad = sorted({n for q in part for n, (c, x, ranks) in mine.items()
+                  if q in ranks and said[q]["g"].get(n, [0, 0])[:2] != [c, x]}
+                 | {n for q in part for n, (c, x, ranks) in said[q]["g"].items()
+                    if me in ranks and n not in mine and c})
+    if bad:
+        _fail(None, None, _records_differ(e, bad, said, fix))
+    _G["history"] = None if any(said[q]["t"] for q in part) else list(_G["log"])
+    old = _G["mine"]
+    _G.update(epoch=e + 1, log=[], count={}, crc={}, said={}, state=("idle",), tainted=False, mine=[])
+    _G["progress"] += 1
+    _G["gates"] += 1
+    if me == part[0]:   # every participant has read these: the step's own keys, and the last step's gate
+        for key in old + ([f"course/guard/{e - 1}/gate{x}" for x in ("", "/n", "/done")] if e else []):
+            _store().delete_key(key)
+            _S["trips"] += 1
+        _G["mine"].append(f"course/guard/{e}/gate")
+    _G["seconds"] += time.perf_counter() - t0
+
+
+def _gate(key, me, mine, part, patience, fix) -> dict:
+    """The step's gate: append my record to `key`, count myself in; the last rank in opens the gate, the others
+    block in the store until it does (no polling: a waiting rank leaves the cores to the ranks still computing),
+    while the watchdog thread looks at who is missing (_gate_look) and may close the gate with a verdict instead.
+    Returns {rank: record}; raises the verdict."""
+    store = _store()
+    store.append(key, json.dumps([me, mine]) + "\n")
+    done = key + "/done"
+    _S["trips"] += 2
+    if store.add(key + "/n", 1) == len(part):
+        v = store.compare_set(done, "", "ok").decode()   # (a verdict the watchdog of a rank gave up with stands)
+        _S["trips"] += 1
+    else:
+        if _G["waiter"] is None or _G["waiter"][0] is not store:   # a client of its own: the watchdog uses the
+            _G["waiter"] = (store, store.clone())                     # store while this one blocks
+        _G["gate"] = dict(key=key, done=done, part=part, t=time.monotonic(), patience=patience, fix=fix,
+                          published=False)
+        try:
+            v = _G["waiter"][1].get(done).decode()
+        finally:
+            _G["gate"] = None
+        _S["trips"] += 1
+    if v != "ok":
+        raise _failed_here(None, None, v)
+    _S["trips"] += 1
+    return {r: x for r, x in (json.loads(row) for row in store.get(key).decode().splitlines())}
+
+
+def _gate_look() -> None:
+    """The watchdog's look while the main thread waits at the gate (after 0.2 s): say where this rank is, once; a
+    verdict (a peer gone, a peer inside a collective this rank never makes, the patience spent) closes the gate."""
+    g = _G["gate"]
+    if g is None or time.monotonic() - g["t"] < 0.2:
+        return
+    if not g["published"]:
+        _publish()
+        g["published"] = True
+    said = {json.loads(row)[0] for row in (_peek(g["key"]) or "").splitlines()}
+    missing = [r for r in g["part"] if r not in said]
+    v = _gate_verdict(missing, time.monotonic() - g["t"], g["patience"], g["fix"]) if missing else None
+    if v is not None:
+        _store().compare_set(g["done"], "", v)
+        _S["trips"] += 1
+
+
+def _gate_verdict(missing, waited, patience, fix) -> str | None:
+    """This rank reached the optimizer step; `missing` have not: where are they? The verdict, or None (wait on)."""
+    me, e = dist.get_rank(), _G["epoch"]
+    shared = f"course/guard/verdict/{e}"
+    v = _peek(shared)
+    if v is not None:
+        return v
+    for q in missing:
+        pos = _position(q)
+        msg = None
+        if pos is not None and pos["state"] == "left":
+            msg = (f"rank {me} reached the optimizer step of step {e + 1}, but rank {q} left the run (exit code "
+                   f"{pos['exit']}) before it. No update was applied.")
+        elif pos is not None and pos["state"] in ("fast", "slow", "after") and pos["name"] is not None:
+            n, k = pos["name"], pos["k"]
+            if me in pos["ranks"].get(n, []) and _G["count"].get(n, 0) <= k:
+                msg = (f"rank {q} {pos['line']} (its collective #{k + 1} over ranks {pos['ranks'][n]} in step {e + 1})"
+                       f", but rank {me} reached the optimizer step after {_G['count'].get(n, 0)} collectives there: "
+                       f"a collective some ranks make and others skip. No update was applied. {fix}")
+        if msg is not None:   # the first verdict said is every rank's
+            _S["trips"] += 1
+            return _store().compare_set(shared, "", msg.rstrip()).decode()
+    if waited > patience:
+        lasts = {q: _position(q) for q in missing}
+        return (f"rank {me} reached the optimizer step of step {e + 1}, but " + "; ".join(
+            f"rank {q} did not within {patience:.0f} s (its last collective: "
+            + (f"{p['line']} over ranks {p['ranks'][p['name']]}" if p and p.get("line") else "none this step")
+            + f"{_stalled_at(q, p)})"
+            for q, p in lasts.items()) + ". Every rank must make the same collectives in the same order. "
+            + f"{fix} {WATCH_HINT}")
+    return None
+
+
+def _records_differ(e, bad, said, fix) -> str:
+    """Every rank of the groups whose records differ says its lines of the step; the first place they differ."""
+    me = dist.get_rank()
+    key = f"course/guard/{e}/logs"
+    mine = {n: [line for m, line in _G["log"] if m == n] for n in bad}
+    members = sorted({r for n in bad for r in _G["known"][n]})
+    logs = _gather(key, me, mine, members, lambda said, missing, waited: None)
+    out = []
+    for n in bad:
+        ranks = _G["known"][n]
+        lines = {r: logs[r].get(n, []) for r in ranks}
+        k = next((i for i in range(max(map(len, lines.values())) + 1)
+                  if len({tuple(v[i:i + 1]) for v in lines.values()}) > 1), 0)
+        out.append(f"in step {e + 1} the ranks of group {ranks} made different collectives; the first that differs "
+                   f"is #{k + 1} there: " + "; ".join(
+                       f"rank {r} {v[k]}" if k < len(v) else f"rank {r} none (it made {len(v)})"
+                       for r, v in lines.items()))
+    return "; and ".join(out) + f". No update was applied. {fix} {WATCH_HINT}"
+
+
+def _conclude(msg: str):
+    """A verdict only this wait can reach: the first one said is every rank's (peers read it), raised here."""
+    v = _store().compare_set(f"course/guard/verdict/{_G['epoch']}", "", msg.rstrip()).decode()
+    _S["trips"] += 1
+    raise _failed_here(None, None, v)
+
+
+def _verdict_raised():
+    v = _peek(f"course/guard/verdict/{_G['epoch']}")
+    if v is not None:
+        raise _failed_here(None, None, v)
+
+
+def _failed_here(name, k, msg) -> CollectiveMismatch:
+    """This rank leaves with `msg`, which its watchdog will not act on again. Its record of the step is no longer one
+    every rank agreed on, so the next step is agreed collective by collective. `name`: a collective of that group,
+    on which every member raised alike (their records stay alike); None: the step is given up — the next starts
+    afresh."""
+    _G["handled"] = msg
+    _G["tainted"] = True
+    _G["state"] = ("idle",)
+    _G["progress"] += 1
+    if name is not None:
+        _G["crc"][name] = zlib.crc32(f"failed at {k}".encode())
+    else:
+        _G.update(epoch=_G["epoch"] + 1, log=[], count={}, crc={}, said={}, mine=[])
+    return CollectiveMismatch(msg)
+
+
+def _fail(name, k, msg):
+    raise _failed_here(name, k, msg)
+
+
+WATCH_HINT = "(torchrun ... --watch stops at the first collective that differs, before it runs)"
+
+
+def verdict() -> str | None:
+    """The verdict a rank reached on this step (the guard's, or the watch's in a run under --watch), for a rank whose
+    collective failed because the rank that said it left: None if none, or the store is gone."""
+    try:
+        if not dist.is_initialized():
+            return None
+        return _peek(_key("verdict") if _S["run"] is not None else f"course/guard/verdict/{_G['epoch']}")
+    except Exception:  # noqa: BLE001 - the store went with its rank
+        return None
+
+
+def _start_watchdog() -> None:
+    _G["thread"] = threading.Thread(target=_watchdog, name="collective-guard", daemon=True)
+    _G["thread"].start()
+
+
+def _watchdog() -> None:
+    """While the main thread makes no progress: after STALL s, say where it is (once), and if a peer reached a verdict
+    on this step, print it and end the process (its collective would end only at the timeout)."""
+    seen, since, published = -1, time.monotonic(), -1
+    while True:
+        time.sleep(0.25)
+        try:
+            if _S["run"] is not None:
+                _run_verdict()
+                continue
+            if _G["gate"] is not None:
+                _gate_look()
+                continue
+            p, state = _G["progress"], _G["state"][0]
+            now = time.monotonic()
+            if p != seen:
+                seen, since = p, now
+                continue
+            if now - since < STALL or state in ("slow", "gate") or not dist.is_initialized():
+                continue
+            if published != p:
+                _G["stalled_at"] = _main_at()
+                _publish()
+                published = p
+            v = _peek(f"course/guard/verdict/{_G['epoch']}")
+            if v is not None and v != _G["handled"]:
+                print(f"[rank {dist.get_rank()}] {v}", file=sys.stderr, flush=True)
+                os._exit(1)
+        except Exception:  # noqa: BLE001 - the process group or its store is gone: nothing to watch
+            continue
+
+
+def _run_verdict() -> None:
+    """A watched run another rank stopped: print where this rank is (once); a rank not waiting at a watched collective
+    cannot raise by itself (it computes, loops, or waits in gloo): it ends here."""
+    if not dist.is_initialized() or _S["run"]["printed"]:
+        return
+    v = _peek(_key("verdict"))
+    if v is None or _S["run"].get("raised") or _S["waiting"]:   # (a rank in a watched wait raises it itself)
+        return
+    _S["run"]["printed"] = True
+    _say_where(sys._current_frames().get(threading.main_thread().ident), "the run stops")
+    time.sleep(1.0)
+    if not _S["waiting"] and not _S["run"].get("raised"):
+        print(f"[rank {dist.get_rank()}] {v}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def leave(code: int) -> None:
+    """This rank's process ends (exit code `code`) while its process group lives: say so where a peer waiting for it
+    looks (the guard's position; a watched run's state), so that it names the rank that left instead of waiting."""
+    try:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        if _S["run"] is not None:
+            _store().set(_key("s", dist.get_rank()), json.dumps(dict(
+                state="done", how=f"it left the run, exit code {code}", where=pending(), n=_S["n"], waits=[])))
+        _G.update(state=("left",), exit=code)
+        _publish(at=_G.get("stalled_at"))
+    except Exception:  # noqa: BLE001 - the group's store is gone: nobody is waiting
+        pass
+
+
+def guard_stats() -> dict:
+    """What the guard did since the process started: collectives announced (fast: as in the last step, slow:
+    agreed on their own), steps settled, store round trips, seconds."""
+    return dict(fast=_G["fast"], slow=_G["slow"], gates=_G["gates"], round_trips=_S["trips"],
+                seconds=_G["seconds"])

@@ -21,7 +21,7 @@ from lab import references
 from lab.baseline import TOL64, adamw_reach, max_diff, single_process
 from lab.data import get_batch, load_corpus
 from lab.instruments import ProfileSpans, overlap_fraction, sync, time_steps, wire_bytes
-from lab.launch import finish, main as run_main
+from lab.launch import finish, main as run_main, parse
 from lab.model import build_model, get_config
 from lab.report import all_agree, print0, print_by_rank
 from mesh import Mesh, init_distributed
@@ -66,7 +66,7 @@ def demo(argv=None, reference=references.ddp) -> int:
     ap.add_argument("--bucket-mb", type=float, default=25, help="bucket cap in MiB (0: one per parameter)")
     ap.add_argument("--first-bucket-mb", type=float, default=1, help="the first bucket's cap in MiB")
     ap.add_argument("--lr", type=float, default=1e-3)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)  # (+ --watch, --patience)
     cfg = get_config(args.model)  # raises on an unknown name
     P = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch < P or args.batch % P or args.steps < 1 or args.seq < 1:

@@ -23,7 +23,7 @@ from lab import references
 from lab.baseline import TOL64, max_diff, single_process, snapshot
 from lab.data import get_batch, load_corpus
 from lab.instruments import CommCounter, Timeline
-from lab.launch import finish, main as run_main
+from lab.launch import finish, main as run_main, parse
 from lab.model import build_model, get_config, num_params
 from lab.report import all_agree, print0, print_by_rank
 from mesh import Mesh, init_distributed
@@ -113,7 +113,7 @@ def demo(argv=None, reference=references.all_to_all) -> int:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--capacity-factor", type=float, default=0.75)
     p.add_argument("--compare", action="store_true", help="also train with PyTorch's autograd all-to-all")
-    args = p.parse_args(argv)
+    args = parse(p, argv)  # (+ --watch, --patience)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = args.ep or world
     validate_ep(args.experts, args.top_k, ep, args.capacity_factor)  # all before any collective

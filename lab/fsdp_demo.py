@@ -31,7 +31,7 @@ from lab import references
 from lab.baseline import TOL64, adamw_reach, max_diff, single_process
 from lab.data import get_batch, load_corpus
 from lab.instruments import CommCounter, memory_tracker, model_state_bytes, time_side_by_side
-from lab.launch import finish, main as run_main
+from lab.launch import finish, main as run_main, parse
 from lab.model import build_model, get_config, init_tensor
 from lab.report import all_agree, bytes_table, print0, print_by_rank
 from mesh import collective_device, init_distributed, resolve_group
@@ -193,7 +193,7 @@ def demo(argv=None, reference=references.fsdp2) -> int:
     ap.add_argument("--stages", type=int, nargs="+", choices=[0, 1, 2, 3], default=None,
                     help="compare these stages in one table instead: memory, step time, and the parameters they "
                          "reach (e.g. 0 2 3: PyTorch FSDP's NO_SHARD, SHARD_GRAD_OP, FULL_SHARD)")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)  # (+ --watch, --patience)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch % world or args.steps < 1:  # arithmetic only: every rank says it, before any collective
         raise ValueError(f"--batch {args.batch} must be a multiple of the {world} ranks and --steps at least 1: "

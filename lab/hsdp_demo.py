@@ -17,7 +17,7 @@ from lab.data import get_batch, load_corpus
 from lab.baseline import max_diff
 from lab.fsdp_demo import one_process_check, train_and_measure
 from lab.instruments import wire_bytes
-from lab.launch import finish, main as run_main
+from lab.launch import finish, main as run_main, parse
 from lab.model import build_model
 from lab.report import all_agree, print0, print_by_rank
 from mesh import Mesh, init_distributed
@@ -56,7 +56,7 @@ def demo(argv=None, reference=references.hsdp2) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--bf16", action="store_true", help="bf16 compute copies, fp32 master and reduction")
     ap.add_argument("--compare", action="store_true", help="also train PyTorch's FSDP2 HSDP (a 2-D mesh)")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)  # (+ --watch, --patience)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     R = args.replicate or (2 if world % 2 == 0 else 1)
     if R < 1 or world % R or args.batch % world:  # arithmetic only: every rank says it, before any collective

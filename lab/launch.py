@@ -3,7 +3,8 @@
     results = run_ranks(fn, world_size, *args, timeout=60)   # [fn's return value on each rank]
     run_in_turn((fn, args), ...)                             # several rank functions, one spawn
     main(fn)        a demo's entry point: fn(argv) -> exit code; bad input is one line per rank, exit 2
-    finish(ok)      the one clean end of a run on every rank (barrier, groups torn down)
+    parse(ap, argv) a demo's command line, with --watch and --patience (lab/collective_watch.py)
+    finish(ok)      the one clean end of a run on every rank (barrier, groups torn down; --watch's cost said)
 
 - Ranks are fresh processes on gloo (CPU), forked from one server process that imported torch once
   (multiprocessing's forkserver: a group starts in a fraction of a second, not the seconds N imports of torch
@@ -33,6 +34,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
+
+from lab import collective_watch as watch
 
 
 def free_port() -> int:
@@ -190,9 +193,32 @@ def run_in_turn(*calls):
 
 # ---- a torchrun entry point's one clean end --------------------------------------------------------
 
+def parse(parser, argv=None):
+    """A lesson's command line (argparse), with --watch and --patience: parsed, and under --watch the watch started
+    for the whole run (start_watch)."""
+    watch.add_flags(parser)
+    args = parser.parse_args(argv)
+    start_watch(args)
+    return args
+
+
+def start_watch(args) -> None:
+    """--watch: every collective and transfer checked before it runs (lab/collective_watch.py), from the first on;
+    kill -USR1 answered in every run. Not with --compare: its round trips would be timed with the run (ValueError, on every rank alike)."""
+    if getattr(args, "watch", False):
+        if getattr(args, "compare", False):
+            raise ValueError("--watch checks every collective through the store, which a timing run would time too: "
+                             "leave --compare out (or --watch), and run them one after the other")
+        watch.start(args.patience)
+    else:
+        watch.answer_usr1()   # (kill -USR1 still says where each rank is: the guard's last collective, the stack)
+
+
 def finish(ok: bool = True) -> int:
     """End a run the same way on every rank: wait until every rank is done, then tear the process
     groups down. Returns the exit code (0 if ok). `main` then leaves the process (see there)."""
+    if dist.is_initialized() and watch.watching():
+        watch.report()
     if dist.is_initialized():
         dist.barrier()  # after it no rank has a collective in flight: nothing is torn down under a peer
         dist.destroy_process_group()
@@ -200,6 +226,12 @@ def finish(ok: bool = True) -> int:
 
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Connection refused")  # gloo's words
+
+
+def _innermost(e) -> str:
+    """file:line of the innermost frame of e's traceback outside torch."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.sep + "torch" + os.sep not in f.filename]
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "torch"
 
 
 def main(fn, argv=None) -> None:
@@ -220,16 +252,26 @@ def main(fn, argv=None) -> None:
     """
     try:
         code = fn(argv)
+    except watch.CollectiveMismatch as e:   # the ranks' collectives differ (mesh.agree, or --watch): one line each
+        print(f"[rank {os.environ.get('RANK', '0')}] {e}", file=sys.stderr, flush=True)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            time.sleep(1.5)   # (a peer waiting inside a collective reads the verdict from the store this rank may serve)
+        code = 1
     except ValueError as e:
         print(f"[rank {os.environ.get('RANK', '0')}] error: {e}", file=sys.stderr, flush=True)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             time.sleep(3)
         code = 2
     except RuntimeError as e:
-        if not any(s in str(e) for s in _PEER_GONE):
+        if watch.is_gloo_error(e) and not any(s in str(e) for s in _PEER_GONE):   # gloo gave up: said in words
+            print(f"[rank {os.environ.get('RANK', '0')}] {watch.explain(e)} ({type(e).__name__} in "
+                  f"{_innermost(e)}; --watch names the collective each rank waits in)", file=sys.stderr, flush=True)
+        elif not any(s in str(e) for s in _PEER_GONE):
             traceback.print_exc()
-        else:  # another rank died (a crash, or --fail-at): say so in one line, not a traceback of ours
-            print(f"[rank {os.environ.get('RANK', '0')}] a peer rank is gone: {str(e).splitlines()[0][:160]}",
+        else:  # another rank died (a crash, --fail-at, or it stopped at the guard's verdict): one line
+            said = watch.verdict()
+            print(f"[rank {os.environ.get('RANK', '0')}] " + (said if said else "a peer rank is gone: "
+                                                                 + str(e).splitlines()[0][:160]),
                   file=sys.stderr, flush=True)
         code = 1
     except SystemExit as e:  # argparse's --help and usage errors
@@ -239,6 +281,7 @@ def main(fn, argv=None) -> None:
     except BaseException:  # noqa: BLE001 - a crash: report it, and still leave without finalisation
         traceback.print_exc()
         code = 1
+    watch.leave(code or 0)   # (a peer still waiting for this rank is told, not left to its timeout)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)

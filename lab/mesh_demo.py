@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lab.instruments import CommCounter, wire_bytes
-from lab.launch import finish, main as run_main
+from lab.launch import finish, main as run_main, parse
 from lab.report import all_agree, print0, print_by_rank
 from mesh import DIMS, FLAT, Mesh, all_gather_single, init_distributed, reduce_scatter_single, validate_mesh
 
@@ -22,7 +22,7 @@ def demo(argv=None) -> int:
     for d in DIMS + ("ep",):
         ap.add_argument("--" + d.replace("_", "-"), type=int, default=None)
     ap.add_argument("--numel", type=int, default=840, help="elements per collective (divisible by the world size)")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)  # (+ --watch, --patience)
     sizes = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # No sizes given: 4 ranks show a 2 x 2 mesh (dp_shard x tp), any other world one dp_shard row.

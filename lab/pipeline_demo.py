@@ -24,7 +24,7 @@ from lab import references
 from lab.baseline import single_process, snapshot
 from lab.data import get_batch, load_corpus
 from lab.instruments import SavedActivations, Timeline, ascii_timeline, idle_share
-from lab.launch import finish, main as run_main
+from lab.launch import finish, main as run_main, parse
 from lab.model import build_model, get_config
 from lab.report import all_agree, print0
 from mesh import Mesh, init_distributed
@@ -114,7 +114,7 @@ def demo(argv=None, reference=references.torch_pipelining) -> int:
     for name, default in [("microbatches", 8), ("batch", 8), ("seq", 32), ("steps", 2), ("dp", 1)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--compare", action="store_true", help="also run PyTorch's own schedule of the same name")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)  # (+ --watch, --patience)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     v = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
     if world % args.dp or args.batch % args.dp:

@@ -20,7 +20,7 @@ from ddp import average_gradients
 from lab.baseline import TOL64, single_process
 from lab.data import get_batch, load_corpus
 from lab.instruments import CommCounter, memory_tracker, time_calls, time_steps
-from lab.launch import finish, main as run_main
+from lab.launch import finish, main as run_main, parse
 from lab.model import build_model, get_config
 from lab.report import all_agree, print0
 from mesh import init_distributed
@@ -138,7 +138,7 @@ def demo(argv=None) -> int:
                           ("model-steps", 3), ("q-scale", 1.0)]:
         ap.add_argument(f"--{name}", type=type(default), default=default)
     ap.add_argument("--no-causal", action="store_true")
-    a = ap.parse_args(argv)
+    a = parse(ap, argv)  # (+ --watch, --patience)
     cp, B, H, Hkv, D = int(os.environ.get("WORLD_SIZE", "1")), a.batch, a.heads, a.kv_heads, a.head_dim
     check_layout(a.seq, cp, "zigzag")                           # arithmetic, before any collective
     if H % Hkv or a.repeats < 1:

@@ -20,7 +20,7 @@ from lab import references
 from lab.baseline import single_process
 from lab.data import get_batch, load_corpus
 from lab.instruments import CommCounter, time_side_by_side
-from lab.launch import finish, main as run_main
+from lab.launch import finish, main as run_main, parse
 from lab.model import build_model, get_config
 from lab.report import all_agree, bytes_table, print0, print_by_rank
 from mesh import init_distributed
@@ -106,7 +106,7 @@ def demo(argv=None, reference=references.dtensor_tp) -> int:
         ap.add_argument(f"--{name}", type=int, default=default)  # steps: checked; timed x rounds: timed
     ap.add_argument("--sp", action="store_true", help="sequence parallel")
     ap.add_argument("--no-compare", action="store_true", help="leave PyTorch's DTensor TP out")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)  # (+ --watch, --patience)
     t, cfg, sp, B, S = int(os.environ.get("WORLD_SIZE", "1")), get_config(args.model), args.sp, args.batch, args.seq
     check_divisible(cfg, t)                                     # arithmetic, before any collective
     if sp and S % t:

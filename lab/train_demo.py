@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import fsdp
 import train
-from lab import checkpoint, mismatch, plan, references
+from lab import checkpoint, collective_watch, mismatch, plan, references
 from lab.changed_lesson import lessons_in_place
 from lab.plan import activation_formula
 from lab.baseline import LOSS_TOL, OneProcess
@@ -34,7 +34,7 @@ from lab.data import IGNORE, get_batch, load_corpus
 from lab.fsdp_demo import held_bytes, offload_formula
 from lab.instruments import (CommCounter, ProfileSpans, memory_tracker, overlap_fraction, peak_memory_bytes, sync,
                              time_side_by_side, watch_calls)
-from lab.launch import finish, main as run_main
+from lab.launch import finish, main as run_main, start_watch
 from lab.model import build_model, flops_per_token, num_params
 from lab.report import all_agree
 from mesh import init_distributed
@@ -129,7 +129,8 @@ class StepMeter:
         #  dynamo run every frame eagerly, so the collectives are not counted there)
         counting = self.world > 1 and not self.args.compile
         self.spans = ProfileSpans() if step == self.profile_step else nullcontext()
-        with self.comm if counting else nullcontext(), warnings.catch_warnings(), tracker as tracked, self.spans:
+        with self.comm if counting else nullcontext(), warnings.catch_warnings(), tracker as tracked, self.spans, \
+                collective_watch.context(f"step {step + 1}"):
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")  # (MemTracker)
             yield
         self.tracked_peak = next(iter(tracked.get_tracker_snapshot("peak").values()))["Total"] \
@@ -411,12 +412,14 @@ def _run(args, compare) -> int:
             plan_time.print_time(args, dev, args.gpus_per_node or dev.gpus_per_node, plans, assume)
         return 0
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))  # before joining: every rank alike, no hang
+    start_watch(args)   # --watch: every collective checked before it runs, from the first
     device = init_distributed()
     meter = StepMeter(args, device)
     out = measured_train(args, device, meter=meter)
+    collective_watch.report(sum(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"]), "the steps")
     if args.compare and args.save:
         compare_checkpoints(args, meter.trainer, device)
-    for switch in (s for s in TWINS if getattr(args, s)):
+    for switch in (s for s in TWINS if getattr(args, s) and not args.watch):   # (a timing: never under --watch)
         compare_with_twin(args, meter.trainer, device, switch)
     if args.compare and compare is not None:
         t_ours = statistics.median(args.global_batch_size * args.seq_len / t for t in out["tokens_per_s"][1:]

@@ -1,7 +1,7 @@
 """The repository's shape: the root holds exactly the course, everything else is one package, and imports
 run one way (read from every module's source with `ast`, imports inside functions included).
 
-    the package's model, data, instruments, launch  <-  mesh  <-  the lessons  <-  the package's checkpoint
+    the package's model, data, instruments, launch, collective_watch  <-  mesh  <-  the lessons  <-  the package's checkpoint
         <-  train
         <-  the rest of the package (demos, references, measurements)  <-  tests and notebooks
 
@@ -19,14 +19,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "lab"
 LESSONS = ("ddp", "fsdp", "hsdp", "tensor_parallel", "pipeline", "ring_attention", "expert_parallel")
 COURSE = ("mesh", *LESSONS, "train")
-BASE = tuple(f"{PACKAGE}.{m}" for m in ("model", "data", "instruments", "launch"))
+BASE = tuple(f"{PACKAGE}.{m}" for m in ("model", "data", "instruments", "launch", "collective_watch"))
 PACKAGES = {PACKAGE}  # (a subpackage added under lab/ goes here too)
 LESSON_BUILDS_ON = {"hsdp": {"fsdp"},            # hybrid sharding is ZeRO with one more all-reduce
                     "expert_parallel": {"ddp"}}  # expert gradients: lesson 1's average, over their own group
 # What the course may take from the package: the shared model and data (and mesh.py the launcher's free
-# port). Instruments, reports and demos attach from outside, so no lesson imports them.
-COURSE_USES = {"mesh": {"lab.launch"}, **{m: {"lab.model", "lab.data"} for m in LESSONS},
-               "train": {"lab.model", "lab.data", "lab.checkpoint"}}
+# port and the collective guard behind `agree`; train.py the watch's labels and flags). Instruments, reports and
+# demos attach from outside, so no lesson imports them.
+COURSE_USES = {"mesh": {"lab.launch", "lab.collective_watch"}, **{m: {"lab.model", "lab.data"} for m in LESSONS},
+               "train": {"lab.model", "lab.data", "lab.checkpoint", "lab.collective_watch"}}
 # What train.py keeps out of the composition, in the package: checkpoint files (their format and safety), built
 # on fsdp.py's slices (their pieces any layout can load), used by train.py alone; and the Hugging Face conversion those files use (config.json and
 # the tensors' names: lab/hf.py imports only the model).
