@@ -49,22 +49,14 @@ data parallel averaged them — a sum over tp and one over dp·cp commute). Clip
 norm of the WHOLE model: each rank adds the squares of the gradient elements it holds, weighted by
 1/(ranks holding a copy), one all-reduce over the world — each element counted once.
 
-Communication per step, per rank (API bytes; b bytes per element; Ψ' = parameters of my stage's tp
-slice, Ψ'_E of them expert weights; B' = B/dp rows; m micro-batches; S' = S/cp tokens):
-  ZeRO-3 (dense, group dp_shard·cp)   all-gather b·(2Ψ' − Ψ'_root), reduce-scatter 4Ψ'; a pipeline
-                                      keeps units gathered over its m micro-batches: b·Ψ' and 4Ψ' once
-  ZeRO-1/2                            reduce-scatter 4Ψ', all-gather b·Ψ';   ZeRO-0: all-reduce 4Ψ'
-  HSDP                                + all-reduce 4Ψ'/(dp_shard·cp) over dp_replicate
-  experts (group edp_cp)              the same per stage on Ψ'_E, and per MoE layer four all-to-alls
-                                      of the routed rows (expert_parallel.py)
-  tp                                  per layer 4 all-reduces of [B', S', H] (SP: as many all-gathers
-                                      and reduce-scatters, the same wire bytes), + the embedding's,
-                                      the head's and the loss's 3 of [B'·S']
-  pp                                  per stage boundary B'·S'·H·b each way (SP: B'·S'·H·b/tp)
-  cp (ring)                           per layer (cp−1)·2·B'·S'·d_kv·b forward, again + dk, dv home
-  clipping                            one all-reduce of one float64 over the world
-Model state per rank (ZeRO-3, K bytes of optimizer state per element): (b_p + b_g + K)·(Ψ' − Ψ'_E)/
-(dp_shard·cp) + (b_p + b_g + K)·Ψ'_E/(dp·cp/ep), plus the norm weights every tp rank keeps whole.
+Communication and memory per step are the lessons' formulas, each on its own group, with this rank's share
+(Ψ' = the parameters of my stage's tp slice, Ψ'_E of them expert weights; B' = B/dp rows; S' = S/cp tokens):
+ZeRO / HSDP (fsdp.py, hsdp.py) over dp_shard·cp with replicas across dp_replicate, experts over edp_cp on Ψ'_E
+with expert_parallel.py's all-to-alls; tp (tensor_parallel.py) on [B', S', H]; pp (pipeline.py) per stage
+boundary; cp (ring_attention.py) per layer; clipping one all-reduce of one float64 over the world. One thing is
+new here: a pipeline keeps ZeRO-3's units gathered over its m micro-batches, so each is gathered and
+reduce-scattered once per step, not m times. Model state per rank is fsdp.py's stage table on Ψ' − Ψ'_E over
+dp_shard·cp and on Ψ'_E over dp·cp/ep, plus the norm weights every tp rank keeps whole.
 
 This file is the composition and its command line: `Trainer` (this rank's part of the model, steps 1-8,
 one step, checkpoints), `train` (the loop), the steps' functions, then `parse_args` and `check_args`

@@ -6,13 +6,9 @@ and the demo that prints them side by side, checks the parameters against one pr
 
     torchrun --nproc_per_node 4 fsdp.py --stage 3 [--param-dtype bf16] [--no-reshard] [--compare]
 
-Bytes per rank, for Ψ elements sharded over P ranks, b_p bytes per parameter, b_g per gradient and
-K per element of optimizer state and fp32 master (Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054
-§5): stage 0 (b_p + b_g + K)Ψ; stage 1 (b_p + b_g)Ψ + KΨ/P; stage 2 b_pΨ + (b_g + K)Ψ/P; stage 3
-(b_p + b_g + K)Ψ/P. API bytes per step: stage 0 all-reduces 4Ψ; stages 1-2 reduce-scatter 4Ψ and
-all-gather b_pΨ; stage 3 all-gathers b_p(2Ψ − Ψ_root) (b_pΨ if units stay gathered; Ψ_root = 0 for
-the course's model, whose embedding and norm + head are units) and
-reduce-scatters 4Ψ; plus one int32 per parameter tensor (which parameters got a gradient).
+The formulas are lesson 2's (fsdp.py's docstring; README section "Lesson 2 — ZeRO stages 1–3"):
+`zero_state_formula` computes its model state per rank for a stage, `zero_comm_formula` its API bytes per step,
+plus one int32 per parameter tensor (which parameters got a gradient).
 """
 from __future__ import annotations
 

@@ -6,9 +6,8 @@ CommCounter   counts every collective and point-to-point op a region issues, per
               and PyTorch's own FSDP2 alike, in forward and backward. Two byte counts:
                 api_bytes   the bytes handed to the op (all-gather: the gathered output;
                             reduce-scatter: the full input; all-reduce: the tensor);
-                wire_bytes  a model of what this rank sends over a ring:
-                            all-reduce 2(P-1)/P·N, all-gather and reduce-scatter (P-1)/P·N,
-                            all-to-all the bytes it sends to other ranks, send N, recv 0.
+                wire_bytes  a model of what this rank sends over a ring: lesson 0's ring factors (README
+                            section "Lesson 0 — ranks", its conventions; `wire_bytes`); recv 0.
 model_state_bytes   parameters, gradients and optimizer state held by this rank, by category.
 memory_tracker      PyTorch's MemTracker (torch.distributed._tools) around a region: peak by category.
 peak_memory_bytes   the CUDA allocator's peak on a GPU.

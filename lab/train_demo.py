@@ -92,7 +92,8 @@ class StepMeter:
             first = dp._next
             launch()
             task = torch._C._current_graph_task_id()   # -1: outside any backward
-            self.launched += [(b.nbytes, task, ending[0]) for b in dp.buckets[first:dp._next]
+            done = self.grad_passes.count(task)        # gradients this backward produced before the hook's own
+            self.launched += [(b.nbytes, task, ending[0], done) for b in dp.buckets[first:dp._next]
                               if dist.get_world_size(b.group) > 1]
 
         def finish_watched():   # the backward's end (or synchronize()): what no hook launched during it
@@ -107,13 +108,17 @@ class StepMeter:
 
     def _bucket_launches(self) -> dict:
         """This step's bucket all-reduces: bytes launched; of them, inside the last backward that added to a
-        gradient — and of those, by its hooks while it computed (overlapped) — and outside any backward (by
+        gradient — of those, by its hooks while it computed, and before its last gradient (with gradients
+        still to compute behind them: order, counted, the same on any load) — and outside any backward (by
         synchronize(), after it); and the number of backwards that added to a bucketed gradient."""
         last = max(self.grad_passes, default=None)
-        return dict(bytes=sum(n for n, _, _ in self.launched), backwards=len(set(self.grad_passes)),
-                    in_last_backward=sum(n for n, t, _ in self.launched if t == last and t != -1),
-                    by_hooks=sum(n for n, t, end in self.launched if t == last and t != -1 and not end),
-                    after_backward=sum(n for n, t, _ in self.launched if t == -1))
+        total = self.grad_passes.count(last)   # the gradients the last backward produced
+        return dict(bytes=sum(n for n, _, _, _ in self.launched), backwards=len(set(self.grad_passes)),
+                    in_last_backward=sum(n for n, t, _, _ in self.launched if t == last and t != -1),
+                    by_hooks=sum(n for n, t, end, _ in self.launched if t == last and t != -1 and not end),
+                    before_last_gradient=sum(n for n, t, end, done in self.launched
+                                             if t == last and t != -1 and not end and done + 1 < total),
+                    after_backward=sum(n for n, t, _, _ in self.launched if t == -1))
 
     @contextmanager
     def around(self, trainer, step: int):
@@ -150,8 +155,9 @@ class StepMeter:
         norm = None if trainer.grad_norm is None else float(trainer.grad_norm)
         hidden = overlap_fraction(self.spans.spans) if step == self.profile_step else None
         self.out["ddp_overlap"] = hidden if hidden is not None else self.out["ddp_overlap"]
-        if trainer.ddp is not None:
-            self.out["ddp_launches"].append(self._bucket_launches())
+        launches = self._bucket_launches() if trainer.ddp is not None else None
+        if launches is not None:
+            self.out["ddp_launches"].append(launches)
         for k, v in [("tokens_per_s", tps), ("comm_bytes", nbytes), ("peak_memory_bytes", mem), ("grad_norms", norm)]:
             self.out[k].append(v)
         if self.rank0 and self.verbose and not a.quiet:
@@ -161,7 +167,9 @@ class StepMeter:
                   + f"  peak {'tracked' if a.track_memory else 'mem'} {mem / 2**20:7.1f} MiB  comm {nbytes / 2**20:.3f} MiB"
                   + f" (ring {wire / 2**20:.3f}, rank 0)"
                   + (f"  offload: down {down / 2**20:.3f} up {up / 2**20:.3f} MiB" if a.offload else "")
-                  + (f"  all-reduce hidden in backward {hidden:.0%} (profiled)" if hidden is not None else ""),
+                  + (f"  all-reduce launched before backward's last gradient {launches['before_last_gradient'] / 2**20:.1f}"
+                     f" of {launches['bytes'] / 2**20:.1f} MiB, hidden in backward {hidden:.0%} (profiled)"
+                     if hidden is not None else ""),
                   flush=True)
         if self.rank0 and a.log_file:
             with open(a.log_file, "a") as f:
