@@ -340,7 +340,7 @@ def test_zero_stage_0_is_lesson_1s_buckets_overlapped_with_the_last_backward(two
 
 
 def test_8_ranks():
-    """The issue's two commands (experts on every rank; Ulysses over cp 4 inside dp_shard 2) and 3-D layouts."""
+    """Experts on every rank; Ulysses over cp 4 inside dp_shard 2; 3-D layouts."""
     layouts = [["--dp-shard", "8", "--ep", "8", "--experts", "8"],
                ["--dp-shard", "2", "--cp", "4", "--cp-method", "ulysses"],
                ["--pp", "2", "--dp-shard", "2", "--tp", "2", "--microbatches", "2"],
