@@ -1115,29 +1115,33 @@ def settle(fix: str = "", groups=(), patience: float = 120.0) -> None:
     known = _G["known"]
     if not known:
         return
-    part = sorted({r for ranks in known.values() for r in ranks})
     mine = {n: [_G["count"].get(n, 0), _G["crc"].get(n, 0), ranks] for n, ranks in known.items()}
     _G["state"] = ("gate",)
     _G["progress"] += 1
     if _G["thread"] is None:
         _start_watchdog()
-    said = _gate(f"course/guard/{e}/gate", me, dict(g=mine, t=_G["tainted"]), part, patience, fix)
-    bad = sorted({n for q in part for n, (c, x, ranks) in mine.items()
-                  if q in ranks and said[q]["g"].get(n, [0, 0])[:2] != [c, x]}
-                 | {n for q in part for n, (c, x, ranks) in said[q]["g"].items()
-                    if me in ranks and n not in mine and c})
-    if bad:
-        _fail(None, None, _records_differ(e, bad, said, fix))
-    _G["history"] = None if any(said[q]["t"] for q in part) else list(_G["log"])
+    # one gate per group, in one order on every rank (by name, like locks): the gate's ranks are exactly the group's,
+    # whatever other groups each member is in (HSDP: rank 0 meets 1 on dp_shard and 2 on dp_replicate)
+    tainted = False
+    for n in sorted(known):
+        c, x, ranks = mine[n]
+        said = _gate(f"course/guard/{e}/gate/{n}", me, dict(g=[c, x], t=_G["tainted"]), ranks, patience, fix)
+        tainted |= any(said[q]["t"] for q in ranks)
+        if any(said[q]["g"][:2] != [c, x] for q in ranks):
+            _fail(None, None, _records_differ(e, [n], said, fix))
+    _G["history"] = None if tainted else list(_G["log"])
     old = _G["mine"]
     _G.update(epoch=e + 1, log=[], count={}, crc={}, said={}, state=("idle",), tainted=False, mine=[])
     _G["progress"] += 1
     _G["gates"] += 1
-    if me == part[0]:   # every participant has read these: the step's own keys, and the last step's gate
-        for key in old + ([f"course/guard/{e - 1}/gate{x}" for x in ("", "/n", "/done")] if e else []):
-            _store().delete_key(key)
-            _S["trips"] += 1
-        _G["mine"].append(f"course/guard/{e}/gate")
+    for n in sorted(known):
+        if me == known[n][0]:   # every member has read these: the step's own keys, and the last step's gate
+            for key in ([f"course/guard/{e - 1}/gate/{n}{x}" for x in ("", "/n", "/done")] if e else []):
+                _store().delete_key(key)
+                _S["trips"] += 1
+    for key in old:
+        _store().delete_key(key)
+        _S["trips"] += 1
     _G["seconds"] += time.perf_counter() - t0
 
 
@@ -1222,7 +1226,7 @@ def _gate_verdict(missing, waited, patience, fix) -> str | None:
 def _records_differ(e, bad, said, fix) -> str:
     """Every rank of the groups whose records differ says its lines of the step; the first place they differ."""
     me = dist.get_rank()
-    key = f"course/guard/{e}/logs"
+    key = f"course/guard/{e}/logs/" + "+".join(bad)
     mine = {n: [line for m, line in _G["log"] if m == n] for n in bad}
     members = sorted({r for n in bad for r in _G["known"][n]})
     logs = _gather(key, me, mine, members, lambda said, missing, waited: None)
