@@ -664,8 +664,8 @@ def _look(store, me, start, where, missing, last_of, op, seen) -> None:
                + "; ".join(f"rank {r} {_strip(s['where'], 'waits at ')}, waiting for rank(s) "
                            f"{[w[0] for w in s['waits']]}" + _also(s) for r, s in sorted(cycle.items())) + ". "
                + _advice(cycle) + f" (found after {time.monotonic() - start:.2f} s)")
-        store.set(_key("verdict"), msg)
-        raise CollectiveMismatch(msg)
+        # two ranks of the cycle may each find it, one seeing more of it: the first said is every rank's
+        raise CollectiveMismatch(store.compare_set(_key("verdict"), "", msg).decode())
     if time.monotonic() - start > _S["patience"]:
         who = "; ".join(f"rank {r} never reached it (its last: {last_of(r)}; it is not waiting at a watched "
                         f"collective or transfer: still computing, or in an endless loop?)" for r, _, _ in missing)
