@@ -56,22 +56,23 @@ PAIRS = [(2, ["--tp", "2"], 2, ["--pp", "2"]),                                  
 
 
 def test_a_checkpoint_resumes_on_any_layout(tmp_path):
-    """Each pair saved at step 4 of 8 on one layout, resumed on the other: the losses of steps 5-8 are the
+    """Each pair saved at step 2 of 4 on one layout, resumed on the other: the losses of steps 3-4 are the
     single-process run's. The interleaved pair needs 4 layers, so both of its runs use --layers 4."""
+    common = COMMON + ["--steps", "4"]   # (the last --steps counts)
     saves = {}
     for i, (n, save, _, load) in enumerate(PAIRS):
         layers = ["--layers", "4"] if "--layers" in load else []
-        saves.setdefault(n, []).append(save + layers + ["--stop-at", "4", "--save", str(tmp_path / f"c{i}")])
+        saves.setdefault(n, []).append(save + layers + ["--stop-at", "2", "--save", str(tmp_path / f"c{i}")])
     for n, layouts in saves.items():
-        run_ranks(run_layouts, n, layouts, COMMON, timeout=300)
+        run_ranks(run_layouts, n, layouts, common, timeout=300)
     loads = {}
     for i, (_, _, n, load) in enumerate(PAIRS):
         loads.setdefault(n, []).append(load + ["--resume", str(tmp_path / f"c{i}")])
     errors = {}
     for n, layouts in loads.items():
-        results = run_ranks(run_layouts, n, layouts, COMMON, timeout=400)
+        results = run_ranks(run_layouts, n, layouts, common, timeout=400)
         for i, res in enumerate(results[0]):
-            errors[res["flags"]] = _resumed_equal_one_process([rank[i] for rank in results])
+            errors[res["flags"]] = _resumed_equal_one_process([rank[i] for rank in results], common)
     assert len(errors) == len(PAIRS)
 
 
