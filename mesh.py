@@ -122,7 +122,7 @@ class Mesh:
     def _build(self, name: str, rank_lists: list[list[int]]) -> None:
         for ranks in rank_lists:
             # Every rank calls new_group for every list, in the same order (see class doc).
-            group = dist.new_group(ranks) if dist.is_initialized() else None
+            group = _group_of(ranks) if dist.is_initialized() else None
             if self.global_rank in ranks:
                 self._groups[name], self._ranks[name] = group, ranks
 
@@ -143,6 +143,22 @@ class Mesh:
 
     def __repr__(self) -> str:
         return "Mesh(" + ", ".join(f"{d}={self.shape[d]}" for d in DIMS) + f", ep={self.ep})"
+
+
+_GROUPS: dict = {}
+
+
+def _group_of(ranks: list[int]):
+    """dist.new_group(ranks), made once per job: a process that builds many meshes in turn (a test, a search)
+    reuses a group of the same ranks rather than opening another (each is sockets and threads that stay). Every rank
+    builds the same lists in the same order, so every rank finds the same ones already made."""
+    if _GROUPS.get("world") is not dist.group.WORLD:   # a new job in this process (init_process_group again)
+        _GROUPS.clear()
+        _GROUPS["world"] = dist.group.WORLD
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks)
+    return _GROUPS[key]
 
 
 def resolve_group(group, dim: str = "dp"):

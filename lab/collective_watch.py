@@ -1108,11 +1108,15 @@ def settle(fix: str = "", groups=(), patience: float = 120.0) -> None:
         return
     t0 = time.perf_counter()
     me, e = dist.get_rank(), _G["epoch"]
+    passed = set()
     for group in groups:
         g = _info(group if group is not None else dist.group.WORLD)
         if g["live"]:
             _G["known"].setdefault(g["name"], g["ranks"])
-    known = _G["known"]
+            passed.add(g["name"])
+    # the groups of this step: those it reduces over and those it made collectives on (a process that builds many
+    # meshes in turn knows every group it ever used; the ones idle this step have nothing to compare)
+    known = {n: ranks for n, ranks in _G["known"].items() if n in passed or _G["count"].get(n, 0)}
     if not known:
         return
     mine = {n: [_G["count"].get(n, 0), _G["crc"].get(n, 0), ranks] for n, ranks in known.items()}
@@ -1122,23 +1126,23 @@ def settle(fix: str = "", groups=(), patience: float = 120.0) -> None:
         _start_watchdog()
     # one gate per group, in one order on every rank (by name, like locks): the gate's ranks are exactly the group's,
     # whatever other groups each member is in (HSDP: rank 0 meets 1 on dp_shard and 2 on dp_replicate)
-    tainted = False
+    tainted, gates = False, []
     for n in sorted(known):
         c, x, ranks = mine[n]
         said = _gate(f"course/guard/{e}/gate/{n}", me, dict(g=[c, x], t=_G["tainted"]), ranks, patience, fix)
+        if me == min(ranks):
+            gates += [f"course/guard/{e}/gate/{n}{x}" for x in ("", "/n", "/done")]
         tainted |= any(said[q]["t"] for q in ranks)
         if any(said[q]["g"][:2] != [c, x] for q in ranks):
             _fail(None, None, _records_differ(e, [n], said, fix))
     _G["history"] = None if tainted else list(_G["log"])
-    old = _G["mine"]
-    _G.update(epoch=e + 1, log=[], count={}, crc={}, said={}, state=("idle",), tainted=False, mine=[])
+    # a gate's keys go two steps later: every member has left it by then (a member may still read this step's)
+    older, last = _G.get("gate_keys", ([], []))
+    old = _G["mine"] + older
+    _G.update(epoch=e + 1, log=[], count={}, crc={}, said={}, state=("idle",), tainted=False, mine=[],
+              gate_keys=(last, gates))
     _G["progress"] += 1
     _G["gates"] += 1
-    for n in sorted(known):
-        if me == known[n][0]:   # every member has read these: the step's own keys, and the last step's gate
-            for key in ([f"course/guard/{e - 1}/gate/{n}{x}" for x in ("", "/n", "/done")] if e else []):
-                _store().delete_key(key)
-                _S["trips"] += 1
     for key in old:
         _store().delete_key(key)
         _S["trips"] += 1

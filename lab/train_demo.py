@@ -175,6 +175,8 @@ class StepMeter:
             with open(a.log_file, "a") as f:
                 f.write(json.dumps(dict(step=step + 1, loss=loss, lr=lr, tokens_per_s=tps, peak_memory_bytes=mem,
                                         comm_bytes=nbytes, mfu=mfu)) + "\n")
+        if a.fail_at == step + 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and self.world > 1:
+            dist.barrier()   # every rank has logged the step: torchrun stops the others as soon as one dies
         if a.fail_at == step + 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" \
                 and dist.get_rank() == self.world - 1:  # --fail-at: a crash, on the first attempt only
             print(f"[rank {dist.get_rank()}] --fail-at {a.fail_at}: dying after step {step + 1}", flush=True)
