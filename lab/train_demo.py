@@ -454,7 +454,8 @@ def activation_profile(model_name: str = "tiny", hows=("none", "selective", "ful
     """Rank function (a tp group of the whole world): for each checkpointing policy, the bytes one block keeps
     after its forward per token (instruments.SavedBytes around block 0's forward: what autograd and checkpointing
     keep for its backward, its input and output and the parameters left out) beside activation_formula, and
-    the median time of a whole model's forward + backward. tp = the world size (1: no tensor parallel)."""
+    the median time of a whole model's forward + backward over `repeats` calls (0: not timed, seconds None). tp = the
+    world size (1: no tensor parallel)."""
     import tensor_parallel
     from lab.instruments import SavedBytes, time_steps
     from lab.model import alibi_bias, get_config, rope_cos_sin
@@ -483,6 +484,6 @@ def activation_profile(model_name: str = "tiny", hows=("none", "selective", "ful
         kept = saved.held(exclude=[o, h, *shared, *model.parameters()]) / (batch * seq)
         o.float().sum().backward()
         step = lambda: model(x, y).backward()  # noqa: E731
-        out[how] = dict(bytes_per_token=kept, seconds=time_steps(step, repeats),
+        out[how] = dict(bytes_per_token=kept, seconds=time_steps(step, repeats) if repeats else None,
                         formula=activation_formula(cfg, how, torch.finfo(dtype).bits // 8, t, sp))
     return out

@@ -547,7 +547,7 @@ EXERCISES = [
     Exercise("torchrun --nproc_per_node 4 fsdp.py --stage 1", _check_stage1),
     Exercise("torchrun --nproc_per_node 2 fsdp.py --stage 3 --no-reshard", _check_no_reshard),
     Exercise("torchrun --nproc_per_node 4 fsdp.py --stage 3 --param-dtype bf16 --compare", _check_bf16_compare),
-    Exercise("torchrun --nproc_per_node 4 fsdp.py --stages 0 2 3 --model small --steps 2 --batch 4 --seq 16",
+    Exercise("torchrun --nproc_per_node 4 fsdp.py --stages 0 2 3 --model tiny --steps 2 --batch 4 --seq 16",
              _check_stages),
 ]
 

@@ -593,7 +593,7 @@ SAVE = "torchrun --nproc_per_node 4 train.py --pp 2 --dp-shard 2 --steps 10 --st
 SMALL = "--model small --steps 2 --seq-len 16 --global-batch-size 4"
 EXPORT = f"torchrun --nproc_per_node 4 train.py --dp-shard 2 --tp 2 {SMALL} --export model.pt"
 INIT = f"torchrun --nproc_per_node 4 train.py --dp-shard 4 {SMALL} --init-from model.pt"
-MEM = "--model small --steps 2 --seq-len 16 --global-batch-size 4 --track-memory"
+MEM = "--model tiny --steps 2 --seq-len 16 --global-batch-size 4 --track-memory"
 XL = "--seq-len 1024 --global-batch-size 8 --device-memory 80GB"
 L7 = "--dtype bfloat16 --seq-len 4096 --global-batch-size 16 --activation-checkpointing selective --device-memory 80GB"
 def _bytes_per_parameter(out):
