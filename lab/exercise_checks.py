@@ -1286,11 +1286,22 @@ VARIANTS["gather_when_used"] = [
 # through the flags. Graded on Mesh(dp_replicate=2, dp_shard=P/2): 2 replicas × 1 shard on 2 ranks, 2 × 2 on 4, the
 # tiny float64 model inside a wrapper whose extra parameter only replica 0's loss uses:
 #   - per rank: across replicas only the reduced shards and the flags cross, 8Ψ/S + 4k bytes all-reduced over the
-#     replicate group, nothing else crosses (first: a missing or misplaced sum is named by where it went);
+#     replicate group, nothing else crosses (first: a missing or misplaced sum is named by where it went — a
+#     broadcast or a reduce in its place, another op than the sum, the shards cast to another dtype, the flags summed
+#     on a copy);
 #   - stage 3 and stage 2 equal to one process after each of 2 SGD steps, on every rank, the extra parameter
 #     included (stepped on every replica).
 
 R_EXTRA = 0.1   # replica 0's loss adds R_EXTRA·Σ extra²
+HSDP_ERRORS = [(r"can't be cast to the desired output type (Int|Long)", "the used-flags (int32) cannot hold an "
+                "average: the replicas' shards and flags are SUMMED (ReduceOp.SUM, the default) — shard_hybrid divides "
+                "the gradients by S·R afterwards"),
+               (r"(?i)AVG|PREMUL_SUM", "gloo has no average: sum (ReduceOp.SUM, the default) — shard_hybrid divides the "
+                "gradients by S·R afterwards")]
+_CROSSING = {"reduce": "only its destination gets the sum, and every replica needs it: all-reduce",
+             "broadcast": "it copies one replica's gradient over the others', where the replicas' gradients must be "
+                          "SUMMED: all-reduce",
+             "all_gather": "R copies gathered (R× the memory) where one sum in place is the step: all-reduce t"}
 
 
 class _ReplicaExtra(torch.nn.Module):
@@ -1317,12 +1328,14 @@ def run_hsdp(P):
         opt = hsdp.shard_hybrid(model, mesh, stage=stage, optimizer_cls=SGD, lr=LR)
         states = []
         for s in range(2):
-            with Count() as c:
+            with Count() as c, explained(*HSDP_ERRORS):
                 model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
                 opt.step()
             opt.zero_grad()
             if s == 0 and stage == 3:
                 out.update(events=[(e["op"], tuple(e["group"]), e["bytes"], e["dtype"]) for e in c.events],
+                           reds=[(re.search(r"^all_reduce \((\w+)\)", e.get("line", "")) or [None, None])[1]
+                                 for e in c.events],
                            numel=sum(u.flat_numel for u in opt.units), k=sum(len(u.params) for u in opt.units))
             states.append({k.removeprefix("model."): v for k, v in opt.full_state_dict().items()})
         out[stage] = states
@@ -1390,12 +1403,31 @@ def judge_hsdp_bytes(P, res):
         want = 8 * x["numel"] // x["S"] + 4 * x["k"]
         crossing = [op for op, g, _, _ in x["events"] if g == rep and op != "all_reduce"]
         if crossing:
-            return [f"rank {r}: a {crossing[0]} across replicas: only the reduced shards and the flags cross them"]
+            how = _CROSSING.get(crossing[0])
+            return [f"rank {r}: a {crossing[0]} across replicas" + (f": {how}" if how else ": only the reduced shards "
+                                                                    "and the flags cross them")]
+        reds = x.get("reds") or [None] * len(x["events"])
+        wrong_op = [(red, d) for (op, g, _, d), red in zip(x["events"], reds)
+                    if g == rep and op == "all_reduce" and d.startswith("float") and red not in (None, "sum")]
+        if wrong_op:
+            return [f"rank {r}: an all_reduce ({wrong_op[0][0]}) of {wrong_op[0][1]} gradient shards across replicas: "
+                    f"the replicas' gradients ADD up (each saw other data) — ReduceOp.SUM, the default"]
+        floats = {d for op, g, _, d in x["events"] if g == rep and op == "all_reduce" and d.startswith("float")}
+        grads = sum(b for op, g, b, d in x["events"] if g == rep and op == "all_reduce" and d.startswith("float"))
+        shard = 8 * x["numel"] // x["S"]
         why = ("across_replicas returned None: return the function the seam calls (a closure over "
                "replicate_group)" if not x["returned"] else
                "nothing crossed: the shards were not summed across replicas" if got == 0 else
+               f"the shards crossed in {sorted(floats - {'float64'})[0]}, not their own float64: sum t itself, in its "
+               f"dtype (a cast copy loses precision, and its sum must be copied back)" if floats - {"float64"} else
                f"the used-flags (int32, 4k = {4 * x['k']} bytes) did not cross: they take the same road as the "
-               f"shards — sum them too" if got == want - 4 * x["k"] and not flags else "")
+               f"shards — sum them too" if got == want - 4 * x["k"] and not flags else
+               f"the used-flags crossed as a float copy ({got - shard:,} bytes, not 4k = {4 * x['k']:,} int32): "
+               f"all-reduce t itself, in place — the copy's sum never reaches the flags" if not flags
+               and grads > shard else
+               f"less than the formula: some of the shards or flags the seam was handed were not summed across "
+               f"replicas — every call all-reduces its whole t, every step" if got < want else
+               f"more than the formula: something crossed twice, or more than t" if got > want else "")
         lines = formula_line(f"rank {r}: all-reduce bytes across replicas {list(rep)} per step (the reduced shards "
                              f"8Ψ/S + the used-flags 4k)", want, got, why)
         if lines:
@@ -1431,6 +1463,15 @@ BUGS["across_replicas"] = [
         r"itself, in place"),
     Bug("the function not returned", "    return all_reduce_across\n", "",
         r"rank 0: all-reduce bytes .* measured 0 — across_replicas returned None: return the function"),
+    Bug("the maximum across replicas, not the sum", _ACROSS, "        dist.all_reduce(t, op=dist.ReduceOp.MAX, "
+        "group=replicate_group)\n", r"rank 0: an all_reduce \(max\) of float64 gradient shards across replicas: the "
+        r"replicas' gradients ADD up"),
+    Bug("a reduce to the first replica, never sent back", _ACROSS, "        dist.reduce(t, dst=dist.get_global_rank("
+        "replicate_group, 0), group=replicate_group)\n", r"rank 0: a reduce across replicas: only its destination gets "
+        r"the sum"),
+    Bug("the sum made in float32, copied back", _ACROSS, "        x = t.float() if t.is_floating_point() else t\n"
+        "        dist.all_reduce(x, group=replicate_group)\n        t.copy_(x)\n", r"rank 0: all-reduce bytes .* — the "
+        r"shards crossed in float32, not their own float64"),
 ]
 VARIANTS["across_replicas"] = [
     Variant("a class whose instances are called", (
