@@ -1494,7 +1494,11 @@ VARIANTS["across_replicas"] = [
 # train.py (tp with dp, cp, pp around it); every activation float64 here (bf16 in training: the all-reduce sums in
 # the activation's dtype, as Megatron). Graded on the tiny float64 model, one step:
 #   - per rank, Megatron's collectives: 2L + 1 all-reduces of B·S·H·b in forward (+3 for the loss), 2L + 1 in
-#     backward (first: a missing or extra sum is named by where it is);
+#     backward, each a sum in the activation's dtype (first: a missing or extra sum is named by where it is; an
+#     all-gather, another op, a cast copy by what it is);
+#   - f and g called directly on the world, in float64 and in bf16 (train.py's dtype): g's forward the sum of the
+#     ranks' tensors, f's backward the sum of their gradients, the other two the identity; the dtype kept, bf16
+#     within its rounding; neither changes what it is handed (a tensor autograd saved, an incoming gradient);
 #   - on 2 and 4 ranks (tp = the world): the loss and every gradient of every rank's slice equal to one process;
 #   - inside a larger mesh on 4 ranks: Mesh(dp_shard=2, tp=2)'s tp groups [0, 1] and [2, 3]: only the tp group
 #     talks, and the loss and gradients equal to one process. The runs serve pair too.
@@ -1502,6 +1506,11 @@ VARIANTS["across_replicas"] = [
 TP_B, TP_S = 2, 8
 TP_ERRORS = [(r"NoneType|returned None|got None", "a (forward, backward) function returned None: return the tensor "
               "(_all_reduce: the summed clone)"),
+             (r"shapes cannot be multiplied", "a matmul of the wrong shapes: self.linear(x, self.weight), the weight as "
+              "nn.Linear's [out, in] (F.linear transposes it): the column's [F/t, H] rows, the row's [H, F/t] columns"),
+             (r"Size does not match at dimension|expected index", "shapes differ after a pair: under sequence parallel "
+              "a pair enters from [B, S/t, H] (all-gather) and exits to [B, S/t, H] (reduce-scatter) — each linear "
+              "enters and exits as its input_op and sp say"),
              (r"must match the size of tensor", "shapes differ after a pair: under sequence parallel a pair enters from "
               "[B, S/t, H] (all-gather) and exits to [B, S/t, H] (reduce-scatter) — each linear enters and exits as its "
               "input_op and sp say")]
@@ -1548,7 +1557,15 @@ def _tp(P, sp, group=None):
         with Count() as bwd:
             loss.backward()
     tp.finish_grads(model)
+    lost = [n for n, p in model.named_parameters() if p.grad is None]
+    if lost:
+        raise RuntimeError(f"{lost[0]} (and {len(lost) - 1} more) got no gradient: the backward never reached it — a "
+                           f"pair's input or output detached (or made under no_grad) cuts the graph; f, the matmul "
+                           f"and g stay on autograd's road")
+    ars = [e for e in fwd.events + bwd.events if e["op"] == "all_reduce"]
     return dict(loss=loss.detach(), grads={n: p.grad.detach().clone() for n, p in model.named_parameters()},
+                reds=sorted({((re.search(r"^all_reduce \((\w+)\)", e.get("line", "")) or [None, None])[1],
+                              e["numel"]) for e in ars}), dtypes=sorted({(e["dtype"], e["numel"]) for e in ars}),
                 slices={n: getattr(p, "tp_slice", None) for n, p in model.named_parameters()},
                 fwd=fwd.summary(), bwd=bwd.summary(), sp=sp, groups=sorted(set(fwd.groups() + bwd.groups())),
                 linears=(pairs, calls[0]))
@@ -1607,6 +1624,21 @@ def judge_tp_formula(P, res):
     for r, x in enumerate(res):
         sp = x["sp"]
         want = tp_demo.comm_formula(cfg, TP_B, TP_S, 8, P, sp)
+        if not sp and any(op in c for c in (x["fwd"], x["bwd"]) for op in ("all_gather", "reduce_scatter")):
+            op = next(op for op in ("all_gather", "reduce_scatter") if op in x["fwd"] or op in x["bwd"])
+            return [f"rank {r}: a {op} in tensor parallel, where f and g all-reduce: "
+                    + ("t copies gathered, then summed (t× the memory, (t−1)·n bytes on the wire against the "
+                       "all-reduce's 2(t−1)/t·n) — all-reduce a clone in place" if op == "all_gather" else
+                       "a reduce-scatter leaves each rank 1/t of the sum, and every rank needs all of it")]
+        act = TP_B * TP_S * cfg.dim   # f's and g's tensors: [B, S, H] (the loss's all-reduces are smaller: [B·S])
+        if [red for red, n in x.get("reds", []) if red != "sum" and n == act]:
+            red = next(red for red, n in x["reds"] if red != "sum" and n == act)
+            return [f"rank {r}: an all_reduce ({red}) in tensor parallel: f's backward and g's forward SUM the ranks' "
+                    f"parts (ReduceOp.SUM, the default)"]
+        narrow = [d for d, n in x.get("dtypes", []) if d in ("float32", "float16", "bfloat16") and n == act]
+        if narrow:
+            return [f"rank {r}: an all-reduce in {narrow[0]} where the activations are float64: sum in the "
+                    f"activation's own dtype (a cast copy loses precision, and the result must keep x's dtype)"]
         ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         for op in ops:
             f, b = x["fwd"].get(op, {}).get("calls", 0), x["bwd"].get(op, {}).get("calls", 0)
@@ -1647,9 +1679,148 @@ def judge_tp_mesh(P, res, modes=(False,)):
     return []
 
 
+TP_H, TP_F, BF16_TOL = 8, 16, 3e-2   # the direct checks' sizes; bf16 keeps 8 bits: a few roundings, relative
+
+
+def _gen(q, *shape):
+    return torch.randn(*shape, dtype=F64, generator=torch.Generator().manual_seed(1000 + q))
+
+
+def run_tp_direct(P):
+    """f and g, and one column/row pair, called directly on the world group: on a tensor autograd saved (exp's output)
+    and a gradient a hook saw (f and g never change what they are handed), on each rank's own x (g sums the ranks'),
+    in float64 and in bfloat16 (train.py's tensor parallel: the dtype kept, the values within bf16's rounding)."""
+    import tensor_parallel as tp
+    r, world, out = dist.get_rank(), dist.group.WORLD, {}
+    with explained(*TP_ERRORS):
+        for name, dt in (("f64", F64), ("bf16", torch.bfloat16)):
+            w = _gen(r, 2, 4, TP_H).to(dt).requires_grad_()
+            x = w.exp()                                            # exp's backward reads x: a change would show
+            kept = x.detach().clone()
+            y = tp.exit_tp(x, world, False)                        # g
+            g_kept = torch.equal(x.detach(), kept)
+            y.backward(_gen(50, 2, 4, TP_H).to(dt))
+            v = _gen(r, 2, 4, TP_H).to(dt).requires_grad_()
+            seen = {}
+            z = tp.enter_tp(v, world, False)                        # f
+            z.register_hook(lambda g, seen=seen: seen.update(g=g, before=g.clone()))
+            (z * _gen(60 + r, 2, 4, TP_H).to(dt)).sum().backward()
+            out[name] = dict(g_kept=g_kept, g_fwd=y.detach().clone(), g_fwd_dtype=str(y.dtype),
+                             g_bwd=w.grad.clone(), f_fwd=z.detach().clone(), f_bwd=v.grad.clone(),
+                             f_kept=torch.equal(seen["g"], seen["before"]), f_bwd_dtype=str(v.grad.dtype))
+            # one column/row pair, each rank its F/t rows of W1 [F, H] and columns of W2 [H, F]
+            W1, W2, xin = _gen(70, TP_F, TP_H), _gen(71, TP_H, TP_F), _gen(72, 2, 4, TP_H)
+            a, b = r * TP_F // P, (r + 1) * TP_F // P
+            col = tp.ColumnParallelLinear(W1.to(dt), world, (a, b), input_op="copy")
+            row = tp.RowParallelLinear(W2.to(dt), world, (a, b), sequence_parallel=False)
+            xp = xin.to(dt).requires_grad_()
+            yp = row(col(xp))
+            yp.backward(_gen(73, 2, 4, TP_H).to(dt))
+            out[name].update(pair=yp.detach().clone(), pair_dtype=str(yp.dtype), pair_x=xp.grad.clone(),
+                             pair_w1=col.weight.grad.clone(), pair_w2=row.weight.grad.clone(), rows=(a, b))
+    return out
+
+
+@functools.cache
+def _pair_want():
+    W1, W2, xin = (t.clone().requires_grad_() for t in (_gen(70, TP_F, TP_H), _gen(71, TP_H, TP_F), _gen(72, 2, 4, TP_H)))
+    y = torch.nn.functional.linear(torch.nn.functional.linear(xin, W1), W2)
+    y.backward(_gen(73, 2, 4, TP_H))
+    return y.detach(), xin.grad, W1.grad, W2.grad
+
+
+def _near(got, want, tol):
+    """bf16: within tol of want, relative to want's largest element."""
+    return tuple(got.shape) == tuple(want.shape) and bool(
+        ((got.double() - want.double()).abs() <= tol * max(1.0, want.double().abs().max().item())).all())
+
+
+def _fg_wants(P, r, dt):
+    """What f and g give on rank r: g's forward the sum of every rank's exp(w), its backward the gradient unchanged;
+    f's forward the identity, its backward the sum of every rank's gradient."""
+    cast = (lambda t: t.to(torch.bfloat16).double()) if dt == "bf16" else (lambda t: t)
+    xs = [cast(_gen(q, 2, 4, TP_H)).exp() for q in range(P)]
+    return dict(g_fwd=sum(xs), g_bwd=cast(_gen(50, 2, 4, TP_H)) * xs[r], f_fwd=cast(_gen(r, 2, 4, TP_H)),
+                f_bwd=sum(cast(_gen(60 + q, 2, 4, TP_H)) for q in range(P)), parts=xs,
+                f_parts=[cast(_gen(60 + q, 2, 4, TP_H)) for q in range(P)])
+
+
+_FG_WHAT = dict(g_fwd="g's forward (the sum of the ranks' partial outputs)",
+                g_bwd="g's backward (the identity: every part's gradient is the sum's)",
+                f_fwd="f's forward (the identity: every rank holds all of x)",
+                f_bwd="f's backward (the sum of the ranks' gradients of x)")
+
+
+def _fg_pattern(got, want, parts, own):
+    P = len(parts)
+    for label, cand in ((f"1/{P} of the sum: averaged (ReduceOp.AVG, or a division) — f and g SUM", want / P),
+                        ("the elementwise maximum of the ranks' tensors: ReduceOp.MAX — f and g SUM",
+                         torch.stack(parts).max(0).values),
+                        ("this rank's own tensor, unsummed: the sum never reached what was returned (return the "
+                         "all-reduced clone)", own),
+                        (f"{P}× the expected: summed where the identity belongs, or twice", want * P)):
+        if tuple(got.shape) == tuple(cand.shape) and close(got, cand, 1e-6):
+            return label
+    return ""
+
+
+def judge_fg_direct(P, res):
+    for dt in ("f64", "bf16"):
+        for r, x in enumerate(res):
+            d, want = x[dt], _fg_wants(P, r, dt)
+            if not d["g_kept"]:
+                return [f"rank {r}: g's forward changed the tensor it was handed (here exp's output, which exp's "
+                        f"backward reads): all-reduce a clone, never autograd's tensor in place"]
+            if not d["f_kept"]:
+                return [f"rank {r}: f's backward changed the gradient it was handed (autograd may hand the same "
+                        f"gradient to others): all-reduce a clone, never the incoming gradient in place"]
+            for key in ("g_fwd", "g_bwd", "f_fwd", "f_bwd"):
+                got = d[key]
+                if dt == "bf16" and str(got.dtype) != "torch.bfloat16":
+                    return [f"rank {r}, bfloat16: {_FG_WHAT[key]} returned {str(got.dtype).replace('torch.', '')} "
+                            f"from bfloat16 (train.py runs tensor parallel in bf16): return x's own dtype (Megatron "
+                            f"sums in it)"]
+                ok = close(got, want[key], 1e-9) if dt == "f64" else _near(got, want[key], BF16_TOL)
+                if not ok:
+                    parts = want["parts"] if key[0] == "g" else want["f_parts"]
+                    own = parts[r] if key in ("g_fwd", "f_bwd") else want[key]
+                    why = _fg_pattern(got.double(), want[key], parts, own)
+                    off = (got.double() - want[key]).abs().max().item()
+                    return [f"rank {r}, {'float64' if dt == 'f64' else 'bfloat16'}: {_FG_WHAT[key]} off by {off:.3g}"
+                            + (f" — {why}" if why else "" if dt == "f64" else
+                               f" — beyond bf16's rounding ({BF16_TOL:g} of the largest)")]
+    return []
+
+
+def judge_pair_direct(P, res):
+    y, gx, g1, g2 = _pair_want()
+    for dt in ("f64", "bf16"):
+        for r, x in enumerate(res):
+            d = x[dt]
+            a, b = d["rows"]
+            want = dict(pair=y, pair_x=gx, pair_w1=g1[a:b], pair_w2=g2[:, a:b])
+            what = dict(pair="the pair's output", pair_x="the input's gradient", pair_w1="the column weight's gradient",
+                        pair_w2="the row weight's gradient")
+            for key, w in want.items():
+                got = d[key]
+                if dt == "bf16" and str(got.dtype) != "torch.bfloat16":
+                    return [f"rank {r}, bfloat16: {what[key]} in {str(got.dtype).replace('torch.', '')} from bfloat16 "
+                            f"weights and input (train.py runs tensor parallel in bf16): keep the dtype"]
+                ok = close(got, w, 1e-9) if dt == "f64" else _near(got, w, BF16_TOL)
+                if not ok:
+                    off = (got.double() - w).abs().max().item()
+                    return [f"rank {r}, one column/row pair called directly ({'float64' if dt == 'f64' else 'bfloat16'}"
+                            f"): {what[key]} off by {off:.3g} from x @ W1.T @ W2.T" +
+                            (f" (bf16 rounds to {BF16_TOL:g} of the largest)" if dt == "bf16" else "")]
+    return []
+
+
 CHECKS["f_and_g"] = [
     Check("Megatron's collectives: 2L + 1 all-reduces of B·S·H·b in forward (+3 for the loss), 2L + 1 in backward",
           run_tp, judge_tp_formula, worlds=(2, 4)),
+    Check("f and g called directly, in float64 and in bfloat16 (train.py's): g's forward the sum, f's backward the "
+          "sum, the others the identity, the dtype kept, bf16 within its rounding; never changing what they are handed",
+          run_tp_direct, judge_fg_direct, worlds=(2, 4)),
     Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
           run_tp, judge_tp_equal, worlds=(2, 4)),
     Check("inside a larger mesh: Mesh(dp_shard=2, tp=2)'s tp groups [0, 1] and [2, 3] alone talk, the loss and "
@@ -1671,9 +1842,16 @@ BUGS["f_and_g"] = [
         r"over ranks \[\[0, 1, 2, 3\]\]: tensor parallel's run over the tp group \[0, 1\]", 4),
     Bug("the all-reduce averages", "    dist.all_reduce(x, group=group)\n    return x\n",
         "    dist.all_reduce(x, group=group)\n    return x / dist.get_world_size(group)\n",
-        r"rank 0: the loss .* where one process has .*: the forward already differs — a pair's output must be the SUM"),
+        r"rank 0, float64: g's forward .* off by .* — 1/2 of the sum: averaged .* f and g SUM"),
     Bug("_all_reduce returns nothing", "    dist.all_reduce(x, group=group)\n    return x\n",
         "    dist.all_reduce(x, group=group)\n", r"every rank: \w+: a \(forward, backward\) function returned None"),
+    Bug("the sum made in place on autograd's tensor (no clone)", _AR, "    dist.all_reduce(x, group=group)\n    return x\n",
+        r"rank 0: g's forward changed the tensor it was handed .* all-reduce a clone"),
+    Bug("the maximum, not the sum", _AR, _AR.replace("group=group)", "op=dist.ReduceOp.MAX, group=group)"),
+        r"rank 0: an all_reduce \(max\) in tensor parallel: f's backward and g's forward SUM"),
+    Bug("bf16 summed in float32 and left there", _AR, "    y = x.float() if x.dtype == torch.bfloat16 else "
+        "x.clone(memory_format=torch.contiguous_format)\n    dist.all_reduce(y, group=group)\n    return y\n",
+        r"rank 0, bfloat16: g's forward .* returned float32 from bfloat16 .* return x's own dtype"),
 ]
 VARIANTS["f_and_g"] = [
     Variant("the identity as a lambda; the sum into a new contiguous tensor", (
@@ -1685,6 +1863,9 @@ VARIANTS["f_and_g"] = [
             _AR, "F_TP = (_identity,           _all_reduce)", "G_TP = (_all_reduce,         _identity)"), (
             "    out = x.contiguous().clone()\n    dist.all_reduce(out, group=group, async_op=True).wait()\n"
             "    return out\n", "F_TP = [_identity, _all_reduce]", "G_TP = [_all_reduce, _identity]")),
+    Variant("bf16 summed in float32, cast back to x's dtype", _AR, "    y = x.float() if x.dtype == torch.bfloat16 else "
+            "x.clone(memory_format=torch.contiguous_format)\n    dist.all_reduce(y, group=group)\n"
+            "    return y.to(x.dtype)\n"),
 ]
 
 
@@ -1699,7 +1880,11 @@ VARIANTS["f_and_g"] = [
 #     to one process;
 #   - inside a larger mesh on 4 ranks (Mesh(dp_shard=2, tp=2)), both modes: only the tp group talks, equal to one
 #     process;
+#   - one column/row pair called directly in float64 and in bf16 (train.py's dtype): x @ W1.T @ W2.T and the
+#     gradients of x and of each rank's weight slices, the dtype kept, bf16 within its rounding;
 #   - every matmul through self.linear (the swappable one), one call per linear per forward.
+# A detached input (no gradient reaches the earlier layers) and a matmul of the wrong shapes are named where they
+# happen.
 
 def judge_linears(P, res):
     for r, x in enumerate(res):
@@ -1724,6 +1909,8 @@ CHECKS["pair"] = [
           run_tp_mesh, judge_tp_mesh, worlds=(4,)),
     Check("the same with sequence parallel", run_sp_mesh, functools.partial(judge_tp_mesh, modes=(True,)),
           worlds=(4,)),
+    Check("one column/row pair called directly in float64 and in bfloat16 (train.py's): x @ W1.T @ W2.T and its "
+          "gradients, the dtype kept, bf16 within its rounding", run_tp_direct, judge_pair_direct, worlds=(2, 4)),
     Check("every matmul through self.linear (float8 and zero bubble swap it): one call per parallel linear", run_tp,
           judge_linears),
 ]
@@ -1752,6 +1939,14 @@ BUGS["pair"] = [
     Bug("the row-parallel linear exits over the default group",
         "exit_tp(self.linear(x, self.weight), self.group, self.sp)", "exit_tp(self.linear(x, self.weight), None, "
         "self.sp)", r"Mesh\(dp_shard=2, tp=2\), tensor parallel, rank 0: collectives over ranks \[\[0, 1, 2, 3\]\]", 4),
+    Bug("the column-parallel linear never gathers (sequence parallel)", _COL, _COL.replace(
+        "sp=self.input_op == \"gather\"", "sp=False"), r"every rank: RuntimeError: shapes differ after a pair: under "
+        r"sequence parallel"),
+    Bug("the column-parallel linear detaches its input", _COL, _COL.replace("        return self.linear",
+        "        x = x.detach()\n        return self.linear"), r"(every rank|rank 0): RuntimeError: .* got no gradient: the backward "
+        r"never reached it"),
+    Bug("the row-parallel matmul made in float64 (bf16 upcast)", _ROW, "        return exit_tp(self.linear(x.double(), "
+        "self.weight.double()), self.group, self.sp)\n", r"rank 0, bfloat16: the pair's output in float64 from bfloat16"),
 ]
 VARIANTS["pair"] = [
     Variant("each input_op its own branch; the partial product named", (_COL, _ROW), (
