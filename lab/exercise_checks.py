@@ -1975,15 +1975,18 @@ VARIANTS["pair"] = [
 #   - every stage's gradients and the last stage's loss equal to one process, on every rank;
 #   - inside a larger mesh on 4 ranks: Mesh(pp=2, dp_shard=2)'s pipelines [0, 2] and [1, 3], each on its own data:
 #     equal to one process on that data, every transfer to the rank's neighbours in its own pipeline.
-# A received activation that does not require grad (its gradient could never go back) and a transfer to a rank that
-# is not the neighbour are named where they happen.
+# A received activation that does not require grad (its gradient could never go back, or detached after it was
+# received), a transfer to a rank that is not the neighbour, a forward beyond the m micro-batches (a warm-up longer
+# than m), a return with micro-batches never backpropagated (no cool-down), micro-batches cut along the sequence and
+# a backward without the received gradient are named where they happen.
 
 PIPE_MS = {1: (2,), 2: (1, 4), 4: (2, 4)}
 
 
 @contextlib.contextmanager
-def _neighbours_only(pipe):
-    """Every transfer's peer checked before it is posted: pipe.prev or pipe.next, never another rank."""
+def _neighbours_only(pipe, received=None):
+    """Every transfer's peer checked before it is posted: pipe.prev or pipe.next, never another rank (received: a list
+    each receive's buffer is appended to)."""
     # (not dist.isend / irecv: a P2POp accepts only the very functions torch.distributed defines)
     me, names = dist.get_rank(), ("batch_isend_irecv", "send", "recv")
     inner = {n: getattr(dist, n) for n in names}
@@ -1997,12 +2000,17 @@ def _neighbours_only(pipe):
 
     def batch(ops):
         for op in ops:
-            check("send" if "send" in getattr(op.op, "__name__", "") else "receive", getattr(op, "peer", None))
+            kind = "send" if "send" in getattr(op.op, "__name__", "") else "receive"
+            check(kind, getattr(op, "peer", None))
+            if kind == "receive" and received is not None:
+                received.append(op.tensor)
         return inner["batch_isend_irecv"](ops)
 
     def single(name):
         def call(tensor, peer=None, *args, **kwargs):
             check("send" if "send" in name else "receive", peer)
+            if "recv" in name and received is not None:
+                received.append(tensor)
             return inner[name](tensor, peer, *args, **kwargs)
         return call
     dist.batch_isend_irecv = batch
@@ -2015,12 +2023,24 @@ def _neighbours_only(pipe):
             setattr(dist, n, f)
 
 
-def _received_needs_grad(stage, r):
+def _received_needs_grad(stage, r, received=()):
+    """received: the buffers this rank's receives filled (a list _neighbours_only appends to)."""
     def check(mod, args):
         if not stage.is_first and torch.is_grad_enabled() and not args[0].requires_grad:
+            copied = any(b.requires_grad and b.data_ptr() == args[0].data_ptr() for b in received)
             raise RuntimeError(f"the activation stage {r} received does not require grad: its gradient could never be "
-                               f"sent back — requires_grad_() on a received activation before its forward")
+                               f"sent back — " + ("it was received with requires_grad, then detached before the "
+                                                  "stage's forward: hand the stage the received tensor itself, and "
+                                                  "keep it (its .grad is what goes back)" if copied else
+                                                  "requires_grad_() on a received activation before its forward"))
     stage.register_forward_pre_hook(check)
+
+
+PIPE_ERRORS = [(r"grad can be implicitly created only for scalar outputs", "a backward without its output's gradient: "
+                "a stage before the last backpropagates the gradient it RECEIVES from pipe.next (a receive from "
+                "pipe.prev, or none, gave it nothing)"),
+               (r"^pop from empty list|deque", "a backward with no micro-batch in flight: m forwards, then m backwards "
+                "(warm-up min(p−r−1, m), cool-down as many)")]
 
 
 def _pipe_run(pipe, ms, seed=0):
@@ -2030,19 +2050,33 @@ def _pipe_run(pipe, ms, seed=0):
     for m in ms:
         x, y = _batch(0, B, S, seed=seed)   # fresh for each m: a core may change what it is handed
         stage = _stage(cfg, pipe.r, pipe.p)
-        log = []
+        log, shapes, mb_losses, received = [], [], [], []
 
-        def fwd_hook(mod, args, output, log=log):
+        def fwd_hook(mod, args, output, log=log, m=m):
             i = sum(a == "F" for a, _ in log)
+            if i >= m:
+                raise RuntimeError(f"rank {dist.get_rank()} (stage {pipe.r} of {pipe.p}): a forward of micro-batch {i}, "
+                                   f"but there are only m = {m} — the warm-up is min(p−r−1, m) = "
+                                   f"{min(pipe.p - pipe.r - 1, m)} forwards, never more than m")
             log.append(("F", i))
+            shapes.append(tuple(args[0].shape[:2]))
+            if stage.is_last:
+                mb_losses.append(float(output))
             if output.requires_grad:
                 output.register_hook(lambda g, i=i: log.append(("B", i)))
         stage.register_forward_hook(fwd_hook)
-        _received_needs_grad(stage, pipe.r)
-        with Count() as c, _neighbours_only(pipe):
+        _received_needs_grad(stage, pipe.r, received)
+        with Count() as c, _neighbours_only(pipe, received), explained(*PIPE_ERRORS):
             loss = one_f_one_b_plain(stage, pipe, x, y, m)
-        out[m] = dict(grads=_grads(stage), loss=None if loss is None else float(loss), log=log,
-                      sent=(c.calls("send"), c.bytes("send")), seed=seed)
+        done = sorted(i for a, i in log if a == "B")
+        if len(done) < sum(a == "F" for a, _ in log):
+            left = [i for a, i in log if a == "F" and i not in done]
+            raise RuntimeError(f"rank {dist.get_rank()} (stage {pipe.r} of {pipe.p}), m = {m}: returned with micro-"
+                               f"batch(es) {left} forwarded but never backpropagated — the cool-down: after the steady "
+                               f"phase, w = min(p−r−1, m) = {min(pipe.p - pipe.r - 1, m)} backwards, each on the "
+                               f"gradient received from pipe.next")
+        out[m] = dict(grads=_grads(stage), loss=None if loss is None else float(loss), log=log, shapes=shapes,
+                      mb_losses=mb_losses, sent=(c.calls("send"), c.bytes("send")), seed=seed)
     return out
 
 
@@ -2084,15 +2118,23 @@ def judge_pipe_equal(P, res, ms=None, p=None, last=None):
                               lambda r, n: one_process(res[r][m]["seed"], steps=1, cfg=_pipe_cfg(), m=m)[1][0][n],
                               what=f" (m = {m} micro-batches)",
                               scales=[(m, f"{m}× the expected ({m} = m, the micro-batches): each micro-batch's loss "
-                                       f"must be scaled by 1/m")] if m > 1 else [])
+                                       f"must be scaled by 1/m"),
+                                      (1 / m, f"1/{m} of the expected (1/m): scaled by 1/m twice — the last stage's "
+                                       f"loss alone is scaled; an earlier stage's output scaled too divides its "
+                                       f"gradients again")] if m > 1 else [])
         if lines:
             return lines
         for r in last:
             want = one_process(res[r][m]["seed"], steps=1, cfg=_pipe_cfg(), m=m)[2][0]
             got = res[r][m]["loss"]
             if got is None or abs(got - want) > 1e-9:
+                mine = res[r][m].get("mb_losses") or []
+                one = next((j for j, v in enumerate(mine) if got is not None and abs(got - v) < 1e-9), None)
                 why = (f" ({got / want:.4g}× = m: return the mean of the micro-batches' losses, not their sum)"
-                       if got is not None and m > 1 and abs(got / want - m) < 1e-9 else "")
+                       if got is not None and m > 1 and abs(got / want - m) < 1e-9 else
+                       f" (the loss of micro-batch {one} alone: return the mean of all m micro-batches' losses)"
+                       if one is not None and m > 1 else
+                       " (None: the last stage returns the mean of the micro-batches' losses)" if got is None else "")
                 return [f"rank {r} (the last stage), m = {m}: loss {got} where one process has {want:.10f}{why}"]
     return []
 
@@ -2115,6 +2157,10 @@ def _order(P, m, r):
 
 def judge_pipe_order(P, res):
     for m in PIPE_MS[P]:
+        first = res[0][m].get("shapes") or []
+        if first and any(sh != (B // m, S) for sh in first):
+            return [f"rank 0, m = {m}: micro-batches of tokens {first[0]} where 1F1B's are [B/m, S] = "
+                    f"{(B // m, S)}: split the batch dimension (dim 0) into m, never the sequence"]
         for r, x in enumerate(res):
             got = [f"{a}{i}" for a, i in x[m]["log"]]
             want = _order(P, m, r)
@@ -2204,6 +2250,13 @@ BUGS["one_f_one_b"] = [
     Bug("the micro-batches' losses summed, not averaged", "return torch.stack(losses).mean() if stage.is_last",
         "return torch.stack(losses).sum() if stage.is_last", r"rank 1 \(the last stage\), m = 4: loss .* \(4× = m: "
         r"return the mean of the micro-batches' losses, not their sum\)"),
+    Bug("the warm-up without min(·, m)", "w = min(pipe.p - pipe.r - 1, m)", "w = pipe.p - pipe.r - 1",
+        r"rank 0: RuntimeError: rank 0 \(stage 0 of 4\): a forward of micro-batch 2, but there are only m = 2", 4),
+    Bug("no cool-down", "    for _ in range(w):                                            # cool-down\n"
+        "        p2p(backward(p2p(recv_from=pipe.next)), pipe.prev)\n", "", r"rank 0: RuntimeError: rank 0 \(stage 0 of "
+        r"2\), m = 1: returned with micro-batch\(es\) \[0\] forwarded but never backpropagated — the cool-down"),
+    Bug("every stage's output scaled by 1/m", "outputs.append(out / m if stage.is_last else out)",
+        "outputs.append(out / m)", r"rank 0, .*: off by .* 1/4 of the expected \(1/m\): scaled by 1/m twice"),
 ]
 VARIANTS["one_f_one_b"] = [
     Variant("warm-up min(p − r, m) − 1, one loop around it; a send and its receive posted in two batches", (
