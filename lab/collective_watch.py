@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-               "reduce_scatter_tensor", "all_to_all_single", "all_gather", "reduce_scatter", "all_to_all", "barrier")
+               "reduce_scatter_tensor", "all_to_all_single", "all_gather", "reduce_scatter", "all_to_all", "barrier",
+               "reduce")
 _ORIGINAL: dict[str, object] = {}
 _PG_ORIGINAL: dict[str, object] = {}   # ProcessGroup.send / .recv: where every transfer is posted
 _S = dict(check=0, seq={}, posted={}, pending=[], n=0, patience=10.0, events=[], probe=None, broken=None, works={},
@@ -209,6 +210,11 @@ def _describe(name, a) -> dict:
         rec.update(numel=sum(t.numel() for t in ins), dtype=_dt(ins[0]), bytes=sum(_nb(t) for t in ins),
                    send=[t.numel() for t in ins], recv=[t.numel() for t in outs], line=f"all_to_all (list) of "
                    f"{_dt(ins[0])} elements")
+    elif op == "reduce":
+        t = a["tensor"]
+        red = str(a["op"]).split(".")[-1].lower()
+        rec.update(numel=t.numel(), dtype=_dt(t), bytes=_nb(t),
+                   line=f"reduce ({red}) of {t.numel():,} {_dt(t)} elements to rank {a.get('dst', a.get('group_dst'))}")
     else:  # barrier
         rec.update(numel=0, dtype="", bytes=0, line="barrier")
     return rec

@@ -1286,11 +1286,22 @@ VARIANTS["gather_when_used"] = [
 # through the flags. Graded on Mesh(dp_replicate=2, dp_shard=P/2): 2 replicas × 1 shard on 2 ranks, 2 × 2 on 4, the
 # tiny float64 model inside a wrapper whose extra parameter only replica 0's loss uses:
 #   - per rank: across replicas only the reduced shards and the flags cross, 8Ψ/S + 4k bytes all-reduced over the
-#     replicate group, nothing else crosses (first: a missing or misplaced sum is named by where it went);
+#     replicate group, nothing else crosses (first: a missing or misplaced sum is named by where it went — a
+#     broadcast or a reduce in its place, another op than the sum, the shards cast to another dtype, the flags summed
+#     on a copy);
 #   - stage 3 and stage 2 equal to one process after each of 2 SGD steps, on every rank, the extra parameter
 #     included (stepped on every replica).
 
 R_EXTRA = 0.1   # replica 0's loss adds R_EXTRA·Σ extra²
+HSDP_ERRORS = [(r"can't be cast to the desired output type (Int|Long)", "the used-flags (int32) cannot hold an "
+                "average: the replicas' shards and flags are SUMMED (ReduceOp.SUM, the default) — shard_hybrid divides "
+                "the gradients by S·R afterwards"),
+               (r"(?i)AVG|PREMUL_SUM", "gloo has no average: sum (ReduceOp.SUM, the default) — shard_hybrid divides the "
+                "gradients by S·R afterwards")]
+_CROSSING = {"reduce": "only its destination gets the sum, and every replica needs it: all-reduce",
+             "broadcast": "it copies one replica's gradient over the others', where the replicas' gradients must be "
+                          "SUMMED: all-reduce",
+             "all_gather": "R copies gathered (R× the memory) where one sum in place is the step: all-reduce t"}
 
 
 class _ReplicaExtra(torch.nn.Module):
@@ -1317,12 +1328,14 @@ def run_hsdp(P):
         opt = hsdp.shard_hybrid(model, mesh, stage=stage, optimizer_cls=SGD, lr=LR)
         states = []
         for s in range(2):
-            with Count() as c:
+            with Count() as c, explained(*HSDP_ERRORS):
                 model(*_batch(s, rank=dist.get_rank(), size=P)).backward()
                 opt.step()
             opt.zero_grad()
             if s == 0 and stage == 3:
                 out.update(events=[(e["op"], tuple(e["group"]), e["bytes"], e["dtype"]) for e in c.events],
+                           reds=[(re.search(r"^all_reduce \((\w+)\)", e.get("line", "")) or [None, None])[1]
+                                 for e in c.events],
                            numel=sum(u.flat_numel for u in opt.units), k=sum(len(u.params) for u in opt.units))
             states.append({k.removeprefix("model."): v for k, v in opt.full_state_dict().items()})
         out[stage] = states
@@ -1390,12 +1403,31 @@ def judge_hsdp_bytes(P, res):
         want = 8 * x["numel"] // x["S"] + 4 * x["k"]
         crossing = [op for op, g, _, _ in x["events"] if g == rep and op != "all_reduce"]
         if crossing:
-            return [f"rank {r}: a {crossing[0]} across replicas: only the reduced shards and the flags cross them"]
+            how = _CROSSING.get(crossing[0])
+            return [f"rank {r}: a {crossing[0]} across replicas" + (f": {how}" if how else ": only the reduced shards "
+                                                                    "and the flags cross them")]
+        reds = x.get("reds") or [None] * len(x["events"])
+        wrong_op = [(red, d) for (op, g, _, d), red in zip(x["events"], reds)
+                    if g == rep and op == "all_reduce" and d.startswith("float") and red not in (None, "sum")]
+        if wrong_op:
+            return [f"rank {r}: an all_reduce ({wrong_op[0][0]}) of {wrong_op[0][1]} gradient shards across replicas: "
+                    f"the replicas' gradients ADD up (each saw other data) — ReduceOp.SUM, the default"]
+        floats = {d for op, g, _, d in x["events"] if g == rep and op == "all_reduce" and d.startswith("float")}
+        grads = sum(b for op, g, b, d in x["events"] if g == rep and op == "all_reduce" and d.startswith("float"))
+        shard = 8 * x["numel"] // x["S"]
         why = ("across_replicas returned None: return the function the seam calls (a closure over "
                "replicate_group)" if not x["returned"] else
                "nothing crossed: the shards were not summed across replicas" if got == 0 else
+               f"the shards crossed in {sorted(floats - {'float64'})[0]}, not their own float64: sum t itself, in its "
+               f"dtype (a cast copy loses precision, and its sum must be copied back)" if floats - {"float64"} else
                f"the used-flags (int32, 4k = {4 * x['k']} bytes) did not cross: they take the same road as the "
-               f"shards — sum them too" if got == want - 4 * x["k"] and not flags else "")
+               f"shards — sum them too" if got == want - 4 * x["k"] and not flags else
+               f"the used-flags crossed as a float copy ({got - shard:,} bytes, not 4k = {4 * x['k']:,} int32): "
+               f"all-reduce t itself, in place — the copy's sum never reaches the flags" if not flags
+               and grads > shard else
+               f"less than the formula: some of the shards or flags the seam was handed were not summed across "
+               f"replicas — every call all-reduces its whole t, every step" if got < want else
+               f"more than the formula: something crossed twice, or more than t" if got > want else "")
         lines = formula_line(f"rank {r}: all-reduce bytes across replicas {list(rep)} per step (the reduced shards "
                              f"8Ψ/S + the used-flags 4k)", want, got, why)
         if lines:
@@ -1431,6 +1463,15 @@ BUGS["across_replicas"] = [
         r"itself, in place"),
     Bug("the function not returned", "    return all_reduce_across\n", "",
         r"rank 0: all-reduce bytes .* measured 0 — across_replicas returned None: return the function"),
+    Bug("the maximum across replicas, not the sum", _ACROSS, "        dist.all_reduce(t, op=dist.ReduceOp.MAX, "
+        "group=replicate_group)\n", r"rank 0: an all_reduce \(max\) of float64 gradient shards across replicas: the "
+        r"replicas' gradients ADD up"),
+    Bug("a reduce to the first replica, never sent back", _ACROSS, "        dist.reduce(t, dst=dist.get_global_rank("
+        "replicate_group, 0), group=replicate_group)\n", r"rank 0: a reduce across replicas: only its destination gets "
+        r"the sum"),
+    Bug("the sum made in float32, copied back", _ACROSS, "        x = t.float() if t.is_floating_point() else t\n"
+        "        dist.all_reduce(x, group=replicate_group)\n        t.copy_(x)\n", r"rank 0: all-reduce bytes .* — the "
+        r"shards crossed in float32, not their own float64"),
 ]
 VARIANTS["across_replicas"] = [
     Variant("a class whose instances are called", (
@@ -1453,7 +1494,11 @@ VARIANTS["across_replicas"] = [
 # train.py (tp with dp, cp, pp around it); every activation float64 here (bf16 in training: the all-reduce sums in
 # the activation's dtype, as Megatron). Graded on the tiny float64 model, one step:
 #   - per rank, Megatron's collectives: 2L + 1 all-reduces of B·S·H·b in forward (+3 for the loss), 2L + 1 in
-#     backward (first: a missing or extra sum is named by where it is);
+#     backward, each a sum in the activation's dtype (first: a missing or extra sum is named by where it is; an
+#     all-gather, another op, a cast copy by what it is);
+#   - f and g called directly on the world, in float64 and in bf16 (train.py's dtype): g's forward the sum of the
+#     ranks' tensors, f's backward the sum of their gradients, the other two the identity; the dtype kept, bf16
+#     within its rounding; neither changes what it is handed (a tensor autograd saved, an incoming gradient);
 #   - on 2 and 4 ranks (tp = the world): the loss and every gradient of every rank's slice equal to one process;
 #   - inside a larger mesh on 4 ranks: Mesh(dp_shard=2, tp=2)'s tp groups [0, 1] and [2, 3]: only the tp group
 #     talks, and the loss and gradients equal to one process. The runs serve pair too.
@@ -1461,6 +1506,11 @@ VARIANTS["across_replicas"] = [
 TP_B, TP_S = 2, 8
 TP_ERRORS = [(r"NoneType|returned None|got None", "a (forward, backward) function returned None: return the tensor "
               "(_all_reduce: the summed clone)"),
+             (r"shapes cannot be multiplied", "a matmul of the wrong shapes: self.linear(x, self.weight), the weight as "
+              "nn.Linear's [out, in] (F.linear transposes it): the column's [F/t, H] rows, the row's [H, F/t] columns"),
+             (r"Size does not match at dimension|expected index", "shapes differ after a pair: under sequence parallel "
+              "a pair enters from [B, S/t, H] (all-gather) and exits to [B, S/t, H] (reduce-scatter) — each linear "
+              "enters and exits as its input_op and sp say"),
              (r"must match the size of tensor", "shapes differ after a pair: under sequence parallel a pair enters from "
               "[B, S/t, H] (all-gather) and exits to [B, S/t, H] (reduce-scatter) — each linear enters and exits as its "
               "input_op and sp say")]
@@ -1507,7 +1557,15 @@ def _tp(P, sp, group=None):
         with Count() as bwd:
             loss.backward()
     tp.finish_grads(model)
+    lost = [n for n, p in model.named_parameters() if p.grad is None]
+    if lost:
+        raise RuntimeError(f"{lost[0]} (and {len(lost) - 1} more) got no gradient: the backward never reached it — a "
+                           f"pair's input or output detached (or made under no_grad) cuts the graph; f, the matmul "
+                           f"and g stay on autograd's road")
+    ars = [e for e in fwd.events + bwd.events if e["op"] == "all_reduce"]
     return dict(loss=loss.detach(), grads={n: p.grad.detach().clone() for n, p in model.named_parameters()},
+                reds=sorted({((re.search(r"^all_reduce \((\w+)\)", e.get("line", "")) or [None, None])[1],
+                              e["numel"]) for e in ars}), dtypes=sorted({(e["dtype"], e["numel"]) for e in ars}),
                 slices={n: getattr(p, "tp_slice", None) for n, p in model.named_parameters()},
                 fwd=fwd.summary(), bwd=bwd.summary(), sp=sp, groups=sorted(set(fwd.groups() + bwd.groups())),
                 linears=(pairs, calls[0]))
@@ -1566,6 +1624,21 @@ def judge_tp_formula(P, res):
     for r, x in enumerate(res):
         sp = x["sp"]
         want = tp_demo.comm_formula(cfg, TP_B, TP_S, 8, P, sp)
+        if not sp and any(op in c for c in (x["fwd"], x["bwd"]) for op in ("all_gather", "reduce_scatter")):
+            op = next(op for op in ("all_gather", "reduce_scatter") if op in x["fwd"] or op in x["bwd"])
+            return [f"rank {r}: a {op} in tensor parallel, where f and g all-reduce: "
+                    + ("t copies gathered, then summed (t× the memory, (t−1)·n bytes on the wire against the "
+                       "all-reduce's 2(t−1)/t·n) — all-reduce a clone in place" if op == "all_gather" else
+                       "a reduce-scatter leaves each rank 1/t of the sum, and every rank needs all of it")]
+        act = TP_B * TP_S * cfg.dim   # f's and g's tensors: [B, S, H] (the loss's all-reduces are smaller: [B·S])
+        if [red for red, n in x.get("reds", []) if red != "sum" and n == act]:
+            red = next(red for red, n in x["reds"] if red != "sum" and n == act)
+            return [f"rank {r}: an all_reduce ({red}) in tensor parallel: f's backward and g's forward SUM the ranks' "
+                    f"parts (ReduceOp.SUM, the default)"]
+        narrow = [d for d, n in x.get("dtypes", []) if d in ("float32", "float16", "bfloat16") and n == act]
+        if narrow:
+            return [f"rank {r}: an all-reduce in {narrow[0]} where the activations are float64: sum in the "
+                    f"activation's own dtype (a cast copy loses precision, and the result must keep x's dtype)"]
         ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         for op in ops:
             f, b = x["fwd"].get(op, {}).get("calls", 0), x["bwd"].get(op, {}).get("calls", 0)
@@ -1606,9 +1679,148 @@ def judge_tp_mesh(P, res, modes=(False,)):
     return []
 
 
+TP_H, TP_F, BF16_TOL = 8, 16, 3e-2   # the direct checks' sizes; bf16 keeps 8 bits: a few roundings, relative
+
+
+def _gen(q, *shape):
+    return torch.randn(*shape, dtype=F64, generator=torch.Generator().manual_seed(1000 + q))
+
+
+def run_tp_direct(P):
+    """f and g, and one column/row pair, called directly on the world group: on a tensor autograd saved (exp's output)
+    and a gradient a hook saw (f and g never change what they are handed), on each rank's own x (g sums the ranks'),
+    in float64 and in bfloat16 (train.py's tensor parallel: the dtype kept, the values within bf16's rounding)."""
+    import tensor_parallel as tp
+    r, world, out = dist.get_rank(), dist.group.WORLD, {}
+    with explained(*TP_ERRORS):
+        for name, dt in (("f64", F64), ("bf16", torch.bfloat16)):
+            w = _gen(r, 2, 4, TP_H).to(dt).requires_grad_()
+            x = w.exp()                                            # exp's backward reads x: a change would show
+            kept = x.detach().clone()
+            y = tp.exit_tp(x, world, False)                        # g
+            g_kept = torch.equal(x.detach(), kept)
+            y.backward(_gen(50, 2, 4, TP_H).to(dt))
+            v = _gen(r, 2, 4, TP_H).to(dt).requires_grad_()
+            seen = {}
+            z = tp.enter_tp(v, world, False)                        # f
+            z.register_hook(lambda g, seen=seen: seen.update(g=g, before=g.clone()))
+            (z * _gen(60 + r, 2, 4, TP_H).to(dt)).sum().backward()
+            out[name] = dict(g_kept=g_kept, g_fwd=y.detach().clone(), g_fwd_dtype=str(y.dtype),
+                             g_bwd=w.grad.clone(), f_fwd=z.detach().clone(), f_bwd=v.grad.clone(),
+                             f_kept=torch.equal(seen["g"], seen["before"]), f_bwd_dtype=str(v.grad.dtype))
+            # one column/row pair, each rank its F/t rows of W1 [F, H] and columns of W2 [H, F]
+            W1, W2, xin = _gen(70, TP_F, TP_H), _gen(71, TP_H, TP_F), _gen(72, 2, 4, TP_H)
+            a, b = r * TP_F // P, (r + 1) * TP_F // P
+            col = tp.ColumnParallelLinear(W1.to(dt), world, (a, b), input_op="copy")
+            row = tp.RowParallelLinear(W2.to(dt), world, (a, b), sequence_parallel=False)
+            xp = xin.to(dt).requires_grad_()
+            yp = row(col(xp))
+            yp.backward(_gen(73, 2, 4, TP_H).to(dt))
+            out[name].update(pair=yp.detach().clone(), pair_dtype=str(yp.dtype), pair_x=xp.grad.clone(),
+                             pair_w1=col.weight.grad.clone(), pair_w2=row.weight.grad.clone(), rows=(a, b))
+    return out
+
+
+@functools.cache
+def _pair_want():
+    W1, W2, xin = (t.clone().requires_grad_() for t in (_gen(70, TP_F, TP_H), _gen(71, TP_H, TP_F), _gen(72, 2, 4, TP_H)))
+    y = torch.nn.functional.linear(torch.nn.functional.linear(xin, W1), W2)
+    y.backward(_gen(73, 2, 4, TP_H))
+    return y.detach(), xin.grad, W1.grad, W2.grad
+
+
+def _near(got, want, tol):
+    """bf16: within tol of want, relative to want's largest element."""
+    return tuple(got.shape) == tuple(want.shape) and bool(
+        ((got.double() - want.double()).abs() <= tol * max(1.0, want.double().abs().max().item())).all())
+
+
+def _fg_wants(P, r, dt):
+    """What f and g give on rank r: g's forward the sum of every rank's exp(w), its backward the gradient unchanged;
+    f's forward the identity, its backward the sum of every rank's gradient."""
+    cast = (lambda t: t.to(torch.bfloat16).double()) if dt == "bf16" else (lambda t: t)
+    xs = [cast(_gen(q, 2, 4, TP_H)).exp() for q in range(P)]
+    return dict(g_fwd=sum(xs), g_bwd=cast(_gen(50, 2, 4, TP_H)) * xs[r], f_fwd=cast(_gen(r, 2, 4, TP_H)),
+                f_bwd=sum(cast(_gen(60 + q, 2, 4, TP_H)) for q in range(P)), parts=xs,
+                f_parts=[cast(_gen(60 + q, 2, 4, TP_H)) for q in range(P)])
+
+
+_FG_WHAT = dict(g_fwd="g's forward (the sum of the ranks' partial outputs)",
+                g_bwd="g's backward (the identity: every part's gradient is the sum's)",
+                f_fwd="f's forward (the identity: every rank holds all of x)",
+                f_bwd="f's backward (the sum of the ranks' gradients of x)")
+
+
+def _fg_pattern(got, want, parts, own):
+    P = len(parts)
+    for label, cand in ((f"1/{P} of the sum: averaged (ReduceOp.AVG, or a division) — f and g SUM", want / P),
+                        ("the elementwise maximum of the ranks' tensors: ReduceOp.MAX — f and g SUM",
+                         torch.stack(parts).max(0).values),
+                        ("this rank's own tensor, unsummed: the sum never reached what was returned (return the "
+                         "all-reduced clone)", own),
+                        (f"{P}× the expected: summed where the identity belongs, or twice", want * P)):
+        if tuple(got.shape) == tuple(cand.shape) and close(got, cand, 1e-6):
+            return label
+    return ""
+
+
+def judge_fg_direct(P, res):
+    for dt in ("f64", "bf16"):
+        for r, x in enumerate(res):
+            d, want = x[dt], _fg_wants(P, r, dt)
+            if not d["g_kept"]:
+                return [f"rank {r}: g's forward changed the tensor it was handed (here exp's output, which exp's "
+                        f"backward reads): all-reduce a clone, never autograd's tensor in place"]
+            if not d["f_kept"]:
+                return [f"rank {r}: f's backward changed the gradient it was handed (autograd may hand the same "
+                        f"gradient to others): all-reduce a clone, never the incoming gradient in place"]
+            for key in ("g_fwd", "g_bwd", "f_fwd", "f_bwd"):
+                got = d[key]
+                if dt == "bf16" and str(got.dtype) != "torch.bfloat16":
+                    return [f"rank {r}, bfloat16: {_FG_WHAT[key]} returned {str(got.dtype).replace('torch.', '')} "
+                            f"from bfloat16 (train.py runs tensor parallel in bf16): return x's own dtype (Megatron "
+                            f"sums in it)"]
+                ok = close(got, want[key], 1e-9) if dt == "f64" else _near(got, want[key], BF16_TOL)
+                if not ok:
+                    parts = want["parts"] if key[0] == "g" else want["f_parts"]
+                    own = parts[r] if key in ("g_fwd", "f_bwd") else want[key]
+                    why = _fg_pattern(got.double(), want[key], parts, own)
+                    off = (got.double() - want[key]).abs().max().item()
+                    return [f"rank {r}, {'float64' if dt == 'f64' else 'bfloat16'}: {_FG_WHAT[key]} off by {off:.3g}"
+                            + (f" — {why}" if why else "" if dt == "f64" else
+                               f" — beyond bf16's rounding ({BF16_TOL:g} of the largest)")]
+    return []
+
+
+def judge_pair_direct(P, res):
+    y, gx, g1, g2 = _pair_want()
+    for dt in ("f64", "bf16"):
+        for r, x in enumerate(res):
+            d = x[dt]
+            a, b = d["rows"]
+            want = dict(pair=y, pair_x=gx, pair_w1=g1[a:b], pair_w2=g2[:, a:b])
+            what = dict(pair="the pair's output", pair_x="the input's gradient", pair_w1="the column weight's gradient",
+                        pair_w2="the row weight's gradient")
+            for key, w in want.items():
+                got = d[key]
+                if dt == "bf16" and str(got.dtype) != "torch.bfloat16":
+                    return [f"rank {r}, bfloat16: {what[key]} in {str(got.dtype).replace('torch.', '')} from bfloat16 "
+                            f"weights and input (train.py runs tensor parallel in bf16): keep the dtype"]
+                ok = close(got, w, 1e-9) if dt == "f64" else _near(got, w, BF16_TOL)
+                if not ok:
+                    off = (got.double() - w).abs().max().item()
+                    return [f"rank {r}, one column/row pair called directly ({'float64' if dt == 'f64' else 'bfloat16'}"
+                            f"): {what[key]} off by {off:.3g} from x @ W1.T @ W2.T" +
+                            (f" (bf16 rounds to {BF16_TOL:g} of the largest)" if dt == "bf16" else "")]
+    return []
+
+
 CHECKS["f_and_g"] = [
     Check("Megatron's collectives: 2L + 1 all-reduces of B·S·H·b in forward (+3 for the loss), 2L + 1 in backward",
           run_tp, judge_tp_formula, worlds=(2, 4)),
+    Check("f and g called directly, in float64 and in bfloat16 (train.py's): g's forward the sum, f's backward the "
+          "sum, the others the identity, the dtype kept, bf16 within its rounding; never changing what they are handed",
+          run_tp_direct, judge_fg_direct, worlds=(2, 4)),
     Check("tensor parallel equal to one process in float64: the loss and every gradient of every rank's slice",
           run_tp, judge_tp_equal, worlds=(2, 4)),
     Check("inside a larger mesh: Mesh(dp_shard=2, tp=2)'s tp groups [0, 1] and [2, 3] alone talk, the loss and "
@@ -1630,9 +1842,16 @@ BUGS["f_and_g"] = [
         r"over ranks \[\[0, 1, 2, 3\]\]: tensor parallel's run over the tp group \[0, 1\]", 4),
     Bug("the all-reduce averages", "    dist.all_reduce(x, group=group)\n    return x\n",
         "    dist.all_reduce(x, group=group)\n    return x / dist.get_world_size(group)\n",
-        r"rank 0: the loss .* where one process has .*: the forward already differs — a pair's output must be the SUM"),
+        r"rank 0, float64: g's forward .* off by .* — 1/2 of the sum: averaged .* f and g SUM"),
     Bug("_all_reduce returns nothing", "    dist.all_reduce(x, group=group)\n    return x\n",
         "    dist.all_reduce(x, group=group)\n", r"every rank: \w+: a \(forward, backward\) function returned None"),
+    Bug("the sum made in place on autograd's tensor (no clone)", _AR, "    dist.all_reduce(x, group=group)\n    return x\n",
+        r"rank 0: g's forward changed the tensor it was handed .* all-reduce a clone"),
+    Bug("the maximum, not the sum", _AR, _AR.replace("group=group)", "op=dist.ReduceOp.MAX, group=group)"),
+        r"rank 0: an all_reduce \(max\) in tensor parallel: f's backward and g's forward SUM"),
+    Bug("bf16 summed in float32 and left there", _AR, "    y = x.float() if x.dtype == torch.bfloat16 else "
+        "x.clone(memory_format=torch.contiguous_format)\n    dist.all_reduce(y, group=group)\n    return y\n",
+        r"rank 0, bfloat16: g's forward .* returned float32 from bfloat16 .* return x's own dtype"),
 ]
 VARIANTS["f_and_g"] = [
     Variant("the identity as a lambda; the sum into a new contiguous tensor", (
@@ -1644,6 +1863,9 @@ VARIANTS["f_and_g"] = [
             _AR, "F_TP = (_identity,           _all_reduce)", "G_TP = (_all_reduce,         _identity)"), (
             "    out = x.contiguous().clone()\n    dist.all_reduce(out, group=group, async_op=True).wait()\n"
             "    return out\n", "F_TP = [_identity, _all_reduce]", "G_TP = [_all_reduce, _identity]")),
+    Variant("bf16 summed in float32, cast back to x's dtype", _AR, "    y = x.float() if x.dtype == torch.bfloat16 else "
+            "x.clone(memory_format=torch.contiguous_format)\n    dist.all_reduce(y, group=group)\n"
+            "    return y.to(x.dtype)\n"),
 ]
 
 
@@ -1658,7 +1880,11 @@ VARIANTS["f_and_g"] = [
 #     to one process;
 #   - inside a larger mesh on 4 ranks (Mesh(dp_shard=2, tp=2)), both modes: only the tp group talks, equal to one
 #     process;
+#   - one column/row pair called directly in float64 and in bf16 (train.py's dtype): x @ W1.T @ W2.T and the
+#     gradients of x and of each rank's weight slices, the dtype kept, bf16 within its rounding;
 #   - every matmul through self.linear (the swappable one), one call per linear per forward.
+# A detached input (no gradient reaches the earlier layers) and a matmul of the wrong shapes are named where they
+# happen.
 
 def judge_linears(P, res):
     for r, x in enumerate(res):
@@ -1683,6 +1909,8 @@ CHECKS["pair"] = [
           run_tp_mesh, judge_tp_mesh, worlds=(4,)),
     Check("the same with sequence parallel", run_sp_mesh, functools.partial(judge_tp_mesh, modes=(True,)),
           worlds=(4,)),
+    Check("one column/row pair called directly in float64 and in bfloat16 (train.py's): x @ W1.T @ W2.T and its "
+          "gradients, the dtype kept, bf16 within its rounding", run_tp_direct, judge_pair_direct, worlds=(2, 4)),
     Check("every matmul through self.linear (float8 and zero bubble swap it): one call per parallel linear", run_tp,
           judge_linears),
 ]
@@ -1711,6 +1939,14 @@ BUGS["pair"] = [
     Bug("the row-parallel linear exits over the default group",
         "exit_tp(self.linear(x, self.weight), self.group, self.sp)", "exit_tp(self.linear(x, self.weight), None, "
         "self.sp)", r"Mesh\(dp_shard=2, tp=2\), tensor parallel, rank 0: collectives over ranks \[\[0, 1, 2, 3\]\]", 4),
+    Bug("the column-parallel linear never gathers (sequence parallel)", _COL, _COL.replace(
+        "sp=self.input_op == \"gather\"", "sp=False"), r"every rank: RuntimeError: shapes differ after a pair: under "
+        r"sequence parallel"),
+    Bug("the column-parallel linear detaches its input", _COL, _COL.replace("        return self.linear",
+        "        x = x.detach()\n        return self.linear"), r"(every rank|rank 0): RuntimeError: .* got no gradient: the backward "
+        r"never reached it"),
+    Bug("the row-parallel matmul made in float64 (bf16 upcast)", _ROW, "        return exit_tp(self.linear(x.double(), "
+        "self.weight.double()), self.group, self.sp)\n", r"rank 0, bfloat16: the pair's output in float64 from bfloat16"),
 ]
 VARIANTS["pair"] = [
     Variant("each input_op its own branch; the partial product named", (_COL, _ROW), (
@@ -1739,15 +1975,18 @@ VARIANTS["pair"] = [
 #   - every stage's gradients and the last stage's loss equal to one process, on every rank;
 #   - inside a larger mesh on 4 ranks: Mesh(pp=2, dp_shard=2)'s pipelines [0, 2] and [1, 3], each on its own data:
 #     equal to one process on that data, every transfer to the rank's neighbours in its own pipeline.
-# A received activation that does not require grad (its gradient could never go back) and a transfer to a rank that
-# is not the neighbour are named where they happen.
+# A received activation that does not require grad (its gradient could never go back, or detached after it was
+# received), a transfer to a rank that is not the neighbour, a forward beyond the m micro-batches (a warm-up longer
+# than m), a return with micro-batches never backpropagated (no cool-down), micro-batches cut along the sequence and
+# a backward without the received gradient are named where they happen.
 
 PIPE_MS = {1: (2,), 2: (1, 4), 4: (2, 4)}
 
 
 @contextlib.contextmanager
-def _neighbours_only(pipe):
-    """Every transfer's peer checked before it is posted: pipe.prev or pipe.next, never another rank."""
+def _neighbours_only(pipe, received=None):
+    """Every transfer's peer checked before it is posted: pipe.prev or pipe.next, never another rank (received: a list
+    each receive's buffer is appended to)."""
     # (not dist.isend / irecv: a P2POp accepts only the very functions torch.distributed defines)
     me, names = dist.get_rank(), ("batch_isend_irecv", "send", "recv")
     inner = {n: getattr(dist, n) for n in names}
@@ -1761,12 +2000,17 @@ def _neighbours_only(pipe):
 
     def batch(ops):
         for op in ops:
-            check("send" if "send" in getattr(op.op, "__name__", "") else "receive", getattr(op, "peer", None))
+            kind = "send" if "send" in getattr(op.op, "__name__", "") else "receive"
+            check(kind, getattr(op, "peer", None))
+            if kind == "receive" and received is not None:
+                received.append(op.tensor)
         return inner["batch_isend_irecv"](ops)
 
     def single(name):
         def call(tensor, peer=None, *args, **kwargs):
             check("send" if "send" in name else "receive", peer)
+            if "recv" in name and received is not None:
+                received.append(tensor)
             return inner[name](tensor, peer, *args, **kwargs)
         return call
     dist.batch_isend_irecv = batch
@@ -1779,12 +2023,24 @@ def _neighbours_only(pipe):
             setattr(dist, n, f)
 
 
-def _received_needs_grad(stage, r):
+def _received_needs_grad(stage, r, received=()):
+    """received: the buffers this rank's receives filled (a list _neighbours_only appends to)."""
     def check(mod, args):
         if not stage.is_first and torch.is_grad_enabled() and not args[0].requires_grad:
+            copied = any(b.requires_grad and b.data_ptr() == args[0].data_ptr() for b in received)
             raise RuntimeError(f"the activation stage {r} received does not require grad: its gradient could never be "
-                               f"sent back — requires_grad_() on a received activation before its forward")
+                               f"sent back — " + ("it was received with requires_grad, then detached before the "
+                                                  "stage's forward: hand the stage the received tensor itself, and "
+                                                  "keep it (its .grad is what goes back)" if copied else
+                                                  "requires_grad_() on a received activation before its forward"))
     stage.register_forward_pre_hook(check)
+
+
+PIPE_ERRORS = [(r"grad can be implicitly created only for scalar outputs", "a backward without its output's gradient: "
+                "a stage before the last backpropagates the gradient it RECEIVES from pipe.next (a receive from "
+                "pipe.prev, or none, gave it nothing)"),
+               (r"^pop from empty list|deque", "a backward with no micro-batch in flight: m forwards, then m backwards "
+                "(warm-up min(p−r−1, m), cool-down as many)")]
 
 
 def _pipe_run(pipe, ms, seed=0):
@@ -1794,19 +2050,33 @@ def _pipe_run(pipe, ms, seed=0):
     for m in ms:
         x, y = _batch(0, B, S, seed=seed)   # fresh for each m: a core may change what it is handed
         stage = _stage(cfg, pipe.r, pipe.p)
-        log = []
+        log, shapes, mb_losses, received = [], [], [], []
 
-        def fwd_hook(mod, args, output, log=log):
+        def fwd_hook(mod, args, output, log=log, m=m):
             i = sum(a == "F" for a, _ in log)
+            if i >= m:
+                raise RuntimeError(f"rank {dist.get_rank()} (stage {pipe.r} of {pipe.p}): a forward of micro-batch {i}, "
+                                   f"but there are only m = {m} — the warm-up is min(p−r−1, m) = "
+                                   f"{min(pipe.p - pipe.r - 1, m)} forwards, never more than m")
             log.append(("F", i))
+            shapes.append(tuple(args[0].shape[:2]))
+            if stage.is_last:
+                mb_losses.append(float(output))
             if output.requires_grad:
                 output.register_hook(lambda g, i=i: log.append(("B", i)))
         stage.register_forward_hook(fwd_hook)
-        _received_needs_grad(stage, pipe.r)
-        with Count() as c, _neighbours_only(pipe):
+        _received_needs_grad(stage, pipe.r, received)
+        with Count() as c, _neighbours_only(pipe, received), explained(*PIPE_ERRORS):
             loss = one_f_one_b_plain(stage, pipe, x, y, m)
-        out[m] = dict(grads=_grads(stage), loss=None if loss is None else float(loss), log=log,
-                      sent=(c.calls("send"), c.bytes("send")), seed=seed)
+        done = sorted(i for a, i in log if a == "B")
+        if len(done) < sum(a == "F" for a, _ in log):
+            left = [i for a, i in log if a == "F" and i not in done]
+            raise RuntimeError(f"rank {dist.get_rank()} (stage {pipe.r} of {pipe.p}), m = {m}: returned with micro-"
+                               f"batch(es) {left} forwarded but never backpropagated — the cool-down: after the steady "
+                               f"phase, w = min(p−r−1, m) = {min(pipe.p - pipe.r - 1, m)} backwards, each on the "
+                               f"gradient received from pipe.next")
+        out[m] = dict(grads=_grads(stage), loss=None if loss is None else float(loss), log=log, shapes=shapes,
+                      mb_losses=mb_losses, sent=(c.calls("send"), c.bytes("send")), seed=seed)
     return out
 
 
@@ -1848,15 +2118,23 @@ def judge_pipe_equal(P, res, ms=None, p=None, last=None):
                               lambda r, n: one_process(res[r][m]["seed"], steps=1, cfg=_pipe_cfg(), m=m)[1][0][n],
                               what=f" (m = {m} micro-batches)",
                               scales=[(m, f"{m}× the expected ({m} = m, the micro-batches): each micro-batch's loss "
-                                       f"must be scaled by 1/m")] if m > 1 else [])
+                                       f"must be scaled by 1/m"),
+                                      (1 / m, f"1/{m} of the expected (1/m): scaled by 1/m twice — the last stage's "
+                                       f"loss alone is scaled; an earlier stage's output scaled too divides its "
+                                       f"gradients again")] if m > 1 else [])
         if lines:
             return lines
         for r in last:
             want = one_process(res[r][m]["seed"], steps=1, cfg=_pipe_cfg(), m=m)[2][0]
             got = res[r][m]["loss"]
             if got is None or abs(got - want) > 1e-9:
+                mine = res[r][m].get("mb_losses") or []
+                one = next((j for j, v in enumerate(mine) if got is not None and abs(got - v) < 1e-9), None)
                 why = (f" ({got / want:.4g}× = m: return the mean of the micro-batches' losses, not their sum)"
-                       if got is not None and m > 1 and abs(got / want - m) < 1e-9 else "")
+                       if got is not None and m > 1 and abs(got / want - m) < 1e-9 else
+                       f" (the loss of micro-batch {one} alone: return the mean of all m micro-batches' losses)"
+                       if one is not None and m > 1 else
+                       " (None: the last stage returns the mean of the micro-batches' losses)" if got is None else "")
                 return [f"rank {r} (the last stage), m = {m}: loss {got} where one process has {want:.10f}{why}"]
     return []
 
@@ -1879,6 +2157,10 @@ def _order(P, m, r):
 
 def judge_pipe_order(P, res):
     for m in PIPE_MS[P]:
+        first = res[0][m].get("shapes") or []
+        if first and any(sh != (B // m, S) for sh in first):
+            return [f"rank 0, m = {m}: micro-batches of tokens {first[0]} where 1F1B's are [B/m, S] = "
+                    f"{(B // m, S)}: split the batch dimension (dim 0) into m, never the sequence"]
         for r, x in enumerate(res):
             got = [f"{a}{i}" for a, i in x[m]["log"]]
             want = _order(P, m, r)
@@ -1968,6 +2250,13 @@ BUGS["one_f_one_b"] = [
     Bug("the micro-batches' losses summed, not averaged", "return torch.stack(losses).mean() if stage.is_last",
         "return torch.stack(losses).sum() if stage.is_last", r"rank 1 \(the last stage\), m = 4: loss .* \(4× = m: "
         r"return the mean of the micro-batches' losses, not their sum\)"),
+    Bug("the warm-up without min(·, m)", "w = min(pipe.p - pipe.r - 1, m)", "w = pipe.p - pipe.r - 1",
+        r"rank 0: RuntimeError: rank 0 \(stage 0 of 4\): a forward of micro-batch 2, but there are only m = 2", 4),
+    Bug("no cool-down", "    for _ in range(w):                                            # cool-down\n"
+        "        p2p(backward(p2p(recv_from=pipe.next)), pipe.prev)\n", "", r"rank 0: RuntimeError: rank 0 \(stage 0 of "
+        r"2\), m = 1: returned with micro-batch\(es\) \[0\] forwarded but never backpropagated — the cool-down"),
+    Bug("every stage's output scaled by 1/m", "outputs.append(out / m if stage.is_last else out)",
+        "outputs.append(out / m)", r"rank 0, .*: off by .* 1/4 of the expected \(1/m\): scaled by 1/m twice"),
 ]
 VARIANTS["one_f_one_b"] = [
     Variant("warm-up min(p − r, m) − 1, one loop around it; a send and its receive posted in two batches", (
