@@ -292,6 +292,8 @@ def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
     moved = grid.permute([names.index(n) for n in others + along])
     if got == moved.reshape(size, -1).tolist():
         out.append(("size-1", f"the permuted grid read as [size, -1]: each row must be one group, reshape(-1, size)"))
+    if len(along) > 1 and got == grid.movedim(names.index(along[0]), -1).reshape(-1, size).tolist():
+        out.append(("one", "only the first `along` axis moved last: move ALL the `along` axes last, in their grid order"))
     if got == grid.permute([names.index(n) for n in along + others]).reshape(-1, size).tolist():
         out.append(("first", "the `along` axes moved FIRST: move them last, so that each row of [-1, size] is one group"))
     if got == grid.reshape(-1, size).tolist():
@@ -302,6 +304,14 @@ def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
         out.append(("size", f"groups of {len(got[0])} ranks where {size} are expected: a group's size is the product of the "
                    f"sizes of all the `along` axes"))
     return out or [("other", "other groups than these axes have")]
+
+
+ROWS_ERRORS = [(r"does not match the length of the desired ordering|repeated dim", "the permutation must name every "
+                "axis exactly once: the other axes (the names NOT in `along`), then the `along` axes"),
+               (r"view size is not compatible", "a permuted grid is not contiguous: read it with .reshape(-1, size), "
+                "not .view"),
+               (r"shape '\[.*\]' is invalid for input of size", "rows that do not divide the grid: a group's size is the "
+                "product of the sizes of the `along` axes (not how many axes there are)")]
 
 
 def _case(shape, names, along) -> str:
@@ -317,7 +327,7 @@ def judge_rows(mine, ref):
     for shape, names, along in _grids():
         grid = t.arange(math.prod(shape)).view(*shape)
         want = ref(grid, names, along)
-        with explained(prefix=f"{_case(shape, names, along)}: "):
+        with explained(*ROWS_ERRORS, prefix=f"{_case(shape, names, along)}: "):
             got = mine(grid.clone(), names, along)
         if not (isinstance(got, list) and got == want and all(type(r) is int for g in got for r in g)):
             failures.append((shape, names, along, got, want, _rows_diagnoses(got, want, grid, names, along, ref)))
@@ -339,7 +349,7 @@ def judge_rows_partition(mine, ref):
     for shape, names, along in _grids():
         grid = t.arange(math.prod(shape)).view(*shape)
         size = math.prod(shape[names.index(n)] for n in along)
-        with explained(prefix=f"{_case(shape, names, along)}: "):
+        with explained(*ROWS_ERRORS, prefix=f"{_case(shape, names, along)}: "):
             got = [[int(r) for r in g] for g in mine(grid.clone(), names, along)]
         flat = sorted(r for g in got for r in g)
         if len(got) != grid.numel() // size or any(len(g) != size for g in got) or flat != list(range(grid.numel())):
@@ -371,6 +381,15 @@ BUGS["rows"] = [
         r"grid \[.*\] along .* the `along` axes moved FIRST", None),
     Bug("the permuted grid read as [size, -1]", ".reshape(-1, size).tolist()", ".reshape(size, -1).tolist()",
         r"grid \[.*\] along .* the permuted grid read as \[size, -1\]", None),
+    Bug("the membership test inverted: `others` are the `along` axes", "others = [n for n in names if n not in along]",
+        "others = [n for n in names if n in along]", r"the permutation must name every axis exactly once", None),
+    Bug("a group's size: how many axes, not the product of their sizes",
+        "size = math.prod(grid.shape[names.index(n)] for n in along)", "size = len(along)",
+        r"rows that do not divide the grid: a group's size is the product of the sizes of the `along` axes", None),
+    Bug("only the first `along` axis moved last",
+        "return grid.permute([names.index(n) for n in others + list(along)]).reshape(-1, size).tolist()",
+        "return grid.movedim(names.index(along[0]), -1).reshape(-1, size).tolist()",
+        r"grid \[.*\] along .* only the first `along` axis moved last", None),
 ]
 VARIANTS["rows"] = [
     Variant("movedim: the `along` axes to the end",
