@@ -466,8 +466,8 @@ def run_dp_groups(P):
     return out
 
 
-def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients", sizes=None):
-    """sizes: the group's size on each rank (when it is not the world)."""
+def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients", sizes=None, extra=None):
+    """sizes: the group's size on each rank (when it is not the world); extra(r, name): more candidates."""
     lines = []
     seed_of = (lambda r: 0) if seeds is None else seeds
     n = len(res) if sizes is None else sizes[0]
@@ -483,9 +483,15 @@ def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradi
         return ("this rank's own gradient, not averaged: no all-reduce was made (is `params` an iterator, "
                 "model.parameters(), read a second time? make it a list first)" if res[r]["calls"] == 0 else
                 "this rank's own gradient, not averaged: no all-reduce reached it")
+    def from_start(r, nm):   # every gradient copied back from the start of the flat buffer: the offset not advanced
+        g = one_process(seed_of(r))[1][0]
+        flat = torch.cat([t.reshape(-1) for t in g.values()])
+        return ("the first elements of the flat buffer: each gradient copied back from its START — advance the "
+                "offset by each p.numel()", flat[:g[nm].numel()].view_as(g[nm]) if nm != next(iter(g)) else None)
     lines += compare_named(P, res, "grads", lambda r, nm: one_process(seed_of(r))[1][0][nm], what=f" (gradient {when}, "
                            f"step 1)", scales=scales,
-                           candidates_of=lambda r, nm: [(own(r), res[r]["local"][nm])] + ([world(nm)] if world else []))
+                           candidates_of=lambda r, nm: [(own(r), res[r]["local"][nm])] + ([world(nm)] if world else [])
+                           + [from_start(r, nm)] + list(extra(r, nm) if extra else []))
     if lines:
         return lines + [f"(expected: the one-process gradient of the global batch{groups_note})"]
     for s in range(2):
@@ -543,6 +549,11 @@ def run_dp_divide(P):
 def judge_dp_divide(P, res):
     names = {3: "p3 (no rank has its gradient)", 4: "p4 (frozen: requires_grad=False)"}
     for r, x in enumerate(res):
+        for i, what in ((1, "p1 (no gradient on rank 0)"), (3, names[3])):
+            if x["none"][i]:
+                return [f"rank {r}, {what}: still None after average_gradients, where the sum ÷ divide_by is "
+                        f"expected (zeros if no rank has one) — the zeros it sends must BE p.grad (p.grad = "
+                        f"torch.zeros_like(p)), so that the sum lands in it"]
         if not x["none"][4]:
             return [f"rank {r}, {names[4]}: a gradient after average_gradients where one process leaves None — skip "
                     f"the parameters that do not require grad"]
@@ -607,6 +618,15 @@ BUGS["average"] = [
         "params], group, divide_by or dist.get_world_size())",
         r"Mesh\(dp_replicate=2, cp=2\), rank 0, .*: off by .* 2/4 of the expected: divided by the world's size 4, not "
         r"the group's 2", 4),
+    Bug("the average copied back from the start of the flat buffer (no offset)", _FLAT,
+        "flat = torch.cat([p.grad.reshape(-1) for p in params])\n    dist.all_reduce(flat, group=group)\n"
+        "    flat /= divide_by or dist.get_world_size(group)\n    for p in params:\n"
+        "        p.grad.copy_(flat[:p.numel()].view_as(p))",
+        r"rank 0, .* the first elements of the flat buffer: each gradient copied back from its START"),
+    Bug("zeros sent for a missing gradient, but not kept as its gradient", _BODY,
+        "    params = [p for p in params if p.requires_grad]\n    all_reduce_flat([p.grad if p.grad is not None else "
+        "torch.zeros_like(p) for p in params], group, divide_by or dist.get_world_size(group))\n",
+        r"rank 0, p1 \(no gradient on rank 0\): still None after average_gradients"),
 ]
 VARIANTS["average"] = [
     Variant("the flat buffer written out: cat, all_reduce, divide, copy back", "    " + _FLAT + "\n",
