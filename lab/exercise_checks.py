@@ -678,12 +678,15 @@ class _Tracked:
 
 
 @contextlib.contextmanager
-def _tracked_all_reduces(log):
+def _tracked_all_reduces(log, inputs=None):
     """Every all-reduce issued inside backward appends [its _Tracked work, or None if it returned none (synchronous)]
-    to log."""
+    to log; inputs: each float64 one's (tensor, a copy of its values at the launch)."""
     inner = dist.all_reduce
 
     def all_reduce(*args, **kwargs):
+        t = args[0] if args else kwargs["tensor"]
+        if inputs is not None and t.dtype == F64:
+            inputs.append((t, t.detach().clone()))
         work = inner(*args, **kwargs)
         if torch._C._current_graph_task_id() != -1 and (args[0] if args else kwargs["tensor"]).dtype == F64:
             log.append(None if work is None else _Tracked(work))
@@ -727,10 +730,16 @@ def _bucket_train(P, seed=0, mesh=None):
                 in_flight("end")
         watch.set_probe(probe)
         loss = ddp(*_batch(s, seed=seed, rank=dp_rank, size=dp_size))
-        with Count() as c, _tracked_all_reduces(works):
+        inputs = []
+        with Count() as c, _tracked_all_reduces(works, inputs):
             loss.backward()
         watch.set_probe(None)
         if s == 0:
+            # the buckets whose all-reduce was launched on the undivided gradients (a division after the launch
+            # races with the collective in flight)
+            out["undivided"] = [b for b, bk in enumerate(ddp.buckets) if bk.divide_by != 1 for t, v in inputs
+                                if t.data_ptr() == bk.flat.data_ptr() and t.numel() == bk.flat.numel()
+                                and close(v, torch.cat([local[names[p]].reshape(-1) for p in bk.params]))]
             out.update(grads=_grads(model), local=dict(local), calls=c.calls("all_reduce"),
                        bytes=c.bytes("all_reduce"), groups=c.groups(), seen=list(seen),
                        launches=[(e["arrived"], e["in_backward"]) for e in c.events
@@ -745,8 +754,22 @@ def run_bucket(P):
     return _bucket_train(P)
 
 
+def _bucket_own(P, res):
+    """The candidate of a bucket whose all-reduce's result never reached the gradients."""
+    return lambda r, nm: [("this rank's own gradient ÷ P, never summed: the all-reduce's result did not reach the "
+                           "gradients — all-reduce bucket.flat itself, in place (its views are the gradients), not a "
+                           "copy or a part of it", res[r]["local"][nm] / P)] if P > 1 else []
+
+
 def judge_bucket_equal(P, res):
-    return judge_dp_equal(P, res, when="when backward returns")
+    lines = judge_dp_equal(P, res, when="when backward returns", extra=_bucket_own(P, res))
+    total = {nm: sum(x["local"][nm] for x in res) for nm in res[0]["local"]}
+    for r, x in enumerate(res):
+        if x.get("undivided") and not all(close(g, total[nm]) for nm, g in x["grads"].items()):
+            return [f"rank {r}: bucket {x['undivided'][0]}'s all-reduce was launched on the undivided gradients, and "
+                    f"they were divided while it was in flight — divide bucket.flat BEFORE dist.all_reduce(..., "
+                    f"async_op=True): an asynchronous collective owns its tensor until its work is waited for"] + lines
+    return lines
 
 
 def run_bucket_groups(P):
@@ -800,6 +823,125 @@ def judge_bucket_groups(P, res):
             return [f"rank {r}: all-reduces over ranks {bad}, expected only over its group {x['dp']} (bucket.group)"]
     return judge_dp_equal(P, res, seeds=lambda r: res[r]["seed"], groups_note=" of its own group's data",
                           when="when backward returns", sizes=[len(x["dp"]) for x in res])
+
+
+class _Chain(torch.nn.Module):
+    """Parameters p0..p{n-1} (4×4) applied in the order `use`: their gradients arrive in the reverse of it."""
+
+    def __init__(self, n, use):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4, 4, generator=g, dtype=F64) / 2)
+                                          for _ in range(n)])
+        self.use = use
+
+    def forward(self, x):
+        for i in self.use:
+            x = x @ self.ps[i]
+        return (x ** 2).mean()
+
+
+FILL_CASES = {   # label: (parameters, the order they are used, bucket cap in MiB); buckets hold the last ones first
+    "3 buckets of one gradient each, filled last to first": (3, (2, 1, 0), 0),
+    "2 buckets of two gradients, the second half full when the first fills": (4, (0, 2, 1, 3), 256 / 2 ** 20)}
+
+
+def run_bucket_fill(P):
+    """Each of FILL_CASES, the same on every rank: which bucket each float64 all-reduce launched, and how many of
+    its gradients had arrived then; the gradients after backward, each rank's own."""
+    from ddp import BucketedDDP
+    out = {}
+    for label, (n, use, cap) in FILL_CASES.items():
+        model, local, launched = _Chain(n, use), {}, []
+        for i, p in enumerate(model.ps):
+            p.register_post_accumulate_grad_hook(functools.partial(lambda p, i: local.update({f"p{i}": p.grad.clone()}),
+                                                                   i=i))
+        ddp = BucketedDDP(model, bucket_cap_mb=cap, first_bucket_mb=cap)
+        inner = dist.all_reduce
+
+        def all_reduce(*args, **kwargs):
+            t = args[0] if args else kwargs["tensor"]
+            if t.dtype == F64:
+                b = next((b for b, bk in enumerate(ddp.buckets) if bk.flat.data_ptr() == t.data_ptr()), None)
+                launched.append((b, None if b is None else list(ddp.buckets[b].ready)))
+            return inner(*args, **kwargs)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=F64)
+        dist.all_reduce = all_reduce
+        try:
+            ddp(x).backward()
+        finally:
+            dist.all_reduce = inner
+        out[label] = dict(launched=launched, buckets=len(ddp.buckets), local=local,
+                          grads={f"p{i}": p.grad for i, p in enumerate(model.ps)})
+    return out
+
+
+def judge_bucket_fill(P, res):
+    for label in FILL_CASES:
+        per = [x[label] for x in res]
+        for r, x in enumerate(per):
+            for b, ready in x["launched"]:
+                if ready is not None and not all(ready):
+                    return [f"{label}, rank {r}: bucket {b} launched when {sum(ready)} of its {len(ready)} gradients "
+                            f"had arrived — launch a bucket only once ALL its gradients are ready (all(bucket.ready))"]
+            got, nb = [b for b, _ in x["launched"]], x["buckets"]
+            if got != list(range(nb)):
+                missing = [b for b in range(nb) if b not in got]
+                return [f"{label}, rank {r}: the buckets' all-reduces launched in the order {got}, expected each once, "
+                        f"in bucket order {list(range(nb))} — " + (
+                            f"bucket(s) {missing} never launched: when a bucket fills, launch it AND every ready "
+                            f"bucket after it (a loop, up to the first not ready)" if missing else
+                            "launch in bucket order, from self._next, never a later bucket before an earlier one "
+                            "(on ranks whose gradients arrive in other orders, different buckets would be summed)")]
+        want = {nm: sum(x["local"][nm] for x in per) / P for nm in per[0]["local"]}
+        lines = compare_named(P, per, "grads", lambda r, nm: want[nm], what=" (Σ_r g_r / P)", scales=data_scales(P),
+                              candidates_of=_bucket_own(P, per))
+        if lines:
+            return [f"{label}, {lines[0]}"] + lines[1:]
+    return []
+
+
+def run_bucket_accum(P):
+    """Gradient accumulation over 2 micro-batches of this rank's rows (each loss ÷ 2): the first backward inside
+    no_sync(), the second synced; then again with sync_next_backward(False) for both and synchronize() after
+    (train.py's way: the buckets launched outside backward)."""
+    from ddp import BucketedDDP
+    from lab.model import build_model
+    out = {}
+    for how in ("no_sync", "synchronize"):
+        model = build_model("tiny", seed=0, dtype=F64)
+        ddp = BucketedDDP(model, bucket_cap_mb=0.1, first_bucket_mb=0.05)
+        x, y = _batch(0, rank=dist.get_rank(), size=P)
+        for k, (a, b) in enumerate(zip(x.chunk(2), y.chunk(2))):
+            if how == "no_sync":
+                with ddp.no_sync() if k == 0 else contextlib.nullcontext():
+                    loss = ddp(a, b) / 2
+            else:
+                loss = ddp(a, b) / 2
+                ddp.sync_next_backward(False)
+            loss.backward()
+        local = _grads(model)   # (the synchronize path: this rank's own accumulated gradient, not yet reduced)
+        if how == "synchronize":
+            ddp.synchronize()
+        out[how] = dict(grads=_grads(model), local=local)
+    return out
+
+
+def judge_bucket_accum(P, res):
+    for how, what in (("no_sync", "the first inside no_sync(), the second synced"),
+                      ("synchronize", "both with sync_next_backward(False), then synchronize(): the buckets launched "
+                       "after backward")):
+        lines = compare_named(P, [x[how] for x in res], "grads", lambda r, nm: one_process()[1][0][nm],
+                              what=f" (2 micro-batches accumulated, {what})", scales=data_scales(P),
+                              candidates_of=lambda r, nm: [] if how == "no_sync" else [(
+                                  "this rank's own accumulated gradient: synchronize() reduced nothing — "
+                                  "_launch_in_order launches every ready bucket whenever it is called, inside backward "
+                                  "or after it (whether a backward syncs is the hooks' business, not its own)",
+                                  res[r][how]["local"][nm])])
+        if lines:
+            return lines + ["(expected: the one-process gradient of the global batch; _launch_in_order is also "
+                            "called outside backward, by synchronize(), for gradients accumulated without sync)"]
+    return []
 
 
 class _TwoOrders(torch.nn.Module):
@@ -905,6 +1047,8 @@ CHECKS["bucket"] = [
     Check("overlap: each bucket's all-reduce starts inside backward the moment its last gradient arrives, in bucket "
           "order, and is still in flight when the later gradients arrive and when backward ends", run_bucket,
           judge_bucket_launch, worlds=(2, 4)),
+    Check("buckets that fill out of order, the same on every rank: each launched once all its gradients are ready, "
+          "every one, in bucket order; every gradient Σ_r g_r / P", run_bucket_fill, judge_bucket_fill, worlds=(2,)),
     Check("gradients in another order on another rank (two layers applied in opposite orders), a frozen layer, one "
           "only rank 1 uses: every gradient Σ_r g_r / P, the frozen one None", run_bucket_orders,
           judge_bucket_orders, worlds=(2,)),
@@ -912,6 +1056,9 @@ CHECKS["bucket"] = [
           "float32: each gradient Σ over its group / its divisor", run_bucket_where, judge_bucket_where, worlds=(2,)),
     Check("over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each "
           "on its own data", run_bucket_groups, judge_bucket_groups, worlds=(4,)),
+    Check("gradient accumulation (train.py's micro-batches): 2 micro-batches, the first in no_sync(); and both "
+          "unsynced, then synchronize() — equal to one process of the global batch", run_bucket_accum,
+          judge_bucket_accum, worlds=(1, 2)),
 ]
 _ASYNC = "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)"
 _LOOP = ("        while self._next < len(self.buckets) and all(self.buckets[self._next].ready):\n"
@@ -939,8 +1086,8 @@ BUGS["bucket"] = [
         "                bucket.flat.div_(bucket.divide_by)\n                if dist.get_world_size(bucket.group) > 1:\n"
         "                    " + _ASYNC + "\n        while self._next < len(self.buckets) and "
         "self.buckets[self._next].work is not None:\n            self._next += 1\n",
-        r"rank 0, \w \(Σ_r g_r / P.*: off by .* this rank's \w summed with rank 1's \w: the ranks launched their "
-        r"buckets in different orders"),
+        r"3 buckets of one gradient each, filled last to first, rank 0: the buckets' all-reduces launched in the "
+        r"order \[2, 1, 0\], expected each once, in bucket order \[0, 1, 2\] — launch in bucket order"),
     Bug("divided only when the group has more ranks", "            bucket.flat.div_(bucket.divide_by)  # divide "
         "first: the sum is then the average\n            if dist.get_world_size(bucket.group) > 1:\n",
         "            if dist.get_world_size(bucket.group) > 1:\n                bucket.flat.div_(bucket.divide_by)\n",
@@ -950,6 +1097,18 @@ BUGS["bucket"] = [
         "                if p.grad is not None:\n                    p.grad.div_(bucket.divide_by)\n",
         r"rank 0, .* \(reduce_dtype=float32.*\): off by .* 2× the expected: summed, never divided — with reduce_dtype "
         r"the gradients are copies"),
+    Bug("one bucket launched per call (if, not while)", _LOOP, _LOOP.replace("        while ", "        if "),
+        r"filled last to first, rank 0: the buckets' all-reduces launched in the order \[0, 1\], .* bucket\(s\) \[2\] "
+        r"never launched"),
+    Bug("launched when any gradient of the bucket is ready", "all(self.buckets[self._next].ready):",
+        "any(self.buckets[self._next].ready):",
+        r"2 buckets of two gradients, .*, rank 0: bucket 1 launched when 1 of its 2 gradients had arrived"),
+    Bug("divided after the asynchronous launch", "            bucket.flat.div_(bucket.divide_by)  # divide first: the "
+        "sum is then the average\n            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n",
+        "            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n"
+        "            bucket.flat.div_(bucket.divide_by)\n",
+        r"rank 0: bucket 0's all-reduce was launched on the undivided gradients, and they were divided while it was in "
+        r"flight"),
 ]
 VARIANTS["bucket"] = [
     Variant("recursive: launch the next bucket, then try the one after", _LOOP + (
