@@ -1155,13 +1155,22 @@ ZERO_ERRORS = [(r"setStorage|storage of size 0|numel\(\) == 0|Trying to resize s
                 "a freed buffer used (stage 3: f.buf has no bytes between uses): all-gather only into a gathered "
                 "buffer — the next use gathers a freed one"),
                (r"'NoneType' object has no attribute", "a parameter without a gradient (frozen, or unused here): pack "
-                "zeros for it (f.pack does), every rank hands over the same sizes")]
+                "zeros for it (f.pack does), every rank hands over the same sizes"),
+               (r"assigned grad expected to be a Tensor or None but got grad of type tuple", "f.reduce_scatter returns "
+                "(my slice, its work): unpack it, mine, _ = f.reduce_scatter(...)"),
+               (r"assign a gradient with dtype", "a gradient of another dtype than the shard's: pack in f.shard.dtype, "
+                "the dtype the optimizer steps")]
 ZERO_FROZEN = ("layers.0.attn.wq.weight",)
 _STORAGE = r"setStorage|storage of size 0|numel\(\) == 0|Trying to resize storage"
 GATHER_ERRORS = [(_STORAGE, "all-gathered into a freed buffer: flat.unshard() gives flat.buf its bytes back, then "
                   "gathers", "all_gather"),
                  (_STORAGE, "a unit's parameters read while its buffer is freed: gather right BEFORE its forward and "
-                  "before its backward (the pre-hooks), free right AFTER each")]
+                  "before its backward (the pre-hooks), free right AFTER each"),
+                 (r"Cannot use both regular backward hooks and full backward hooks", "register_backward_hook is the old "
+                  "module hook, which fires for the module's last op alone: use register_full_backward_hook"),
+                 (r"invalid tensor size at index 0 \(expected \(\d+\), got \(0\)\)", "flat.buf has no elements: it was "
+                  "replaced by an empty tensor, which the parameters are no views of — free with flat.free(), which "
+                  "releases buf's bytes and keeps its shape")]
 
 
 def _zero_train(P, stage, mesh=None):
@@ -1183,7 +1192,8 @@ def _zero_train(P, stage, mesh=None):
         for (_, m), f in zip(units, flats):
             gather_when_used(m, f)
             f.free()
-        _watch_gathered(units, flats, gathered)
+        with explained(*GATHER_ERRORS):
+            _watch_gathered(units, flats, gathered)
     out = dict(flats=[], names=[[f"{u}.{n}" for n, _ in m.named_parameters()] for u, m in units],
                labels=[u for u, _ in units], seed=seed, frozen=frozen, G=flats[0].group_size, stage=stage,
                N=[f.flat_numel for f in flats], n=[f.shard_numel for f in flats])
@@ -1253,6 +1263,14 @@ def _ref_flats(names, N, step, seed=0, frozen=()):
 
 
 def judge_zero_equal(P, res):
+    for r, x in enumerate(res):
+        ops = x["comm"]
+        if P > 1 and not any(ops.get(op, {}).get("calls") for op in ("reduce_scatter", "all_reduce")):
+            return [f"rank {r}: no collective summed the gradients in the step (no reduce-scatter, no all-reduce): each "
+                    f"rank stepped its own gradient — reduce-scatter the packed gradient over f.group (f.reduce_scatter)"]
+        if x["stage"] == 3 and not x["comm_all"].get("all_gather", {}).get("calls"):
+            return [f"rank {r}, stage 3: no all-gather in forward, backward or the step: a freed unit given its bytes "
+                    f"back holds no values until every rank's slice is gathered into it (flat.unshard gathers)"]
     for s in range(2):
         for r, x in enumerate(res):
             ref = functools.partial(_ref_flats, x["names"], x["N"], seed=x["seed"], frozen=x["frozen"])
@@ -1364,6 +1382,13 @@ BUGS["zero_step"] = [
         "f.reduce_scatter(torch.cat([p.grad.reshape(-1) for p in f.params]\n            + [f.buf.new_zeros("
         "f.flat_numel - sum(f.numels))]))", r"AttributeError: a parameter without a gradient \(frozen, or unused here\): "
         r"pack zeros for it", 4),
+    Bug("this rank's slice of its own gradient, no collective", "f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))",
+        "g = f.pack(f.shard.dtype)\n        f.shard.grad = g[f.rank * f.shard_numel:(f.rank + 1) * f.shard_numel].clone()",
+        r"rank 0: no collective summed the gradients in the step"),
+    Bug("the (slice, work) pair assigned as the gradient", "f.shard.grad, _ = f.reduce_scatter(",
+        "f.shard.grad = f.reduce_scatter(", r"f.reduce_scatter returns \(my slice, its work\): unpack it", 1),
+    Bug("the gradients packed in float32", "f.reduce_scatter(f.pack(f.shard.dtype))", "f.reduce_scatter(f.pack(torch.float32))",
+        r"a gradient of another dtype than the shard's: pack in f.shard.dtype", 1),
 ]
 VARIANTS["zero_step"] = [
     Variant("every reduce-scatter launched, then every one waited for; the gathers likewise", (
@@ -1458,6 +1483,13 @@ BUGS["gather_when_used"] = [
     Bug("the hooks on every submodule too", _HOOKS, "    for m in module.modules():\n" + _HOOKS.replace(
         "    module.", "        m."), r"all-gathers per step .* expected \(10, .*\), measured \(\d\d+, .* hooks on its "
         r"submodules too"),
+    Bug("the storage given its bytes back, nothing gathered", "        flat.unshard()\n",
+        "        flat.buf.untyped_storage().resize_(flat.flat_numel * flat.buf.element_size())\n",
+        r"rank 0, stage 3: no all-gather in forward, backward or the step", 1),
+    Bug("freed by replacing flat.buf", "        flat.free()\n", "        flat.buf = flat.buf.new_empty(0)\n",
+        r"flat.buf has no elements: it was replaced by an empty tensor", 1),
+    Bug("the old register_backward_hook", "    module.register_full_backward_hook(free)\n",
+        "    module.register_backward_hook(free)\n", r"register_backward_hook is the old module hook", 1),
 ]
 VARIANTS["gather_when_used"] = [
     Variant("one loop over (register, action) pairs, lambdas that return None", "    def gather(*_):\n"
