@@ -655,12 +655,18 @@ VARIANTS["average"] = [
 #   - overlap, judged by what is in flight: each bucket's all-reduce starts inside backward the moment its last
 #     gradient arrives, in bucket order, and is still in flight (its work not waited for) when each later gradient
 #     arrives and when backward ends;
+#   - buckets that fill out of order, the same way on every rank (2 ranks): one bucket per gradient filled last to
+#     first, and two-gradient buckets where the second is half full when the first fills: each bucket launched once,
+#     only when all its gradients are ready, every one, in bucket order; every gradient Σ_r g_r / P;
 #   - arrival orders on 2 ranks: two layers applied in the opposite order on the two ranks (their gradients arrive
 #     in another order there), a frozen layer, a layer only rank 1 uses; one bucket per parameter: every gradient
 #     Σ_r g_r / P, per rank (the frozen one None);
 #   - groups_of and reduce_dtype on 2 ranks: the output layer averaged over a group of one and divided by 2 (as an
 #     expert whose copies are alone), the buckets in float32 for float64 gradients: Σ over its group / its divisor;
-#   - over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups on 4 ranks.
+#   - over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups on 4 ranks;
+#   - gradient accumulation on 1 and 2 ranks (train.py's micro-batches): 2 micro-batches, the first in no_sync() and
+#     the second synced; and both with sync_next_backward(False), then synchronize(), which calls the core after
+#     backward: equal to one process of the global batch.
 
 
 class _Tracked:
