@@ -664,7 +664,7 @@ VARIANTS["average"] = [
 #   - groups_of and reduce_dtype on 2 ranks: the output layer averaged over a group of one and divided by 2 (as an
 #     expert whose copies are alone), the buckets in float32 for float64 gradients: Σ over its group / its divisor;
 #   - over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups on 4 ranks;
-#   - gradient accumulation on 1 and 2 ranks (train.py's micro-batches): 2 micro-batches, the first in no_sync() and
+#   - gradient accumulation on 2 ranks (train.py's micro-batches): 2 micro-batches, the first in no_sync() and
 #     the second synced; and both with sync_next_backward(False), then synchronize(), which calls the core after
 #     backward: equal to one process of the global batch.
 
@@ -1064,7 +1064,7 @@ CHECKS["bucket"] = [
           "on its own data", run_bucket_groups, judge_bucket_groups, worlds=(4,)),
     Check("gradient accumulation (train.py's micro-batches): 2 micro-batches, the first in no_sync(); and both "
           "unsynced, then synchronize() — equal to one process of the global batch", run_bucket_accum,
-          judge_bucket_accum, worlds=(1, 2)),
+          judge_bucket_accum, worlds=(2,)),
 ]
 _ASYNC = "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)"
 _LOOP = ("        while self._next < len(self.buckets) and all(self.buckets[self._next].ready):\n"
