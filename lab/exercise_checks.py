@@ -292,6 +292,8 @@ def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
     moved = grid.permute([names.index(n) for n in others + along])
     if got == moved.reshape(size, -1).tolist():
         out.append(("size-1", f"the permuted grid read as [size, -1]: each row must be one group, reshape(-1, size)"))
+    if got == moved.reshape(size, -1).T.tolist():
+        out.append(("T", "the permuted grid read as [size, -1] and transposed: read it as [-1, size], each row one group"))
     if len(along) > 1 and got == grid.movedim(names.index(along[0]), -1).reshape(-1, size).tolist():
         out.append(("one", "only the first `along` axis moved last: move ALL the `along` axes last, in their grid order"))
     if got == grid.permute([names.index(n) for n in along + others]).reshape(-1, size).tolist():
@@ -306,7 +308,7 @@ def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
     return out or [("other", "other groups than these axes have")]
 
 
-ROWS_ERRORS = [(r"does not match the length of the desired ordering|repeated dim", "the permutation must name every "
+ROWS_ERRORS = [(r"does not match the length of the desired ordering|repeated dim|duplicate dims", "the permutation must name every "
                 "axis exactly once: the other axes (the names NOT in `along`), then the `along` axes"),
                (r"view size is not compatible", "a permuted grid is not contiguous: read it with .reshape(-1, size), "
                 "not .view"),
@@ -539,7 +541,9 @@ def run_dp_divide(P):
     ps[1].grad = None if r == 0 else torch.full((4,), 2.0 * (r + 1), dtype=F64)
     ps[2].grad = torch.full((5,), float(r), dtype=F64)
     with explained((r"assign a gradient with dtype", "a gradient of another dtype than its parameter's: make the "
-                    "zeros with torch.zeros_like(p) (its dtype and device)")):
+                    "zeros with torch.zeros_like(p) (its dtype and device)"),
+                   (r"'NoneType' object has no attribute", "a parameter without a gradient on this rank (p1 has none on "
+                    "rank 0, p3 none anywhere): give it zeros, p.grad = torch.zeros_like(p), on every rank")):
         average_gradients(iter(ps), None, divide_by=3)   # an iterator, as model.parameters() is: read it once
     return dict(g={f"p{i}": (p.grad if p.grad is not None else torch.full_like(p, float("nan"))) for i, p in
                    enumerate(ps)}, none=[p.grad is None for p in ps], dtypes=[str(p.grad.dtype) if p.grad is not None
@@ -623,6 +627,9 @@ BUGS["average"] = [
         "    flat /= divide_by or dist.get_world_size(group)\n    for p in params:\n"
         "        p.grad.copy_(flat[:p.numel()].view_as(p))",
         r"rank 0, .* the first elements of the flat buffer: each gradient copied back from its START"),
+    Bug("zeros given only on rank 0", "        if p.grad is None:\n            p.grad = torch.zeros_like(p)\n    all_reduce_flat(",
+        "        if p.grad is None and dist.get_rank() == 0:\n            p.grad = torch.zeros_like(p)\n    all_reduce_flat(",
+        r"rank 1: AttributeError: a parameter without a gradient on this rank \(p1 has none on rank 0, p3 none anywhere\)"),
     Bug("zeros sent for a missing gradient, but not kept as its gradient", _BODY,
         "    params = [p for p in params if p.requires_grad]\n    all_reduce_flat([p.grad if p.grad is not None else "
         "torch.zeros_like(p) for p in params], group, divide_by or dist.get_world_size(group))\n",
@@ -1290,6 +1297,10 @@ def judge_zero_equal(P, res):
                                                for j in range(G))]
             u = (whole or failing)[0]
             got, w, b0 = x["flats"][s][u], want[u], before[u]
+            if close(got, (b0 - w) / LR):
+                return [f"rank {r}, unit {u} ({x['labels'][u]}), step {s + 1}: the flat buffer holds the averaged "
+                        f"GRADIENT, not the new parameters — all-gather f.shard (the slice the optimizer stepped), "
+                        f"not f.shard.grad"]
             scales = [(G / P, f"{G}/{P} of the expected: divided by the world's size {P}, not the group's {G} "
                        f"(f.group_size)")] if G != P else []
             scales += [(k, f"{k}× the expected update: the optimizer stepped {k} times — once per unit? step once, "
