@@ -292,6 +292,10 @@ def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
     moved = grid.permute([names.index(n) for n in others + along])
     if got == moved.reshape(size, -1).tolist():
         out.append(("size-1", f"the permuted grid read as [size, -1]: each row must be one group, reshape(-1, size)"))
+    if got == moved.reshape(size, -1).T.tolist():
+        out.append(("T", "the permuted grid read as [size, -1] and transposed: read it as [-1, size], each row one group"))
+    if len(along) > 1 and got == grid.movedim(names.index(along[0]), -1).reshape(-1, size).tolist():
+        out.append(("one", "only the first `along` axis moved last: move ALL the `along` axes last, in their grid order"))
     if got == grid.permute([names.index(n) for n in along + others]).reshape(-1, size).tolist():
         out.append(("first", "the `along` axes moved FIRST: move them last, so that each row of [-1, size] is one group"))
     if got == grid.reshape(-1, size).tolist():
@@ -302,6 +306,14 @@ def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
         out.append(("size", f"groups of {len(got[0])} ranks where {size} are expected: a group's size is the product of the "
                    f"sizes of all the `along` axes"))
     return out or [("other", "other groups than these axes have")]
+
+
+ROWS_ERRORS = [(r"does not match the length of the desired ordering|repeated dim|duplicate dims", "the permutation must name every "
+                "axis exactly once: the other axes (the names NOT in `along`), then the `along` axes"),
+               (r"view size is not compatible", "a permuted grid is not contiguous: read it with .reshape(-1, size), "
+                "not .view"),
+               (r"shape '\[.*\]' is invalid for input of size", "rows that do not divide the grid: a group's size is the "
+                "product of the sizes of the `along` axes (not how many axes there are)")]
 
 
 def _case(shape, names, along) -> str:
@@ -317,7 +329,7 @@ def judge_rows(mine, ref):
     for shape, names, along in _grids():
         grid = t.arange(math.prod(shape)).view(*shape)
         want = ref(grid, names, along)
-        with explained(prefix=f"{_case(shape, names, along)}: "):
+        with explained(*ROWS_ERRORS, prefix=f"{_case(shape, names, along)}: "):
             got = mine(grid.clone(), names, along)
         if not (isinstance(got, list) and got == want and all(type(r) is int for g in got for r in g)):
             failures.append((shape, names, along, got, want, _rows_diagnoses(got, want, grid, names, along, ref)))
@@ -339,7 +351,7 @@ def judge_rows_partition(mine, ref):
     for shape, names, along in _grids():
         grid = t.arange(math.prod(shape)).view(*shape)
         size = math.prod(shape[names.index(n)] for n in along)
-        with explained(prefix=f"{_case(shape, names, along)}: "):
+        with explained(*ROWS_ERRORS, prefix=f"{_case(shape, names, along)}: "):
             got = [[int(r) for r in g] for g in mine(grid.clone(), names, along)]
         flat = sorted(r for g in got for r in g)
         if len(got) != grid.numel() // size or any(len(g) != size for g in got) or flat != list(range(grid.numel())):
@@ -371,6 +383,15 @@ BUGS["rows"] = [
         r"grid \[.*\] along .* the `along` axes moved FIRST", None),
     Bug("the permuted grid read as [size, -1]", ".reshape(-1, size).tolist()", ".reshape(size, -1).tolist()",
         r"grid \[.*\] along .* the permuted grid read as \[size, -1\]", None),
+    Bug("the membership test inverted: `others` are the `along` axes", "others = [n for n in names if n not in along]",
+        "others = [n for n in names if n in along]", r"the permutation must name every axis exactly once", None),
+    Bug("a group's size: how many axes, not the product of their sizes",
+        "size = math.prod(grid.shape[names.index(n)] for n in along)", "size = len(along)",
+        r"rows that do not divide the grid: a group's size is the product of the sizes of the `along` axes", None),
+    Bug("only the first `along` axis moved last",
+        "return grid.permute([names.index(n) for n in others + list(along)]).reshape(-1, size).tolist()",
+        "return grid.movedim(names.index(along[0]), -1).reshape(-1, size).tolist()",
+        r"grid \[.*\] along .* only the first `along` axis moved last", None),
 ]
 VARIANTS["rows"] = [
     Variant("movedim: the `along` axes to the end",
@@ -447,8 +468,8 @@ def run_dp_groups(P):
     return out
 
 
-def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients", sizes=None):
-    """sizes: the group's size on each rank (when it is not the world)."""
+def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients", sizes=None, extra=None):
+    """sizes: the group's size on each rank (when it is not the world); extra(r, name): more candidates."""
     lines = []
     seed_of = (lambda r: 0) if seeds is None else seeds
     n = len(res) if sizes is None else sizes[0]
@@ -464,9 +485,15 @@ def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradi
         return ("this rank's own gradient, not averaged: no all-reduce was made (is `params` an iterator, "
                 "model.parameters(), read a second time? make it a list first)" if res[r]["calls"] == 0 else
                 "this rank's own gradient, not averaged: no all-reduce reached it")
+    def from_start(r, nm):   # every gradient copied back from the start of the flat buffer: the offset not advanced
+        g = one_process(seed_of(r))[1][0]
+        flat = torch.cat([t.reshape(-1) for t in g.values()])
+        return ("the first elements of the flat buffer: each gradient copied back from its START — advance the "
+                "offset by each p.numel()", flat[:g[nm].numel()].view_as(g[nm]) if nm != next(iter(g)) else None)
     lines += compare_named(P, res, "grads", lambda r, nm: one_process(seed_of(r))[1][0][nm], what=f" (gradient {when}, "
                            f"step 1)", scales=scales,
-                           candidates_of=lambda r, nm: [(own(r), res[r]["local"][nm])] + ([world(nm)] if world else []))
+                           candidates_of=lambda r, nm: [(own(r), res[r]["local"][nm])] + ([world(nm)] if world else [])
+                           + [from_start(r, nm)] + list(extra(r, nm) if extra else []))
     if lines:
         return lines + [f"(expected: the one-process gradient of the global batch{groups_note})"]
     for s in range(2):
@@ -514,7 +541,9 @@ def run_dp_divide(P):
     ps[1].grad = None if r == 0 else torch.full((4,), 2.0 * (r + 1), dtype=F64)
     ps[2].grad = torch.full((5,), float(r), dtype=F64)
     with explained((r"assign a gradient with dtype", "a gradient of another dtype than its parameter's: make the "
-                    "zeros with torch.zeros_like(p) (its dtype and device)")):
+                    "zeros with torch.zeros_like(p) (its dtype and device)"),
+                   (r"'NoneType' object has no attribute", "a parameter without a gradient on this rank (p1 has none on "
+                    "rank 0, p3 none anywhere): give it zeros, p.grad = torch.zeros_like(p), on every rank")):
         average_gradients(iter(ps), None, divide_by=3)   # an iterator, as model.parameters() is: read it once
     return dict(g={f"p{i}": (p.grad if p.grad is not None else torch.full_like(p, float("nan"))) for i, p in
                    enumerate(ps)}, none=[p.grad is None for p in ps], dtypes=[str(p.grad.dtype) if p.grad is not None
@@ -524,6 +553,11 @@ def run_dp_divide(P):
 def judge_dp_divide(P, res):
     names = {3: "p3 (no rank has its gradient)", 4: "p4 (frozen: requires_grad=False)"}
     for r, x in enumerate(res):
+        for i, what in ((1, "p1 (no gradient on rank 0)"), (3, names[3])):
+            if x["none"][i]:
+                return [f"rank {r}, {what}: still None after average_gradients, where the sum ÷ divide_by is "
+                        f"expected (zeros if no rank has one) — the zeros it sends must BE p.grad (p.grad = "
+                        f"torch.zeros_like(p)), so that the sum lands in it"]
         if not x["none"][4]:
             return [f"rank {r}, {names[4]}: a gradient after average_gradients where one process leaves None — skip "
                     f"the parameters that do not require grad"]
@@ -588,6 +622,18 @@ BUGS["average"] = [
         "params], group, divide_by or dist.get_world_size())",
         r"Mesh\(dp_replicate=2, cp=2\), rank 0, .*: off by .* 2/4 of the expected: divided by the world's size 4, not "
         r"the group's 2", 4),
+    Bug("the average copied back from the start of the flat buffer (no offset)", _FLAT,
+        "flat = torch.cat([p.grad.reshape(-1) for p in params])\n    dist.all_reduce(flat, group=group)\n"
+        "    flat /= divide_by or dist.get_world_size(group)\n    for p in params:\n"
+        "        p.grad.copy_(flat[:p.numel()].view_as(p))",
+        r"rank 0, .* the first elements of the flat buffer: each gradient copied back from its START"),
+    Bug("zeros given only on rank 0", "        if p.grad is None:\n            p.grad = torch.zeros_like(p)\n    all_reduce_flat(",
+        "        if p.grad is None and dist.get_rank() == 0:\n            p.grad = torch.zeros_like(p)\n    all_reduce_flat(",
+        r"rank 1: AttributeError: a parameter without a gradient on this rank \(p1 has none on rank 0, p3 none anywhere\)"),
+    Bug("zeros sent for a missing gradient, but not kept as its gradient", _BODY,
+        "    params = [p for p in params if p.requires_grad]\n    all_reduce_flat([p.grad if p.grad is not None else "
+        "torch.zeros_like(p) for p in params], group, divide_by or dist.get_world_size(group))\n",
+        r"rank 0, p1 \(no gradient on rank 0\): still None after average_gradients"),
 ]
 VARIANTS["average"] = [
     Variant("the flat buffer written out: cat, all_reduce, divide, copy back", "    " + _FLAT + "\n",
@@ -616,12 +662,18 @@ VARIANTS["average"] = [
 #   - overlap, judged by what is in flight: each bucket's all-reduce starts inside backward the moment its last
 #     gradient arrives, in bucket order, and is still in flight (its work not waited for) when each later gradient
 #     arrives and when backward ends;
+#   - buckets that fill out of order, the same way on every rank (2 ranks): one bucket per gradient filled last to
+#     first, and two-gradient buckets where the second is half full when the first fills: each bucket launched once,
+#     only when all its gradients are ready, every one, in bucket order; every gradient Σ_r g_r / P;
 #   - arrival orders on 2 ranks: two layers applied in the opposite order on the two ranks (their gradients arrive
 #     in another order there), a frozen layer, a layer only rank 1 uses; one bucket per parameter: every gradient
 #     Σ_r g_r / P, per rank (the frozen one None);
 #   - groups_of and reduce_dtype on 2 ranks: the output layer averaged over a group of one and divided by 2 (as an
 #     expert whose copies are alone), the buckets in float32 for float64 gradients: Σ over its group / its divisor;
-#   - over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups on 4 ranks.
+#   - over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups on 4 ranks;
+#   - gradient accumulation on 2 ranks (train.py's micro-batches): 2 micro-batches, the first in no_sync() and
+#     the second synced; and both with sync_next_backward(False), then synchronize(), which calls the core after
+#     backward: equal to one process of the global batch.
 
 
 class _Tracked:
@@ -639,12 +691,15 @@ class _Tracked:
 
 
 @contextlib.contextmanager
-def _tracked_all_reduces(log):
+def _tracked_all_reduces(log, inputs=None):
     """Every all-reduce issued inside backward appends [its _Tracked work, or None if it returned none (synchronous)]
-    to log."""
+    to log; inputs: each float64 one's (tensor, a copy of its values at the launch)."""
     inner = dist.all_reduce
 
     def all_reduce(*args, **kwargs):
+        t = args[0] if args else kwargs["tensor"]
+        if inputs is not None and t.dtype == F64:
+            inputs.append((t, t.detach().clone()))
         work = inner(*args, **kwargs)
         if torch._C._current_graph_task_id() != -1 and (args[0] if args else kwargs["tensor"]).dtype == F64:
             log.append(None if work is None else _Tracked(work))
@@ -688,10 +743,16 @@ def _bucket_train(P, seed=0, mesh=None):
                 in_flight("end")
         watch.set_probe(probe)
         loss = ddp(*_batch(s, seed=seed, rank=dp_rank, size=dp_size))
-        with Count() as c, _tracked_all_reduces(works):
+        inputs = []
+        with Count() as c, _tracked_all_reduces(works, inputs):
             loss.backward()
         watch.set_probe(None)
         if s == 0:
+            # the buckets whose all-reduce was launched on the undivided gradients (a division after the launch
+            # races with the collective in flight)
+            out["undivided"] = [b for b, bk in enumerate(ddp.buckets) if bk.divide_by != 1 for t, v in inputs
+                                if t.data_ptr() == bk.flat.data_ptr() and t.numel() == bk.flat.numel()
+                                and close(v, torch.cat([local[names[p]].reshape(-1) for p in bk.params]))]
             out.update(grads=_grads(model), local=dict(local), calls=c.calls("all_reduce"),
                        bytes=c.bytes("all_reduce"), groups=c.groups(), seen=list(seen),
                        launches=[(e["arrived"], e["in_backward"]) for e in c.events
@@ -706,8 +767,22 @@ def run_bucket(P):
     return _bucket_train(P)
 
 
+def _bucket_own(P, res):
+    """The candidate of a bucket whose all-reduce's result never reached the gradients."""
+    return lambda r, nm: [("this rank's own gradient ÷ P, never summed: the all-reduce's result did not reach the "
+                           "gradients — all-reduce bucket.flat itself, in place (its views are the gradients), not a "
+                           "copy or a part of it", res[r]["local"][nm] / P)] if P > 1 else []
+
+
 def judge_bucket_equal(P, res):
-    return judge_dp_equal(P, res, when="when backward returns")
+    lines = judge_dp_equal(P, res, when="when backward returns", extra=_bucket_own(P, res))
+    total = {nm: sum(x["local"][nm] for x in res) for nm in res[0]["local"]}
+    for r, x in enumerate(res):
+        if x.get("undivided") and not all(close(g, total[nm]) for nm, g in x["grads"].items()):
+            return [f"rank {r}: bucket {x['undivided'][0]}'s all-reduce was launched on the undivided gradients, and "
+                    f"they were divided while it was in flight — divide bucket.flat BEFORE dist.all_reduce(..., "
+                    f"async_op=True): an asynchronous collective owns its tensor until its work is waited for"] + lines
+    return lines
 
 
 def run_bucket_groups(P):
@@ -761,6 +836,125 @@ def judge_bucket_groups(P, res):
             return [f"rank {r}: all-reduces over ranks {bad}, expected only over its group {x['dp']} (bucket.group)"]
     return judge_dp_equal(P, res, seeds=lambda r: res[r]["seed"], groups_note=" of its own group's data",
                           when="when backward returns", sizes=[len(x["dp"]) for x in res])
+
+
+class _Chain(torch.nn.Module):
+    """Parameters p0..p{n-1} (4×4) applied in the order `use`: their gradients arrive in the reverse of it."""
+
+    def __init__(self, n, use):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4, 4, generator=g, dtype=F64) / 2)
+                                          for _ in range(n)])
+        self.use = use
+
+    def forward(self, x):
+        for i in self.use:
+            x = x @ self.ps[i]
+        return (x ** 2).mean()
+
+
+FILL_CASES = {   # label: (parameters, the order they are used, bucket cap in MiB); buckets hold the last ones first
+    "3 buckets of one gradient each, filled last to first": (3, (2, 1, 0), 0),
+    "2 buckets of two gradients, the second half full when the first fills": (4, (0, 2, 1, 3), 256 / 2 ** 20)}
+
+
+def run_bucket_fill(P):
+    """Each of FILL_CASES, the same on every rank: which bucket each float64 all-reduce launched, and how many of
+    its gradients had arrived then; the gradients after backward, each rank's own."""
+    from ddp import BucketedDDP
+    out = {}
+    for label, (n, use, cap) in FILL_CASES.items():
+        model, local, launched = _Chain(n, use), {}, []
+        for i, p in enumerate(model.ps):
+            p.register_post_accumulate_grad_hook(functools.partial(lambda p, i: local.update({f"p{i}": p.grad.clone()}),
+                                                                   i=i))
+        ddp = BucketedDDP(model, bucket_cap_mb=cap, first_bucket_mb=cap)
+        inner = dist.all_reduce
+
+        def all_reduce(*args, **kwargs):
+            t = args[0] if args else kwargs["tensor"]
+            if t.dtype == F64:
+                b = next((b for b, bk in enumerate(ddp.buckets) if bk.flat.data_ptr() == t.data_ptr()), None)
+                launched.append((b, None if b is None else list(ddp.buckets[b].ready)))
+            return inner(*args, **kwargs)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=F64)
+        dist.all_reduce = all_reduce
+        try:
+            ddp(x).backward()
+        finally:
+            dist.all_reduce = inner
+        out[label] = dict(launched=launched, buckets=len(ddp.buckets), local=local,
+                          grads={f"p{i}": p.grad for i, p in enumerate(model.ps)})
+    return out
+
+
+def judge_bucket_fill(P, res):
+    for label in FILL_CASES:
+        per = [x[label] for x in res]
+        for r, x in enumerate(per):
+            for b, ready in x["launched"]:
+                if ready is not None and not all(ready):
+                    return [f"{label}, rank {r}: bucket {b} launched when {sum(ready)} of its {len(ready)} gradients "
+                            f"had arrived — launch a bucket only once ALL its gradients are ready (all(bucket.ready))"]
+            got, nb = [b for b, _ in x["launched"]], x["buckets"]
+            if got != list(range(nb)):
+                missing = [b for b in range(nb) if b not in got]
+                return [f"{label}, rank {r}: the buckets' all-reduces launched in the order {got}, expected each once, "
+                        f"in bucket order {list(range(nb))} — " + (
+                            f"bucket(s) {missing} never launched: when a bucket fills, launch it AND every ready "
+                            f"bucket after it (a loop, up to the first not ready)" if missing else
+                            "launch in bucket order, from self._next, never a later bucket before an earlier one "
+                            "(on ranks whose gradients arrive in other orders, different buckets would be summed)")]
+        want = {nm: sum(x["local"][nm] for x in per) / P for nm in per[0]["local"]}
+        lines = compare_named(P, per, "grads", lambda r, nm: want[nm], what=" (Σ_r g_r / P)", scales=data_scales(P),
+                              candidates_of=_bucket_own(P, per))
+        if lines:
+            return [f"{label}, {lines[0]}"] + lines[1:]
+    return []
+
+
+def run_bucket_accum(P):
+    """Gradient accumulation over 2 micro-batches of this rank's rows (each loss ÷ 2): the first backward inside
+    no_sync(), the second synced; then again with sync_next_backward(False) for both and synchronize() after
+    (train.py's way: the buckets launched outside backward)."""
+    from ddp import BucketedDDP
+    from lab.model import build_model
+    out = {}
+    for how in ("no_sync", "synchronize"):
+        model = build_model("tiny", seed=0, dtype=F64)
+        ddp = BucketedDDP(model, bucket_cap_mb=0.1, first_bucket_mb=0.05)
+        x, y = _batch(0, rank=dist.get_rank(), size=P)
+        for k, (a, b) in enumerate(zip(x.chunk(2), y.chunk(2))):
+            if how == "no_sync":
+                with ddp.no_sync() if k == 0 else contextlib.nullcontext():
+                    loss = ddp(a, b) / 2
+            else:
+                loss = ddp(a, b) / 2
+                ddp.sync_next_backward(False)
+            loss.backward()
+        local = _grads(model)   # (the synchronize path: this rank's own accumulated gradient, not yet reduced)
+        if how == "synchronize":
+            ddp.synchronize()
+        out[how] = dict(grads=_grads(model), local=local)
+    return out
+
+
+def judge_bucket_accum(P, res):
+    for how, what in (("no_sync", "the first inside no_sync(), the second synced"),
+                      ("synchronize", "both with sync_next_backward(False), then synchronize(): the buckets launched "
+                       "after backward")):
+        lines = compare_named(P, [x[how] for x in res], "grads", lambda r, nm: one_process()[1][0][nm],
+                              what=f" (2 micro-batches accumulated, {what})", scales=data_scales(P),
+                              candidates_of=lambda r, nm: [] if how == "no_sync" else [(
+                                  "this rank's own accumulated gradient: synchronize() reduced nothing — "
+                                  "_launch_in_order launches every ready bucket whenever it is called, inside backward "
+                                  "or after it (whether a backward syncs is the hooks' business, not its own)",
+                                  res[r][how]["local"][nm])])
+        if lines:
+            return lines + ["(expected: the one-process gradient of the global batch; _launch_in_order is also "
+                            "called outside backward, by synchronize(), for gradients accumulated without sync)"]
+    return []
 
 
 class _TwoOrders(torch.nn.Module):
@@ -866,6 +1060,8 @@ CHECKS["bucket"] = [
     Check("overlap: each bucket's all-reduce starts inside backward the moment its last gradient arrives, in bucket "
           "order, and is still in flight when the later gradients arrive and when backward ends", run_bucket,
           judge_bucket_launch, worlds=(2, 4)),
+    Check("buckets that fill out of order, the same on every rank: each launched once all its gradients are ready, "
+          "every one, in bucket order; every gradient Σ_r g_r / P", run_bucket_fill, judge_bucket_fill, worlds=(2,)),
     Check("gradients in another order on another rank (two layers applied in opposite orders), a frozen layer, one "
           "only rank 1 uses: every gradient Σ_r g_r / P, the frozen one None", run_bucket_orders,
           judge_bucket_orders, worlds=(2,)),
@@ -873,6 +1069,9 @@ CHECKS["bucket"] = [
           "float32: each gradient Σ over its group / its divisor", run_bucket_where, judge_bucket_where, worlds=(2,)),
     Check("over the wrapper's group inside a larger mesh: Mesh(dp_shard=2, cp=2)'s dp groups [0, 2] and [1, 3], each "
           "on its own data", run_bucket_groups, judge_bucket_groups, worlds=(4,)),
+    Check("gradient accumulation (train.py's micro-batches): 2 micro-batches, the first in no_sync(); and both "
+          "unsynced, then synchronize() — equal to one process of the global batch", run_bucket_accum,
+          judge_bucket_accum, worlds=(2,)),
 ]
 _ASYNC = "bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)"
 _LOOP = ("        while self._next < len(self.buckets) and all(self.buckets[self._next].ready):\n"
@@ -900,8 +1099,8 @@ BUGS["bucket"] = [
         "                bucket.flat.div_(bucket.divide_by)\n                if dist.get_world_size(bucket.group) > 1:\n"
         "                    " + _ASYNC + "\n        while self._next < len(self.buckets) and "
         "self.buckets[self._next].work is not None:\n            self._next += 1\n",
-        r"rank 0, \w \(Σ_r g_r / P.*: off by .* this rank's \w summed with rank 1's \w: the ranks launched their "
-        r"buckets in different orders"),
+        r"3 buckets of one gradient each, filled last to first, rank 0: the buckets' all-reduces launched in the "
+        r"order \[2, 1, 0\], expected each once, in bucket order \[0, 1, 2\] — launch in bucket order"),
     Bug("divided only when the group has more ranks", "            bucket.flat.div_(bucket.divide_by)  # divide "
         "first: the sum is then the average\n            if dist.get_world_size(bucket.group) > 1:\n",
         "            if dist.get_world_size(bucket.group) > 1:\n                bucket.flat.div_(bucket.divide_by)\n",
@@ -911,6 +1110,18 @@ BUGS["bucket"] = [
         "                if p.grad is not None:\n                    p.grad.div_(bucket.divide_by)\n",
         r"rank 0, .* \(reduce_dtype=float32.*\): off by .* 2× the expected: summed, never divided — with reduce_dtype "
         r"the gradients are copies"),
+    Bug("one bucket launched per call (if, not while)", _LOOP, _LOOP.replace("        while ", "        if "),
+        r"filled last to first, rank 0: the buckets' all-reduces launched in the order \[0, 1\], .* bucket\(s\) \[2\] "
+        r"never launched"),
+    Bug("launched when any gradient of the bucket is ready", "all(self.buckets[self._next].ready):",
+        "any(self.buckets[self._next].ready):",
+        r"2 buckets of two gradients, .*, rank 0: bucket 1 launched when 1 of its 2 gradients had arrived"),
+    Bug("divided after the asynchronous launch", "            bucket.flat.div_(bucket.divide_by)  # divide first: the "
+        "sum is then the average\n            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n",
+        "            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n"
+        "            bucket.flat.div_(bucket.divide_by)\n",
+        r"rank 0: bucket 0's all-reduce was launched on the undivided gradients, and they were divided while it was in "
+        r"flight"),
 ]
 VARIANTS["bucket"] = [
     Variant("recursive: launch the next bucket, then try the one after", _LOOP + (
@@ -957,13 +1168,22 @@ ZERO_ERRORS = [(r"setStorage|storage of size 0|numel\(\) == 0|Trying to resize s
                 "a freed buffer used (stage 3: f.buf has no bytes between uses): all-gather only into a gathered "
                 "buffer — the next use gathers a freed one"),
                (r"'NoneType' object has no attribute", "a parameter without a gradient (frozen, or unused here): pack "
-                "zeros for it (f.pack does), every rank hands over the same sizes")]
+                "zeros for it (f.pack does), every rank hands over the same sizes"),
+               (r"assigned grad expected to be a Tensor or None but got grad of type tuple", "f.reduce_scatter returns "
+                "(my slice, its work): unpack it, mine, _ = f.reduce_scatter(...)"),
+               (r"assign a gradient with dtype", "a gradient of another dtype than the shard's: pack in f.shard.dtype, "
+                "the dtype the optimizer steps")]
 ZERO_FROZEN = ("layers.0.attn.wq.weight",)
 _STORAGE = r"setStorage|storage of size 0|numel\(\) == 0|Trying to resize storage"
 GATHER_ERRORS = [(_STORAGE, "all-gathered into a freed buffer: flat.unshard() gives flat.buf its bytes back, then "
                   "gathers", "all_gather"),
                  (_STORAGE, "a unit's parameters read while its buffer is freed: gather right BEFORE its forward and "
-                  "before its backward (the pre-hooks), free right AFTER each")]
+                  "before its backward (the pre-hooks), free right AFTER each"),
+                 (r"Cannot use both regular backward hooks and full backward hooks", "register_backward_hook is the old "
+                  "module hook, which fires for the module's last op alone: use register_full_backward_hook"),
+                 (r"invalid tensor size at index 0 \(expected \(\d+\), got \(0\)\)", "flat.buf has no elements: it was "
+                  "replaced by an empty tensor, which the parameters are no views of — free with flat.free(), which "
+                  "releases buf's bytes and keeps its shape")]
 
 
 def _zero_train(P, stage, mesh=None):
@@ -985,7 +1205,8 @@ def _zero_train(P, stage, mesh=None):
         for (_, m), f in zip(units, flats):
             gather_when_used(m, f)
             f.free()
-        _watch_gathered(units, flats, gathered)
+        with explained(*GATHER_ERRORS):
+            _watch_gathered(units, flats, gathered)
     out = dict(flats=[], names=[[f"{u}.{n}" for n, _ in m.named_parameters()] for u, m in units],
                labels=[u for u, _ in units], seed=seed, frozen=frozen, G=flats[0].group_size, stage=stage,
                N=[f.flat_numel for f in flats], n=[f.shard_numel for f in flats])
@@ -1055,6 +1276,14 @@ def _ref_flats(names, N, step, seed=0, frozen=()):
 
 
 def judge_zero_equal(P, res):
+    for r, x in enumerate(res):
+        ops = x["comm"]
+        if P > 1 and not any(ops.get(op, {}).get("calls") for op in ("reduce_scatter", "all_reduce")):
+            return [f"rank {r}: no collective summed the gradients in the step (no reduce-scatter, no all-reduce): each "
+                    f"rank stepped its own gradient — reduce-scatter the packed gradient over f.group (f.reduce_scatter)"]
+        if x["stage"] == 3 and not x["comm_all"].get("all_gather", {}).get("calls"):
+            return [f"rank {r}, stage 3: no all-gather in forward, backward or the step: a freed unit given its bytes "
+                    f"back holds no values until every rank's slice is gathered into it (flat.unshard gathers)"]
     for s in range(2):
         for r, x in enumerate(res):
             ref = functools.partial(_ref_flats, x["names"], x["N"], seed=x["seed"], frozen=x["frozen"])
@@ -1068,6 +1297,10 @@ def judge_zero_equal(P, res):
                                                for j in range(G))]
             u = (whole or failing)[0]
             got, w, b0 = x["flats"][s][u], want[u], before[u]
+            if close(got, (b0 - w) / LR):
+                return [f"rank {r}, unit {u} ({x['labels'][u]}), step {s + 1}: the flat buffer holds the averaged "
+                        f"GRADIENT, not the new parameters — all-gather f.shard (the slice the optimizer stepped), "
+                        f"not f.shard.grad"]
             scales = [(G / P, f"{G}/{P} of the expected: divided by the world's size {P}, not the group's {G} "
                        f"(f.group_size)")] if G != P else []
             scales += [(k, f"{k}× the expected update: the optimizer stepped {k} times — once per unit? step once, "
@@ -1166,6 +1399,13 @@ BUGS["zero_step"] = [
         "f.reduce_scatter(torch.cat([p.grad.reshape(-1) for p in f.params]\n            + [f.buf.new_zeros("
         "f.flat_numel - sum(f.numels))]))", r"AttributeError: a parameter without a gradient \(frozen, or unused here\): "
         r"pack zeros for it", 4),
+    Bug("this rank's slice of its own gradient, no collective", "f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))",
+        "g = f.pack(f.shard.dtype)\n        f.shard.grad = g[f.rank * f.shard_numel:(f.rank + 1) * f.shard_numel].clone()",
+        r"rank 0: no collective summed the gradients in the step"),
+    Bug("the (slice, work) pair assigned as the gradient", "f.shard.grad, _ = f.reduce_scatter(",
+        "f.shard.grad = f.reduce_scatter(", r"f.reduce_scatter returns \(my slice, its work\): unpack it", 1),
+    Bug("the gradients packed in float32", "f.reduce_scatter(f.pack(f.shard.dtype))", "f.reduce_scatter(f.pack(torch.float32))",
+        r"a gradient of another dtype than the shard's: pack in f.shard.dtype", 1),
 ]
 VARIANTS["zero_step"] = [
     Variant("every reduce-scatter launched, then every one waited for; the gathers likewise", (
@@ -1260,6 +1500,13 @@ BUGS["gather_when_used"] = [
     Bug("the hooks on every submodule too", _HOOKS, "    for m in module.modules():\n" + _HOOKS.replace(
         "    module.", "        m."), r"all-gathers per step .* expected \(10, .*\), measured \(\d\d+, .* hooks on its "
         r"submodules too"),
+    Bug("the storage given its bytes back, nothing gathered", "        flat.unshard()\n",
+        "        flat.buf.untyped_storage().resize_(flat.flat_numel * flat.buf.element_size())\n",
+        r"rank 0, stage 3: no all-gather in forward, backward or the step", 1),
+    Bug("freed by replacing flat.buf", "        flat.free()\n", "        flat.buf = flat.buf.new_empty(0)\n",
+        r"flat.buf has no elements: it was replaced by an empty tensor", 1),
+    Bug("the old register_backward_hook", "    module.register_full_backward_hook(free)\n",
+        "    module.register_backward_hook(free)\n", r"register_backward_hook is the old module hook", 1),
 ]
 VARIANTS["gather_when_used"] = [
     Variant("one loop over (register, action) pairs, lambdas that return None", "    def gather(*_):\n"
