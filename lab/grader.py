@@ -303,7 +303,7 @@ def rank_main(jobs, patience: float | None = None, outdir: str | None = None,
     patience = PATIENCE if patience is None else patience
     _NOW.update(outdir=outdir or tempfile.mkdtemp(prefix="course-grade-"), rank=me,
                 check=CHECK_SECONDS if check_seconds is None else check_seconds)
-    watch.install(patience)
+    watch.install(patience, busy=_NOW["check"] + patience)   # a peer still computing: its check's alarm stops it
     # a wait the watch let through has every side posted: gloo may give up soon after (the groups checks build too)
     c10d, bound = dist.distributed_c10d, datetime.timedelta(seconds=patience + 5)
     c10d._set_pg_timeout(bound)
