@@ -2021,7 +2021,8 @@ VARIANTS["one_f_one_b"] = [
 #   - scores in the thousands in float64 and in the hundreds in float32 (e^lse beyond either dtype): finite, exact to
 #     the dtype's rounding, and the result in the blocks' dtype.
 # Every call gets fresh copies of its inputs (a merge may update them in place), and the wrong answers a result is
-# compared with are built before the call.
+# compared with are built before the call. (Rank-less checks get the exercise's first core only — lab/grader.py's
+# pure_outcomes — which is all of merge.)
 
 def _blocks(n, seed=0, scale=1.0, B_=2, H=3, c=5, D=4, dtype=F64):
     """n blocks' (out, lse) of one query block (cast to dtype) and, in float64, the attention over all their keys."""
@@ -2042,7 +2043,20 @@ def _merge_wrong(o, l, bo, bl):
             ("the block's output alone: the running output was dropped", bo),
             ("the plain average of the two outputs: weight each by its share e^lse/(e^lse + e^lse_b)", (o + bo) / 2),
             ("each output weighted by the OTHER block's share: sigmoid's argument reversed",
-             (torch.sigmoid(bl - l)[..., None] * o + torch.sigmoid(l - bl)[..., None] * bo))]
+             (torch.sigmoid(bl - l)[..., None] * o + torch.sigmoid(l - bl)[..., None] * bo)),
+            ("the running output kept whole, the block's added with its share: out' = out + w_b·out_b — the running "
+             "output must shrink to its own share 1 − w_b = sigmoid(lse − lse_b)",
+             o + torch.sigmoid(bl - l)[..., None] * bo),
+            ("the block's share taken against the NEW lse through a sigmoid: its share is e^(lse_b − lse') = "
+             "sigmoid(lse_b − lse), a difference of the two OLD lse's",
+             o - torch.sigmoid(bl - torch.logaddexp(l, bl))[..., None] * (o - bo)),
+            ("the weighted sum not divided by the weights' sum: out' = (a·out + b·out_b)/(a + b), a = e^(lse−m), "
+             "b = e^(lse_b−m)", _unnormalised(o, l, bo, bl))]
+
+
+def _unnormalised(o, l, bo, bl):
+    m = torch.maximum(l, bl)
+    return torch.exp(l - m)[..., None] * o + torch.exp(bl - m)[..., None] * bo
 
 
 def _lse_wrong(l, bl):
@@ -2050,7 +2064,9 @@ def _lse_wrong(l, bl):
             ("the larger of the two: lse' = log(e^lse + e^lse_b), not the max", torch.maximum(l, bl)),
             ("lse + lse_b: log of a product, not of a sum", l + bl),
             ("logsigmoid's sign flipped: lse' = lse − logsigmoid(lse − lse_b)",
-             l + torch.nn.functional.logsigmoid(l - bl))]
+             l + torch.nn.functional.logsigmoid(l - bl)),
+            ("the maximum m subtracted and never added back: lse' = m + log(e^(lse−m) + e^(lse_b−m))",
+             torch.logaddexp(l, bl) - torch.maximum(l, bl))]
 
 
 MERGE_ERRORS = [(r"must match the size of tensor", "lse is [B, H, c] and out [B, H, c, D]: a weight per query row "
@@ -2072,7 +2088,13 @@ def _tol(t):
 def _judge_merge_pairs(mine, cases):
     for label, (o, l, bo, bl), (wo, wl) in cases:
         cands = {"out": _merge_wrong(o, l, bo, bl), "lse": _lse_wrong(l, bl)}   # (before the call)
-        go, gl = _merged(mine, label, o, l, bo, bl)
+        got = _merged(mine, label, o, l, bo, bl)
+        if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
+            return [f"{label}: merge returned {_kinds(got)}: return the pair (out [B, H, c, D], lse [B, H, c])"]
+        go, gl = got
+        if go.shape == wl.shape and gl.shape == wo.shape:
+            return [f"{label}: out came back {tuple(go.shape)} and lse {tuple(gl.shape)}: the two returned the other way "
+                    f"round — return (out, lse)"]
         for what, got, want in (("out", go, wo), ("lse", gl, wl)):
             if got.dtype != o.dtype:
                 return [f"{label}: {what} in {got.dtype} where the blocks are {o.dtype}: merge in the blocks' dtype "
@@ -2089,10 +2111,20 @@ def judge_merge_two(mine, ref):
                                                                               (*b, *a), whole)])
 
 
+def _kinds(got):
+    if isinstance(got, tuple):
+        return "(" + ", ".join(f"a {type(t).__name__}" if not isinstance(t, torch.Tensor) else f"a tensor "
+                               f"{tuple(t.shape)}" for t in got) + ")"
+    return f"a {type(got).__name__}"
+
+
 def judge_merge_start(mine, ref):
     (a,), _ = _blocks(1)
     got = _merged(mine, "the empty start", None, None, *a)
-    if got[0] is None or not (close(got[0], a[0]) and close(got[1], a[1])):
+    if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
+        return [f"the empty start: merge(None, None, out_b, lse_b) returned {_kinds(got)}: return the block itself, "
+                f"(out_b, lse_b) — both are needed by the next merge"]
+    if not (close(got[0], a[0]) and close(got[1], a[1])):
         return ["merge(None, None, out_b, lse_b) must return the block itself (out_b, lse_b): the empty start"]
     return []
 
@@ -2127,6 +2159,8 @@ CHECKS["merge"] = [
     Check("no overflow: scores in the thousands (float64) and hundreds (float32), e^lse beyond the dtype: finite, exact "
           "to the dtype's rounding, in the blocks' dtype", None, judge_merge_overflow),
 ]
+_MERGE_RET = ("    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
+              "block_lse)\n")
 BUGS["merge"] = [
     Bug("a sign", "return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
         "return out + torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
@@ -2152,6 +2186,18 @@ BUGS["merge"] = [
     Bug("the running terms cast to float64 (a float32 merge returns float64)",
         "    return out - torch.sigmoid(", "    out, lse = out.double(), lse.double()\n    return out - torch.sigmoid(",
         r"float32 scores up to .*: out in torch.float64 where the blocks are torch.float32", None),
+]
+BUGS["merge"] += [
+    Bug("the running output not rescaled", _MERGE_RET, "    w = torch.sigmoid(block_lse - lse)[..., None]\n"
+        "    return out + w * block_out, lse - F.logsigmoid(lse - block_lse)\n",
+        r"two blocks merged: out off by .* the running output kept whole, the block's added with its share", None),
+    Bug("the online softmax's maximum never added back to lse", _MERGE_RET,
+        "    m = torch.maximum(lse, block_lse)\n    a, b = torch.exp(lse - m), torch.exp(block_lse - m)\n"
+        "    return (a[..., None] * out + b[..., None] * block_out) / (a + b)[..., None], torch.log(a + b)\n",
+        r"two blocks merged: lse off by .* the maximum m subtracted and never added back", None),
+    Bug("(lse, out) returned the other way round", _MERGE_RET, "    return lse - F.logsigmoid(lse - block_lse), out - "
+        "torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)\n",
+        r"two blocks merged: out came back \(2, 3, 5\) and lse \(2, 3, 5, 4\): the two returned the other way round", None),
 ]
 VARIANTS["merge"] = [
     Variant("in place: the running out and lse updated and returned",
