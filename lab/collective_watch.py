@@ -1367,3 +1367,9 @@ def guard_stats() -> dict:
     agreed on their own), steps settled, store round trips, seconds."""
     return dict(fast=_G["fast"], slow=_G["slow"], gates=_G["gates"], round_trips=_S["trips"],
                 seconds=_G["seconds"])
+
+
+def mark_unusable(why: str) -> None:
+    """A check that found this rank's transfers left posted and never completed (their works dropped): the group is
+    not to be reused — end_check reports it broken, and the grader starts a fresh group for the next job."""
+    _S["broken"] = why

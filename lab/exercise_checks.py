@@ -2267,16 +2267,43 @@ def _in_flight(log, fn):
         where["block_forward"] = block_forward
 
 
+def _skipped_steps(P, group, layout, causal, sends):
+    """A forward whose sends are exactly the passes of its steps with a pair to compute skipped the others: said as
+    the ring steps, at once (the next rank would wait for those blocks in vain)."""
+    from ring_attention import ring_schedule
+    plan = ring_schedule(P, dist.get_rank(group), layout, causal)[:-1]   # (the last step passes nothing)
+    empty = [t for t, _, pairs in plan if not pairs]
+    if empty and sends != 2 * len(plan) and sends == 2 * (len(plan) - len(empty)):
+        raise RuntimeError(f"forward ({layout}, {'causal' if causal else 'not causal'}): ring step(s) {empty} passed "
+                           f"nothing on — this rank has no pair to compute there (every key of the block in hand comes "
+                           f"after its queries), but the next rank still needs the block: pass the block in hand at "
+                           f"every step but the last, computed or not")
+
+
 def _ring_case(P, r, group, layout, causal, dtype=F64):
     from lab.ring_attention_demo import seeded_inputs
     from ring_attention import RingAttention, shard_sequence
     sh, log = RING_SHAPE, []
     q, k, v, dout = (shard_sequence(t, P, r, layout, dim=2).to(dtype).requires_grad_(i < 3) for i, t in
                      enumerate(seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)))
+    before = len(watch.unwaited())
     with Count() as c, _in_flight(log, RingAttention.forward):
         o = RingAttention.apply(q, k, v, group, layout, causal)
+    _skipped_steps(P, group, layout, causal, c.calls("send"))
+    never = watch.unwaited()
+    if len(never) > before:   # the backward's own transfers would block on them: say it now
+        watch.mark_unusable("transfers posted and never waited: the next job gets a fresh group")
+        raise RuntimeError(f"forward ({layout}, {'causal' if causal else 'not causal'}) returned with "
+                           f"{len(never) - before} transfer(s) posted and never waited ({never[-1]['what']}): take a "
+                           f"block only from the pass's wait() (nxt.wait()), which completes its transfers")
+    if o.shape != q.shape:
+        raise RuntimeError(f"forward returned out of shape {tuple(o.shape)} where q's {tuple(q.shape)} [B, H, c, D] is "
+                           f"expected: the query chunks' outputs are concatenated along the sequence (dim 2)")
     saved = [str(t.dtype) for t in o.grad_fn.saved_tensors]
-    o.backward(dout)
+    with explained((r"expected (m1 and m2|both vectors|mat1 and mat2) to have the same dtype|expected scalar type",
+                    f"saved for backward {saved}: the lesson's backward computes in the dtype of the out saved — save "
+                    f"out and lse in the work dtype (promote_types(q.dtype, float32))"), prefix="backward: "):
+        o.backward(dout)
     return dict(out=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, sends=(c.calls("send"), c.bytes("send")),
                 peers=sorted({e["group"][1] for e in c.events if e["op"] in ("send", "recv")}), log=log,
                 saved=saved, dtype=str(o.dtype))
@@ -2323,6 +2350,46 @@ def _ring_alone(P, r, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
+RING_TWISTS = {
+    "mask": "every pair computed with the causal mask (block_forward(..., causal)): only a diagonal pair needs it — "
+            "the schedule's third element says which",
+    "chunk": "query chunk i against key chunk i of the block in hand: the pair (i, j, diagonal) names key chunk j",
+    "reverse": "the blocks travel the wrong way round the ring: send to the next rank (r+1) mod cp and receive from "
+               "the previous (r−1) mod cp, so that at step t the block of rank (r−t) mod cp is in hand",
+    "own": "this rank's own k, v passed on at every step, not the block in hand: from step 1 on it always holds its "
+           "neighbour's block",
+    "v": "k travels round the ring but v does not: every step's v is still this rank's own (take both from what "
+         "arrived)",
+    "scale": "the scores scaled by √D: the scale is D^−1/2",
+}
+
+
+@functools.cache
+def _ring_twisted(P, layout, causal):
+    """{twist: [each rank's out]}: what the ring gives with one typical mistake (RING_TWISTS), simulated in one
+    process with the lesson's own schedule, block_forward and merge."""
+    from lab.ring_attention_demo import seeded_inputs
+    from ring_attention import block_forward, chunk_ids, merge, ring_schedule, shard_sequence
+    sh = RING_SHAPE
+    q, k, v, _ = seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)
+    qs_, ks_, vs_ = ([shard_sequence(t, P, r, layout, dim=2) for r in range(P)] for t in (q, k, v))
+    n, out = len(chunk_ids(layout, P, 0)), {}
+    for how in RING_TWISTS:
+        scale = sh["D"] ** (0.5 if how == "scale" else -0.5)
+        outs_r = []
+        for r in range(P):
+            qc, outs, lses = qs_[r].chunk(n, dim=2), [None] * n, [None] * n
+            for t, src, pairs in ring_schedule(P, r, layout, causal):
+                held = (r + t) % P if how == "reverse" else (r - 1) % P if how == "own" and t else src
+                kc, vc = ks_[held].chunk(n, dim=2), vs_[r if how == "v" else held].chunk(n, dim=2)
+                for i, j, diagonal in pairs:
+                    jj, d = (i if how == "chunk" else j), (causal if how == "mask" else diagonal)
+                    outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qc[i], kc[jj], vc[jj], scale, d))
+            outs_r.append(torch.cat(outs, dim=2))
+        out[how] = outs_r
+    return out
+
+
 def _judge_ring(P, res, names, cases=RING_CASES, ring=None, rank_of=None, label=""):
     """ring: the ring's size (P unless it is a group inside the world); rank_of(r): rank r's place in its ring."""
     ring, rank_of = ring or P, rank_of or (lambda r: r)
@@ -2330,9 +2397,13 @@ def _judge_ring(P, res, names, cases=RING_CASES, ring=None, rank_of=None, label=
         want = _ring_reference(ring, layout, causal)
 
         def cands(r, n):
-            if n != "out" or layout != "contiguous" or ring == 1:
+            if n != "out":
                 return []
-            return [("this rank's queries against its own keys only: the other ranks' blocks were never folded in (the "
+            twisted = _ring_twisted(ring, layout, causal)
+            mine = [(why, twisted[how][rank_of(r)]) for how, why in RING_TWISTS.items()]
+            if layout != "contiguous" or ring == 1:
+                return mine
+            return mine + [("this rank's queries against its own keys only: the other ranks' blocks were never folded in (the "
                      "ring stops short)", _ring_alone(ring, rank_of(r), causal))] + (
                 [("its own block seen without the causal mask: a query reads the keys after it (a diagonal pair needs "
                   "the mask: block_forward(..., diagonal))", _ring_alone(ring, rank_of(r), False))]
@@ -2482,15 +2553,33 @@ BUGS["ring"] = [
     Bug("the empty steps skipped (a causal rank with no pair to compute passes nothing on)",
         "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n" + _RING_NEXT,
         "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n            if not pairs:\n"
-        "                continue\n" + _RING_NEXT, r"rank 1 waits to receive .* from rank 0 .* rank 1 posts more receives "
-        r"from rank 0 than rank 0 posts sends to it — a step one of them skips", 4),
+        "                continue\n" + _RING_NEXT, r"rank 0: RuntimeError: forward \(contiguous, causal\): ring step\(s\) "
+        r"\[1, 2\] passed nothing on — this rank has no pair to compute there", 4),
     Bug("the block cast to the work dtype before it travels", _RING_NEXT,
         _RING_NEXT.replace("[kb, vb]", "[kb.to(work_dtype), vb.to(work_dtype)]"),
         r"rank 0 \(zigzag, bf16\): sends in forward .* 4-byte elements: the block travels in its own dtype"),
 ]
+_RING_END = "scale, diagonal))\n            if nxt is not None:\n                kb, vb = nxt.wait()\n        out, lse = torch.cat"
+BUGS["ring"] += [
+    Bug("v never taken from what arrived", _RING_END, _RING_END.replace("kb, vb = nxt.wait()", "kb, _ = nxt.wait()"),
+        r"rank 1, out \(contiguous, causal\): off by .* k travels round the ring but v does not"),
+    Bug("the arrived buffers taken without waiting", _RING_END, _RING_END.replace("nxt.wait()", "nxt.bufs"),
+        r"rank 0: RuntimeError: forward \(contiguous, causal\) returned with \d+ transfer\(s\) posted and never waited"),
+]
 _RING_LOOP = (_RING_NEXT + "            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)\n"
               "            for i, j, diagonal in pairs:\n                outs[i], lses[i] = merge(outs[i], lses[i], "
               + _RING_TAKE)
+BUGS["ring"].append(Bug(
+    "the ring turned the wrong way (send to the previous rank, receive from the next)", _RING_LOOP,
+    "            works = []\n            if t < cp - 1:\n                bufs = [torch.empty_like(kb), torch.empty_like(vb)]\n"
+    "                to, frm = dist.get_global_rank(group, (rank - 1) % cp), dist.get_global_rank(group, (rank + 1) % cp)\n"
+    "                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), to, group) for x in (kb, vb)]\n"
+    "                                               + [dist.P2POp(dist.irecv, b, frm, group) for b in bufs])\n"
+    "            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)\n"
+    "            for i, j, diagonal in pairs:\n"
+    "                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n"
+    "            for w in works:\n                w.wait()\n            if works:\n                kb, vb = bufs\n",
+    r"rank 1, out \(contiguous, causal\): off by .* the blocks travel the wrong way round the ring", 4))
 VARIANTS["ring"] = [
     Variant("the transfers posted by hand (batch_isend_irecv into fresh buffers), the chunks sliced per pair",
             _RING_LOOP,
