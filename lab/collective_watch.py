@@ -313,7 +313,10 @@ def _differ(ranks, said) -> str:
 
 
 def _check_own_splits(rec) -> None:
-    """An all-to-all's splits must describe this rank's own tensors (checked here, before any peer is involved)."""
+    """An all-to-all's splits must describe this rank's own tensors (checked here, before any peer is involved). The
+    list form (dist.all_to_all) has no splits of its own: its tensors are the pieces."""
+    if "rows" not in rec:
+        return
     for which, i, rows in (("input", "send", rec["rows"][0]), ("output", "recv", rec["rows"][1])):
         splits = rec.get(i)
         if splits is not None and "row_bytes" in rec and sum(splits) != rows:

@@ -140,8 +140,9 @@ class Count:
         P, n = len(e["group"]), e["bytes"]
         if e["op"] == "all_reduce":
             return 2 * (P - 1) / P * n
-        if e["op"] == "all_to_all" and e.get("send"):
-            return float(sum(s for j, s in enumerate(e["send"]) if j != e["index"]) * e["row_bytes"])
+        if e["op"] == "all_to_all" and e.get("send"):   # (the list form's splits count elements, not rows)
+            unit = e["row_bytes"] if "row_bytes" in e else n / max(1, e["numel"])
+            return float(sum(s for j, s in enumerate(e["send"]) if j != e["index"]) * unit)
         if e["op"] in ("all_gather", "reduce_scatter", "all_to_all"):
             return (P - 1) / P * n
         return 0.0 if e["op"] == "recv" or P == 1 else float(n)
@@ -2634,6 +2635,16 @@ VARIANTS["ring"] = [
 # The run and checks serve dispatch_combine too.
 
 EP_SIZES = {1: [10], 2: [7, 12], 4: [7, 12, 5, 9]}   # tokens per rank: uneven, so the splits are too
+A2A_ERRORS = [(r"different dtypes", "the output buffer must have the rows' dtype (x.new_empty)"),
+              (r"Number of tensor splits not equal to group size", "a split list holds one number per rank of the ep "
+               "group: rows to each rank (keep_send summed over each rank's experts), rows from each rank (keep_recv "
+               "summed over my experts)"),
+              (r"AllToAllBackward returned an invalid gradient at index 0", "backward must return x's gradient in x's "
+               "shape: each row's gradient sent back to the rank the row came from (the exchange, splits swapped)"),
+              (r"returned an incorrect number of gradients", "backward returns one gradient per argument of forward: "
+               "x's, then None for out_splits, in_splits and group")]
+EP_INDEX = [(r"index -?\d+ is out of bounds for dimension 0 with size", "an index past this rank's tokens: sel indexes "
+             "assignments t·k + slot; their tokens are tok = sel // k")]
 EP_ERRORS = [(r"shape '\[\d+, \d+\]' is invalid for input of size", "the experts split by rank do not fit: ep is the "
               "ep group's size (self.ep), not the world's")]
 
@@ -2661,8 +2672,14 @@ def _ep_case(P, capacity, mesh=None):
     r = dist.get_rank()
     sl = slice(sum(sizes[:r]), sum(sizes[:r + 1]))
     x = x_all[sl].clone().requires_grad_()
+    handed, experts_of = [], layer.experts
+
+    def recorded(xs):   # what my experts are handed: rows of which tokens
+        handed.append([t.detach().clone() for t in xs])
+        return experts_of(xs)
+    layer.experts = recorded
     with Count() as c:
-        with explained(*EP_ERRORS, prefix="forward: "):
+        with explained(*EP_ERRORS, *A2A_ERRORS, *EP_INDEX, prefix="forward: "):
             out = layer(x)
         with explained(*EP_ERRORS, prefix="backward (the all-to-alls' gradients): "):
             ((out * dy[sl]).sum() * D / N + layer.aux_loss).backward()
@@ -2683,13 +2700,52 @@ def _ep_case(P, capacity, mesh=None):
             one = [torch.stack([weights[t, j] * each[j][t] for t, j in enumerate(pick.tolist())])[sl].view_as(out)
                    for pick in (experts.argmax(1), experts.argmin(1))]
     rows, kept = _expected_rows(experts, ref.capacity(N), sizes, n, P) if not inside else (None, None)
+    xs_all, want_tok = x_all.view(-1, cfg.dim), _expert_tokens(experts, ref.capacity(N))
+    got_tok = None if not handed or inside else [
+        sorted(next(iter((xs_all == row).all(1).nonzero().flatten().tolist()), -1) for row in chunk)
+        for chunk in handed[0]]
     return dict(got={k: a.detach().clone() for k, (a, _) in pairs.items()},
                 want={k: b.detach().clone() for k, (_, b) in pairs.items()}, unweighted=unweighted, one=one,
                 a2a=[(e["bytes"], c.wire(e)) for e in c.events if e["op"] == "all_to_all"],
                 a2a_groups=sorted({tuple(e["group"]) for e in c.events if e["op"] == "all_to_all"}),
                 ep=mesh.ranks("ep"), rows=rows, kept=kept, dropped=layer.dropped, ref_dropped=ref.dropped,
                 tokens_per_expert=[int(t) for t in layer.tokens_per_expert], first=lo, n_local=n,
+                handed=got_tok, handed_want=[want_tok.get(e, []) for e in range(lo, lo + n)],
                 assignments=sizes[r] * cfg.top_k)
+
+
+def _expert_tokens(experts, cap):
+    """{expert: the tokens it keeps, in token order} (each expert its first `cap` assignments)."""
+    taken = {}
+    for t, chosen in enumerate(experts.tolist()):
+        for e in chosen:
+            if cap is None or len(taken.get(e, [])) < cap:
+                taken.setdefault(e, []).append(t)
+    return taken
+
+
+def _handed_line(P, res, case):
+    """Which expert was handed the wrong tokens' rows (None: each was handed its own, or the experts were not run
+    through self.experts)."""
+    for r, x in enumerate(res):
+        y = x[case]
+        if y.get("handed") is None:
+            return None
+        for e, (got, want) in enumerate(zip(y["handed"], y["handed_want"])):
+            if got == sorted(want):
+                continue
+            head = f"rank {r} ({case}): expert {y['first'] + e} was handed "
+            if -1 in got:
+                return (head + f"{got.count(-1)} row(s) that are no token's row (scaled or mixed): dispatch the tokens' "
+                        f"rows x[tok] as they are — the router's weights apply to the experts' results, in the combine")
+            mine = sorted(t for g in y["handed"] for t in g)
+            if mine == sorted(t for w in y["handed_want"] for t in w):
+                return (head + f"tokens {got} where the routing sends it {sorted(want)}: the rows arrive grouped by "
+                        f"source rank, then by expert — regroup them by expert (a stable sort by each row's expert) "
+                        f"before the experts run")
+            return (head + f"tokens {got} where the routing sends it {sorted(want)}: the rows dispatched are not the "
+                    f"kept assignments' tokens (assignment a = t·k + slot: its token is a // k)")
+    return "every expert was handed the right tokens' rows"
 
 
 def _expected_rows(experts, cap, sizes, n_local, ep):
@@ -2703,6 +2759,61 @@ def _expected_rows(experts, cap, sizes, n_local, ep):
                 taken[e] = taken.get(e, 0) + 1
                 rows[d][e // n_local] += 1
     return rows, [taken.get(e, 0) for e in range(n_local * ep)]
+
+
+def _a2a_split(src, dst):
+    return (src + 2 * dst + 1) % 3   # rows rank src sends rank dst: uneven, some empty
+
+
+def run_a2a_exchange(P):
+    """AllToAll alone on the world: rank r's row #i for rank j reads [10·r + j, i]; forward, then backward with the
+    gradient out + 0.5, whose inverse permutation is x + 0.5 exactly."""
+    from expert_parallel import AllToAll
+    r = dist.get_rank()
+    x = torch.cat([torch.tensor([[10.0 * r + j, i] for i in range(_a2a_split(r, j))], dtype=F64).view(-1, 2)
+                   for j in range(P)]).requires_grad_()
+    want = torch.cat([torch.tensor([[10.0 * i + r, n] for n in range(_a2a_split(i, r))], dtype=F64).view(-1, 2)
+                      for i in range(P)])
+    with explained(*A2A_ERRORS, prefix="forward: "):
+        out = AllToAll.apply(x, [_a2a_split(i, r) for i in range(P)], [_a2a_split(r, j) for j in range(P)],
+                             dist.group.WORLD)
+    got = out.detach().clone()
+    if got.shape == want.shape:
+        with explained(*A2A_ERRORS, prefix="backward: "):
+            out.backward(want + 0.5)
+    return dict(x=x.detach(), out=got, want=want, grad=None if x.grad is None else x.grad.clone())
+
+
+def _a2a_row(row):
+    return f"rank {int(row[0]) // 10}'s row #{int(row[1])} for rank {int(row[0]) % 10}"
+
+
+def judge_a2a_exchange(P, res):
+    for r, x in enumerate(res):
+        got, want = x["out"], x["want"]
+        if got.shape != want.shape:
+            return [f"rank {r}: forward returned {tuple(got.shape)} where {tuple(want.shape)} is expected: "
+                    f"sum(out_splits) rows, out_splits[i] of them from rank i"]
+        bad = (got != want).any(1).nonzero().flatten().tolist()
+        if bad:
+            k = bad[0]
+            return [f"rank {r}: forward: row {k} holds {_a2a_row(got[k])} where {_a2a_row(want[k])} belongs — what "
+                    f"arrives from rank i comes before what arrives from rank i+1, rank i's rows in the order sent"]
+    for r, x in enumerate(res):
+        g, want = x["grad"], x["x"] + 0.5
+        if g is None:
+            return [f"rank {r}: backward gave x no gradient (None): return the exchanged gradient for x, then None for "
+                    f"out_splits, in_splits and group"]
+        if g.shape != want.shape:
+            return [f"rank {r}: backward returned a gradient {tuple(g.shape)} for x {tuple(want.shape)}: each row's "
+                    f"gradient goes back to the rank the row came from — the forward's exchange with the splits "
+                    f"swapped"]
+        if not close(g, want):
+            why = pattern(g, want, [(P, f"{P}× (summed over the {P} ranks)"), (1 / P, f"1/{P}× (averaged over the "
+                                                                                     f"{P} ranks)")] if P > 1 else [])
+            return [f"rank {r}: backward: x's gradient off by {(g - want).abs().max().item():.2e} — {why}: the "
+                    f"gradient of a permutation is the inverse permutation, each row's gradient sent back unchanged"]
+    return []
 
 
 def run_ep(P):
@@ -2724,6 +2835,16 @@ def judge_ep_equal(P, res, cases=("dropless", "capacity 1.0"), label=""):
                                    "or an indexed assignment): ADD a token's results (index_add)", one)
                                   for one in res[r][case]["one"]]
                               if n == "out" and res[r][case]["unweighted"] is not None else [])
+        if lines and case == cases[0] and lines[0].split(":")[0].split(", ")[-1].startswith("out ") and \
+                ("no simple pattern" in lines[0] or "right elsewhere" in lines[0]):
+            handed = _handed_line(P, res, case)
+            if handed and handed.startswith("every expert"):
+                handed = (f"{lines[0].split(':')[0]}: wrong, though {handed}: the results go wrong after the experts "
+                          f"— put them back in arrival order (undo the sort by expert) before sending them home, and "
+                          f"weight each by ITS assignment's weight (weights.flatten()[sel]) as it is added into ITS "
+                          f"token")
+            lines = ([label + handed] if handed else []) + lines
+            label = ""
         if lines:
             if case != cases[0]:   # dropless was right: which assignments an expert keeps
                 lines[0] += (" — dropless is right: with a capacity each expert keeps its FIRST C assignments in token "
@@ -2765,6 +2886,9 @@ def judge_ep_mesh(P, res):
 
 
 CHECKS["all_to_all"] = [
+    Check("the exchange alone, uneven and empty splits: forward hands rank j the rows x[sum(in_splits[:j]) : "
+          "+in_splits[j]], returned in rank order; backward sends each row's gradient back unchanged", run_a2a_exchange,
+          judge_a2a_exchange),
     Check("the expert-parallel layer equals the single-device MoE in float64: output, and the gradients of the tokens, "
           "the router and every expert, dropless and with a capacity, uneven tokens per rank", run_ep, judge_ep_equal),
     Check("all-to-all bytes: counts, dispatch (my kept rows·H·b), combine (the rows I received), and backward both "
@@ -2776,11 +2900,11 @@ _A2A_BWD = "        return _all_to_all(grad, *ctx.splits, ctx.group), None, None
 BUGS["all_to_all"] = [
     Bug("the backward's splits not swapped", "ctx.splits, ctx.group = (in_splits, out_splits), group",
         "ctx.splits, ctx.group = (out_splits, in_splits), group",
-        r"rank 0: RuntimeError: backward \(the all-to-alls' gradients\): all_to_all_single: the input has \d+ rows but "
+        r"rank 0: RuntimeError: backward( \(the all-to-alls' gradients\))?: all_to_all_single: the input has \d+ rows but "
         r"input_split_sizes .* add up to \d+"),
     Bug("the backward passes the gradient through", "return _all_to_all(grad, *ctx.splits, ctx.group), None, "
-        "None, None", "return grad, None, None, None", r"rank 0: RuntimeError: backward \(the all-to-alls' gradients\): "
-        r"Function AllToAllBackward returned an invalid gradient"),
+        "None, None", "return grad, None, None, None", r"rank \d: RuntimeError: backward( \(the all-to-alls' gradients\))?: "
+        r"backward must return x's gradient in x's shape"),
     Bug("the forward's splits swapped", "return _all_to_all(x, out_splits, in_splits, group)",
         "return _all_to_all(x, in_splits, out_splits, group)",
         r"rank 0: RuntimeError: forward: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to "
@@ -2790,10 +2914,21 @@ BUGS["all_to_all"] = [
         r"all_to_all_single over ranks \[0, 1, 2, 3\]: rank \d's (input|output)_split_sizes \[\d+, \d+\] name 2 "
         r"ranks, the group has 4", 4),
     Bug("the backward returns the gradient alone", _A2A_BWD, "        return _all_to_all(grad, *ctx.splits, ctx.group)\n",
-        r"every rank: RuntimeError: backward .*: function AllToAllBackward returned an incorrect number of gradients"),
+        r"every rank: RuntimeError: backward.*: backward returns one gradient per argument of forward"),
     Bug("the splits saved with save_for_backward", "        ctx.splits, ctx.group = (in_splits, out_splits), group\n",
         "        ctx.save_for_backward(in_splits, out_splits)\n        ctx.splits, ctx.group = (in_splits, out_splits), "
         "group\n", r"every rank: TypeError: forward: save_for_backward can only save variables"),
+]
+BUGS["all_to_all"] += [
+    Bug("the backward averages the gradient over the group", _A2A_BWD, "        return _all_to_all(grad, *ctx.splits, "
+        "ctx.group) / dist.get_world_size(ctx.group), None, None, None\n",
+        r"rank 0: backward: x's gradient off by .* 1/2× \(averaged over the 2 ranks\)"),
+    Bug("the backward returns None for x", _A2A_BWD, "        return None, None, None, None\n",
+        r"rank 0: backward gave x no gradient \(None\)"),
+    Bug("the output buffer made without the rows' dtype", "        return _all_to_all(x, out_splits, in_splits, group)\n",
+        "        out = torch.empty(sum(out_splits), x.shape[1])\n"
+        "        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)\n        return out\n",
+        r"(rank 0|every rank): ValueError: forward: the output buffer must have the rows' dtype"),
 ]
 VARIANTS["all_to_all"] = [
     Variant("torch's all_to_all_single called directly, the splits kept by name", (
@@ -2841,7 +2976,7 @@ def judge_ep_dropped(P, res):
     return []
 
 
-CHECKS["dispatch_combine"] = CHECKS["all_to_all"] + [
+CHECKS["dispatch_combine"] = CHECKS["all_to_all"][1:] + [
     Check("per rank: the assignments dropped and tokens_per_expert as the single device routes them (capacity "
           "C = ⌈T·k/E·cf⌉ per expert); the drops adding up to the single device's", run_ep, judge_ep_dropped),
 ]
@@ -2867,6 +3002,18 @@ BUGS["dispatch_combine"] = [
     Bug("ep as the world's size", "T, k, n_local, ep = x.shape[0], self.top_k, self.n_local, self.ep",
         "T, k, n_local, ep = x.shape[0], self.top_k, self.n_local, dist.get_world_size()",
         r"every rank: RuntimeError: forward: the experts split by rank do not fit: ep is the ep group's size", 4),
+]
+BUGS["dispatch_combine"] += [
+    Bug("the arrivals not grouped by expert before the experts run", "        ys = self.experts(rows[perm].split(",
+        "        ys = self.experts(rows.split(", r"rank 0 \(dropless\): expert 0 was handed tokens \[.*\] where the "
+        r"routing sends it \[.*\]: .* regroup them by expert"),
+    Bug("the results not put back in arrival order", "        y = torch.cat(ys)[torch.argsort(perm)]",
+        "        y = torch.cat(ys)", r"rank 0, out \(dropless\): wrong, though every expert was handed the right tokens' "
+        r"rows: .*undo the sort by expert"),
+    Bug("the router's weights applied to the inputs", ("rows = self.all_to_all(x[tok], recv",
+        "index_add(0, tok, back * weights.flatten()[sel, None])"), ("rows = self.all_to_all(x[tok] * "
+        "weights.flatten()[sel, None], recv", "index_add(0, tok, back)"),
+        r"rank 0 \(dropless\): expert 0 was handed \d+ row\(s\) that are no token's row"),
 ]
 _DC_SELECT = ("        order = torch.argsort(flat, stable=True)             # [T·k]\n        sorted_e = flat[order]\n"
               "        pos = torch.arange(T * k, device=x.device) - (counts.cumsum(0) - counts)[sorted_e]\n"
