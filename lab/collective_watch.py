@@ -323,7 +323,10 @@ def _differ(ranks, said) -> str:
 
 
 def _check_own_splits(rec) -> None:
-    """An all-to-all's splits must describe this rank's own tensors (checked here, before any peer is involved)."""
+    """An all-to-all's splits must describe this rank's own tensors (checked here, before any peer is involved). The
+    list form (dist.all_to_all) has no splits of its own: its tensors are the pieces."""
+    if "rows" not in rec:
+        return
     for which, i, rows in (("input", "send", rec["rows"][0]), ("output", "recv", rec["rows"][1])):
         splits = rec.get(i)
         if splits is not None and "row_bytes" in rec and sum(splits) != rows:
@@ -1386,3 +1389,9 @@ def guard_stats() -> dict:
     agreed on their own), steps settled, store round trips, seconds."""
     return dict(fast=_G["fast"], slow=_G["slow"], gates=_G["gates"], round_trips=_S["trips"],
                 seconds=_G["seconds"])
+
+
+def mark_unusable(why: str) -> None:
+    """A check that found this rank's transfers left posted and never completed (their works dropped): the group is
+    not to be reused — end_check reports it broken, and the grader starts a fresh group for the next job."""
+    _S["broken"] = why

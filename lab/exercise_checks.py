@@ -140,8 +140,9 @@ class Count:
         P, n = len(e["group"]), e["bytes"]
         if e["op"] == "all_reduce":
             return 2 * (P - 1) / P * n
-        if e["op"] == "all_to_all" and e.get("send"):
-            return float(sum(s for j, s in enumerate(e["send"]) if j != e["index"]) * e["row_bytes"])
+        if e["op"] == "all_to_all" and e.get("send"):   # (the list form's splits count elements, not rows)
+            unit = e["row_bytes"] if "row_bytes" in e else n / max(1, e["numel"])
+            return float(sum(s for j, s in enumerate(e["send"]) if j != e["index"]) * unit)
         if e["op"] in ("all_gather", "reduce_scatter", "all_to_all"):
             return (P - 1) / P * n
         return 0.0 if e["op"] == "recv" or P == 1 else float(n)
@@ -2557,7 +2558,8 @@ VARIANTS["one_f_one_b"] = [
 #   - scores in the thousands in float64 and in the hundreds in float32 (e^lse beyond either dtype): finite, exact to
 #     the dtype's rounding, and the result in the blocks' dtype.
 # Every call gets fresh copies of its inputs (a merge may update them in place), and the wrong answers a result is
-# compared with are built before the call.
+# compared with are built before the call. (Rank-less checks get the exercise's first core only — lab/grader.py's
+# pure_outcomes — which is all of merge.)
 
 def _blocks(n, seed=0, scale=1.0, B_=2, H=3, c=5, D=4, dtype=F64):
     """n blocks' (out, lse) of one query block (cast to dtype) and, in float64, the attention over all their keys."""
@@ -2578,7 +2580,20 @@ def _merge_wrong(o, l, bo, bl):
             ("the block's output alone: the running output was dropped", bo),
             ("the plain average of the two outputs: weight each by its share e^lse/(e^lse + e^lse_b)", (o + bo) / 2),
             ("each output weighted by the OTHER block's share: sigmoid's argument reversed",
-             (torch.sigmoid(bl - l)[..., None] * o + torch.sigmoid(l - bl)[..., None] * bo))]
+             (torch.sigmoid(bl - l)[..., None] * o + torch.sigmoid(l - bl)[..., None] * bo)),
+            ("the running output kept whole, the block's added with its share: out' = out + w_b·out_b — the running "
+             "output must shrink to its own share 1 − w_b = sigmoid(lse − lse_b)",
+             o + torch.sigmoid(bl - l)[..., None] * bo),
+            ("the block's share taken against the NEW lse through a sigmoid: its share is e^(lse_b − lse') = "
+             "sigmoid(lse_b − lse), a difference of the two OLD lse's",
+             o - torch.sigmoid(bl - torch.logaddexp(l, bl))[..., None] * (o - bo)),
+            ("the weighted sum not divided by the weights' sum: out' = (a·out + b·out_b)/(a + b), a = e^(lse−m), "
+             "b = e^(lse_b−m)", _unnormalised(o, l, bo, bl))]
+
+
+def _unnormalised(o, l, bo, bl):
+    m = torch.maximum(l, bl)
+    return torch.exp(l - m)[..., None] * o + torch.exp(bl - m)[..., None] * bo
 
 
 def _lse_wrong(l, bl):
@@ -2586,7 +2601,9 @@ def _lse_wrong(l, bl):
             ("the larger of the two: lse' = log(e^lse + e^lse_b), not the max", torch.maximum(l, bl)),
             ("lse + lse_b: log of a product, not of a sum", l + bl),
             ("logsigmoid's sign flipped: lse' = lse − logsigmoid(lse − lse_b)",
-             l + torch.nn.functional.logsigmoid(l - bl))]
+             l + torch.nn.functional.logsigmoid(l - bl)),
+            ("the maximum m subtracted and never added back: lse' = m + log(e^(lse−m) + e^(lse_b−m))",
+             torch.logaddexp(l, bl) - torch.maximum(l, bl))]
 
 
 MERGE_ERRORS = [(r"must match the size of tensor", "lse is [B, H, c] and out [B, H, c, D]: a weight per query row "
@@ -2608,7 +2625,13 @@ def _tol(t):
 def _judge_merge_pairs(mine, cases):
     for label, (o, l, bo, bl), (wo, wl) in cases:
         cands = {"out": _merge_wrong(o, l, bo, bl), "lse": _lse_wrong(l, bl)}   # (before the call)
-        go, gl = _merged(mine, label, o, l, bo, bl)
+        got = _merged(mine, label, o, l, bo, bl)
+        if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
+            return [f"{label}: merge returned {_kinds(got)}: return the pair (out [B, H, c, D], lse [B, H, c])"]
+        go, gl = got
+        if go.shape == wl.shape and gl.shape == wo.shape:
+            return [f"{label}: out came back {tuple(go.shape)} and lse {tuple(gl.shape)}: the two returned the other way "
+                    f"round — return (out, lse)"]
         for what, got, want in (("out", go, wo), ("lse", gl, wl)):
             if got.dtype != o.dtype:
                 return [f"{label}: {what} in {got.dtype} where the blocks are {o.dtype}: merge in the blocks' dtype "
@@ -2625,10 +2648,20 @@ def judge_merge_two(mine, ref):
                                                                               (*b, *a), whole)])
 
 
+def _kinds(got):
+    if isinstance(got, tuple):
+        return "(" + ", ".join(f"a {type(t).__name__}" if not isinstance(t, torch.Tensor) else f"a tensor "
+                               f"{tuple(t.shape)}" for t in got) + ")"
+    return f"a {type(got).__name__}"
+
+
 def judge_merge_start(mine, ref):
     (a,), _ = _blocks(1)
     got = _merged(mine, "the empty start", None, None, *a)
-    if got[0] is None or not (close(got[0], a[0]) and close(got[1], a[1])):
+    if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
+        return [f"the empty start: merge(None, None, out_b, lse_b) returned {_kinds(got)}: return the block itself, "
+                f"(out_b, lse_b) — both are needed by the next merge"]
+    if not (close(got[0], a[0]) and close(got[1], a[1])):
         return ["merge(None, None, out_b, lse_b) must return the block itself (out_b, lse_b): the empty start"]
     return []
 
@@ -2663,6 +2696,8 @@ CHECKS["merge"] = [
     Check("no overflow: scores in the thousands (float64) and hundreds (float32), e^lse beyond the dtype: finite, exact "
           "to the dtype's rounding, in the blocks' dtype", None, judge_merge_overflow),
 ]
+_MERGE_RET = ("    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
+              "block_lse)\n")
 BUGS["merge"] = [
     Bug("a sign", "return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
         "return out + torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)",
@@ -2688,6 +2723,18 @@ BUGS["merge"] = [
     Bug("the running terms cast to float64 (a float32 merge returns float64)",
         "    return out - torch.sigmoid(", "    out, lse = out.double(), lse.double()\n    return out - torch.sigmoid(",
         r"float32 scores up to .*: out in torch.float64 where the blocks are torch.float32", None),
+]
+BUGS["merge"] += [
+    Bug("the running output not rescaled", _MERGE_RET, "    w = torch.sigmoid(block_lse - lse)[..., None]\n"
+        "    return out + w * block_out, lse - F.logsigmoid(lse - block_lse)\n",
+        r"two blocks merged: out off by .* the running output kept whole, the block's added with its share", None),
+    Bug("the online softmax's maximum never added back to lse", _MERGE_RET,
+        "    m = torch.maximum(lse, block_lse)\n    a, b = torch.exp(lse - m), torch.exp(block_lse - m)\n"
+        "    return (a[..., None] * out + b[..., None] * block_out) / (a + b)[..., None], torch.log(a + b)\n",
+        r"two blocks merged: lse off by .* the maximum m subtracted and never added back", None),
+    Bug("(lse, out) returned the other way round", _MERGE_RET, "    return lse - F.logsigmoid(lse - block_lse), out - "
+        "torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)\n",
+        r"two blocks merged: out came back \(2, 3, 5\) and lse \(2, 3, 5, 4\): the two returned the other way round", None),
 ]
 VARIANTS["merge"] = [
     Variant("in place: the running out and lse updated and returned",
@@ -2757,16 +2804,43 @@ def _in_flight(log, fn):
         where["block_forward"] = block_forward
 
 
+def _skipped_steps(P, group, layout, causal, sends):
+    """A forward whose sends are exactly the passes of its steps with a pair to compute skipped the others: said as
+    the ring steps, at once (the next rank would wait for those blocks in vain)."""
+    from ring_attention import ring_schedule
+    plan = ring_schedule(P, dist.get_rank(group), layout, causal)[:-1]   # (the last step passes nothing)
+    empty = [t for t, _, pairs in plan if not pairs]
+    if empty and sends != 2 * len(plan) and sends == 2 * (len(plan) - len(empty)):
+        raise RuntimeError(f"forward ({layout}, {'causal' if causal else 'not causal'}): ring step(s) {empty} passed "
+                           f"nothing on — this rank has no pair to compute there (every key of the block in hand comes "
+                           f"after its queries), but the next rank still needs the block: pass the block in hand at "
+                           f"every step but the last, computed or not")
+
+
 def _ring_case(P, r, group, layout, causal, dtype=F64):
     from lab.ring_attention_demo import seeded_inputs
     from ring_attention import RingAttention, shard_sequence
     sh, log = RING_SHAPE, []
     q, k, v, dout = (shard_sequence(t, P, r, layout, dim=2).to(dtype).requires_grad_(i < 3) for i, t in
                      enumerate(seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)))
+    before = len(watch.unwaited())
     with Count() as c, _in_flight(log, RingAttention.forward):
         o = RingAttention.apply(q, k, v, group, layout, causal)
+    _skipped_steps(P, group, layout, causal, c.calls("send"))
+    never = watch.unwaited()
+    if len(never) > before:   # the backward's own transfers would block on them: say it now
+        watch.mark_unusable("transfers posted and never waited: the next job gets a fresh group")
+        raise RuntimeError(f"forward ({layout}, {'causal' if causal else 'not causal'}) returned with "
+                           f"{len(never) - before} transfer(s) posted and never waited ({never[-1]['what']}): take a "
+                           f"block only from the pass's wait() (nxt.wait()), which completes its transfers")
+    if o.shape != q.shape:
+        raise RuntimeError(f"forward returned out of shape {tuple(o.shape)} where q's {tuple(q.shape)} [B, H, c, D] is "
+                           f"expected: the query chunks' outputs are concatenated along the sequence (dim 2)")
     saved = [str(t.dtype) for t in o.grad_fn.saved_tensors]
-    o.backward(dout)
+    with explained((r"expected (m1 and m2|both vectors|mat1 and mat2) to have the same dtype|expected scalar type",
+                    f"saved for backward {saved}: the lesson's backward computes in the dtype of the out saved — save "
+                    f"out and lse in the work dtype (promote_types(q.dtype, float32))"), prefix="backward: "):
+        o.backward(dout)
     return dict(out=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, sends=(c.calls("send"), c.bytes("send")),
                 peers=sorted({e["group"][1] for e in c.events if e["op"] in ("send", "recv")}), log=log,
                 saved=saved, dtype=str(o.dtype))
@@ -2813,6 +2887,46 @@ def _ring_alone(P, r, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
+RING_TWISTS = {
+    "mask": "every pair computed with the causal mask (block_forward(..., causal)): only a diagonal pair needs it — "
+            "the schedule's third element says which",
+    "chunk": "query chunk i against key chunk i of the block in hand: the pair (i, j, diagonal) names key chunk j",
+    "reverse": "the blocks travel the wrong way round the ring: send to the next rank (r+1) mod cp and receive from "
+               "the previous (r−1) mod cp, so that at step t the block of rank (r−t) mod cp is in hand",
+    "own": "this rank's own k, v passed on at every step, not the block in hand: from step 1 on it always holds its "
+           "neighbour's block",
+    "v": "k travels round the ring but v does not: every step's v is still this rank's own (take both from what "
+         "arrived)",
+    "scale": "the scores scaled by √D: the scale is D^−1/2",
+}
+
+
+@functools.cache
+def _ring_twisted(P, layout, causal):
+    """{twist: [each rank's out]}: what the ring gives with one typical mistake (RING_TWISTS), simulated in one
+    process with the lesson's own schedule, block_forward and merge."""
+    from lab.ring_attention_demo import seeded_inputs
+    from ring_attention import block_forward, chunk_ids, merge, ring_schedule, shard_sequence
+    sh = RING_SHAPE
+    q, k, v, _ = seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)
+    qs_, ks_, vs_ = ([shard_sequence(t, P, r, layout, dim=2) for r in range(P)] for t in (q, k, v))
+    n, out = len(chunk_ids(layout, P, 0)), {}
+    for how in RING_TWISTS:
+        scale = sh["D"] ** (0.5 if how == "scale" else -0.5)
+        outs_r = []
+        for r in range(P):
+            qc, outs, lses = qs_[r].chunk(n, dim=2), [None] * n, [None] * n
+            for t, src, pairs in ring_schedule(P, r, layout, causal):
+                held = (r + t) % P if how == "reverse" else (r - 1) % P if how == "own" and t else src
+                kc, vc = ks_[held].chunk(n, dim=2), vs_[r if how == "v" else held].chunk(n, dim=2)
+                for i, j, diagonal in pairs:
+                    jj, d = (i if how == "chunk" else j), (causal if how == "mask" else diagonal)
+                    outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qc[i], kc[jj], vc[jj], scale, d))
+            outs_r.append(torch.cat(outs, dim=2))
+        out[how] = outs_r
+    return out
+
+
 def _judge_ring(P, res, names, cases=RING_CASES, ring=None, rank_of=None, label=""):
     """ring: the ring's size (P unless it is a group inside the world); rank_of(r): rank r's place in its ring."""
     ring, rank_of = ring or P, rank_of or (lambda r: r)
@@ -2820,9 +2934,13 @@ def _judge_ring(P, res, names, cases=RING_CASES, ring=None, rank_of=None, label=
         want = _ring_reference(ring, layout, causal)
 
         def cands(r, n):
-            if n != "out" or layout != "contiguous" or ring == 1:
+            if n != "out":
                 return []
-            return [("this rank's queries against its own keys only: the other ranks' blocks were never folded in (the "
+            twisted = _ring_twisted(ring, layout, causal)
+            mine = [(why, twisted[how][rank_of(r)]) for how, why in RING_TWISTS.items()]
+            if layout != "contiguous" or ring == 1:
+                return mine
+            return mine + [("this rank's queries against its own keys only: the other ranks' blocks were never folded in (the "
                      "ring stops short)", _ring_alone(ring, rank_of(r), causal))] + (
                 [("its own block seen without the causal mask: a query reads the keys after it (a diagonal pair needs "
                   "the mask: block_forward(..., diagonal))", _ring_alone(ring, rank_of(r), False))]
@@ -2972,15 +3090,33 @@ BUGS["ring"] = [
     Bug("the empty steps skipped (a causal rank with no pair to compute passes nothing on)",
         "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n" + _RING_NEXT,
         "for t, src, pairs in ring_schedule(cp, rank, layout, causal):\n            if not pairs:\n"
-        "                continue\n" + _RING_NEXT, r"rank 1 waits to receive .* from rank 0 .* rank 1 posts more receives "
-        r"from rank 0 than rank 0 posts sends to it — a step one of them skips", 4),
+        "                continue\n" + _RING_NEXT, r"rank 0: RuntimeError: forward \(contiguous, causal\): ring step\(s\) "
+        r"\[1, 2\] passed nothing on — this rank has no pair to compute there", 4),
     Bug("the block cast to the work dtype before it travels", _RING_NEXT,
         _RING_NEXT.replace("[kb, vb]", "[kb.to(work_dtype), vb.to(work_dtype)]"),
         r"rank 0 \(zigzag, bf16\): sends in forward .* 4-byte elements: the block travels in its own dtype"),
 ]
+_RING_END = "scale, diagonal))\n            if nxt is not None:\n                kb, vb = nxt.wait()\n        out, lse = torch.cat"
+BUGS["ring"] += [
+    Bug("v never taken from what arrived", _RING_END, _RING_END.replace("kb, vb = nxt.wait()", "kb, _ = nxt.wait()"),
+        r"rank 1, out \(contiguous, causal\): off by .* k travels round the ring but v does not"),
+    Bug("the arrived buffers taken without waiting", _RING_END, _RING_END.replace("nxt.wait()", "nxt.bufs"),
+        r"rank 0: RuntimeError: forward \(contiguous, causal\) returned with \d+ transfer\(s\) posted and never waited"),
+]
 _RING_LOOP = (_RING_NEXT + "            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)\n"
               "            for i, j, diagonal in pairs:\n                outs[i], lses[i] = merge(outs[i], lses[i], "
               + _RING_TAKE)
+BUGS["ring"].append(Bug(
+    "the ring turned the wrong way (send to the previous rank, receive from the next)", _RING_LOOP,
+    "            works = []\n            if t < cp - 1:\n                bufs = [torch.empty_like(kb), torch.empty_like(vb)]\n"
+    "                to, frm = dist.get_global_rank(group, (rank - 1) % cp), dist.get_global_rank(group, (rank + 1) % cp)\n"
+    "                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), to, group) for x in (kb, vb)]\n"
+    "                                               + [dist.P2POp(dist.irecv, b, frm, group) for b in bufs])\n"
+    "            ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)\n"
+    "            for i, j, diagonal in pairs:\n"
+    "                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n"
+    "            for w in works:\n                w.wait()\n            if works:\n                kb, vb = bufs\n",
+    r"rank 1, out \(contiguous, causal\): off by .* the blocks travel the wrong way round the ring", 4))
 VARIANTS["ring"] = [
     Variant("the transfers posted by hand (batch_isend_irecv into fresh buffers), the chunks sliced per pair",
             _RING_LOOP,
@@ -3035,6 +3171,16 @@ VARIANTS["ring"] = [
 # The run and checks serve dispatch_combine too.
 
 EP_SIZES = {1: [10], 2: [7, 12], 4: [7, 12, 5, 9]}   # tokens per rank: uneven, so the splits are too
+A2A_ERRORS = [(r"different dtypes", "the output buffer must have the rows' dtype (x.new_empty)"),
+              (r"Number of tensor splits not equal to group size", "a split list holds one number per rank of the ep "
+               "group: rows to each rank (keep_send summed over each rank's experts), rows from each rank (keep_recv "
+               "summed over my experts)"),
+              (r"AllToAllBackward returned an invalid gradient at index 0", "backward must return x's gradient in x's "
+               "shape: each row's gradient sent back to the rank the row came from (the exchange, splits swapped)"),
+              (r"returned an incorrect number of gradients", "backward returns one gradient per argument of forward: "
+               "x's, then None for out_splits, in_splits and group")]
+EP_INDEX = [(r"index -?\d+ is out of bounds for dimension 0 with size", "an index past this rank's tokens: sel indexes "
+             "assignments t·k + slot; their tokens are tok = sel // k")]
 EP_ERRORS = [(r"shape '\[\d+, \d+\]' is invalid for input of size", "the experts split by rank do not fit: ep is the "
               "ep group's size (self.ep), not the world's")]
 
@@ -3062,8 +3208,14 @@ def _ep_case(P, capacity, mesh=None):
     r = dist.get_rank()
     sl = slice(sum(sizes[:r]), sum(sizes[:r + 1]))
     x = x_all[sl].clone().requires_grad_()
+    handed, experts_of = [], layer.experts
+
+    def recorded(xs):   # what my experts are handed: rows of which tokens
+        handed.append([t.detach().clone() for t in xs])
+        return experts_of(xs)
+    layer.experts = recorded
     with Count() as c:
-        with explained(*EP_ERRORS, prefix="forward: "):
+        with explained(*EP_ERRORS, *A2A_ERRORS, *EP_INDEX, prefix="forward: "):
             out = layer(x)
         with explained(*EP_ERRORS, prefix="backward (the all-to-alls' gradients): "):
             ((out * dy[sl]).sum() * D / N + layer.aux_loss).backward()
@@ -3084,13 +3236,52 @@ def _ep_case(P, capacity, mesh=None):
             one = [torch.stack([weights[t, j] * each[j][t] for t, j in enumerate(pick.tolist())])[sl].view_as(out)
                    for pick in (experts.argmax(1), experts.argmin(1))]
     rows, kept = _expected_rows(experts, ref.capacity(N), sizes, n, P) if not inside else (None, None)
+    xs_all, want_tok = x_all.view(-1, cfg.dim), _expert_tokens(experts, ref.capacity(N))
+    got_tok = None if not handed or inside else [
+        sorted(next(iter((xs_all == row).all(1).nonzero().flatten().tolist()), -1) for row in chunk)
+        for chunk in handed[0]]
     return dict(got={k: a.detach().clone() for k, (a, _) in pairs.items()},
                 want={k: b.detach().clone() for k, (_, b) in pairs.items()}, unweighted=unweighted, one=one,
                 a2a=[(e["bytes"], c.wire(e)) for e in c.events if e["op"] == "all_to_all"],
                 a2a_groups=sorted({tuple(e["group"]) for e in c.events if e["op"] == "all_to_all"}),
                 ep=mesh.ranks("ep"), rows=rows, kept=kept, dropped=layer.dropped, ref_dropped=ref.dropped,
                 tokens_per_expert=[int(t) for t in layer.tokens_per_expert], first=lo, n_local=n,
+                handed=got_tok, handed_want=[want_tok.get(e, []) for e in range(lo, lo + n)],
                 assignments=sizes[r] * cfg.top_k)
+
+
+def _expert_tokens(experts, cap):
+    """{expert: the tokens it keeps, in token order} (each expert its first `cap` assignments)."""
+    taken = {}
+    for t, chosen in enumerate(experts.tolist()):
+        for e in chosen:
+            if cap is None or len(taken.get(e, [])) < cap:
+                taken.setdefault(e, []).append(t)
+    return taken
+
+
+def _handed_line(P, res, case):
+    """Which expert was handed the wrong tokens' rows (None: each was handed its own, or the experts were not run
+    through self.experts)."""
+    for r, x in enumerate(res):
+        y = x[case]
+        if y.get("handed") is None:
+            return None
+        for e, (got, want) in enumerate(zip(y["handed"], y["handed_want"])):
+            if got == sorted(want):
+                continue
+            head = f"rank {r} ({case}): expert {y['first'] + e} was handed "
+            if -1 in got:
+                return (head + f"{got.count(-1)} row(s) that are no token's row (scaled or mixed): dispatch the tokens' "
+                        f"rows x[tok] as they are — the router's weights apply to the experts' results, in the combine")
+            mine = sorted(t for g in y["handed"] for t in g)
+            if mine == sorted(t for w in y["handed_want"] for t in w):
+                return (head + f"tokens {got} where the routing sends it {sorted(want)}: the rows arrive grouped by "
+                        f"source rank, then by expert — regroup them by expert (a stable sort by each row's expert) "
+                        f"before the experts run")
+            return (head + f"tokens {got} where the routing sends it {sorted(want)}: the rows dispatched are not the "
+                    f"kept assignments' tokens (assignment a = t·k + slot: its token is a // k)")
+    return "every expert was handed the right tokens' rows"
 
 
 def _expected_rows(experts, cap, sizes, n_local, ep):
@@ -3104,6 +3295,61 @@ def _expected_rows(experts, cap, sizes, n_local, ep):
                 taken[e] = taken.get(e, 0) + 1
                 rows[d][e // n_local] += 1
     return rows, [taken.get(e, 0) for e in range(n_local * ep)]
+
+
+def _a2a_split(src, dst):
+    return (src + 2 * dst + 1) % 3   # rows rank src sends rank dst: uneven, some empty
+
+
+def run_a2a_exchange(P):
+    """AllToAll alone on the world: rank r's row #i for rank j reads [10·r + j, i]; forward, then backward with the
+    gradient out + 0.5, whose inverse permutation is x + 0.5 exactly."""
+    from expert_parallel import AllToAll
+    r = dist.get_rank()
+    x = torch.cat([torch.tensor([[10.0 * r + j, i] for i in range(_a2a_split(r, j))], dtype=F64).view(-1, 2)
+                   for j in range(P)]).requires_grad_()
+    want = torch.cat([torch.tensor([[10.0 * i + r, n] for n in range(_a2a_split(i, r))], dtype=F64).view(-1, 2)
+                      for i in range(P)])
+    with explained(*A2A_ERRORS, prefix="forward: "):
+        out = AllToAll.apply(x, [_a2a_split(i, r) for i in range(P)], [_a2a_split(r, j) for j in range(P)],
+                             dist.group.WORLD)
+    got = out.detach().clone()
+    if got.shape == want.shape:
+        with explained(*A2A_ERRORS, prefix="backward: "):
+            out.backward(want + 0.5)
+    return dict(x=x.detach(), out=got, want=want, grad=None if x.grad is None else x.grad.clone())
+
+
+def _a2a_row(row):
+    return f"rank {int(row[0]) // 10}'s row #{int(row[1])} for rank {int(row[0]) % 10}"
+
+
+def judge_a2a_exchange(P, res):
+    for r, x in enumerate(res):
+        got, want = x["out"], x["want"]
+        if got.shape != want.shape:
+            return [f"rank {r}: forward returned {tuple(got.shape)} where {tuple(want.shape)} is expected: "
+                    f"sum(out_splits) rows, out_splits[i] of them from rank i"]
+        bad = (got != want).any(1).nonzero().flatten().tolist()
+        if bad:
+            k = bad[0]
+            return [f"rank {r}: forward: row {k} holds {_a2a_row(got[k])} where {_a2a_row(want[k])} belongs — what "
+                    f"arrives from rank i comes before what arrives from rank i+1, rank i's rows in the order sent"]
+    for r, x in enumerate(res):
+        g, want = x["grad"], x["x"] + 0.5
+        if g is None:
+            return [f"rank {r}: backward gave x no gradient (None): return the exchanged gradient for x, then None for "
+                    f"out_splits, in_splits and group"]
+        if g.shape != want.shape:
+            return [f"rank {r}: backward returned a gradient {tuple(g.shape)} for x {tuple(want.shape)}: each row's "
+                    f"gradient goes back to the rank the row came from — the forward's exchange with the splits "
+                    f"swapped"]
+        if not close(g, want):
+            why = pattern(g, want, [(P, f"{P}× (summed over the {P} ranks)"), (1 / P, f"1/{P}× (averaged over the "
+                                                                                     f"{P} ranks)")] if P > 1 else [])
+            return [f"rank {r}: backward: x's gradient off by {(g - want).abs().max().item():.2e} — {why}: the "
+                    f"gradient of a permutation is the inverse permutation, each row's gradient sent back unchanged"]
+    return []
 
 
 def run_ep(P):
@@ -3125,6 +3371,16 @@ def judge_ep_equal(P, res, cases=("dropless", "capacity 1.0"), label=""):
                                    "or an indexed assignment): ADD a token's results (index_add)", one)
                                   for one in res[r][case]["one"]]
                               if n == "out" and res[r][case]["unweighted"] is not None else [])
+        if lines and case == cases[0] and lines[0].split(":")[0].split(", ")[-1].startswith("out ") and \
+                ("no simple pattern" in lines[0] or "right elsewhere" in lines[0]):
+            handed = _handed_line(P, res, case)
+            if handed and handed.startswith("every expert"):
+                handed = (f"{lines[0].split(':')[0]}: wrong, though {handed}: the results go wrong after the experts "
+                          f"— put them back in arrival order (undo the sort by expert) before sending them home, and "
+                          f"weight each by ITS assignment's weight (weights.flatten()[sel]) as it is added into ITS "
+                          f"token")
+            lines = ([label + handed] if handed else []) + lines
+            label = ""
         if lines:
             if case != cases[0]:   # dropless was right: which assignments an expert keeps
                 lines[0] += (" — dropless is right: with a capacity each expert keeps its FIRST C assignments in token "
@@ -3166,6 +3422,9 @@ def judge_ep_mesh(P, res):
 
 
 CHECKS["all_to_all"] = [
+    Check("the exchange alone, uneven and empty splits: forward hands rank j the rows x[sum(in_splits[:j]) : "
+          "+in_splits[j]], returned in rank order; backward sends each row's gradient back unchanged", run_a2a_exchange,
+          judge_a2a_exchange),
     Check("the expert-parallel layer equals the single-device MoE in float64: output, and the gradients of the tokens, "
           "the router and every expert, dropless and with a capacity, uneven tokens per rank", run_ep, judge_ep_equal),
     Check("all-to-all bytes: counts, dispatch (my kept rows·H·b), combine (the rows I received), and backward both "
@@ -3177,11 +3436,11 @@ _A2A_BWD = "        return _all_to_all(grad, *ctx.splits, ctx.group), None, None
 BUGS["all_to_all"] = [
     Bug("the backward's splits not swapped", "ctx.splits, ctx.group = (in_splits, out_splits), group",
         "ctx.splits, ctx.group = (out_splits, in_splits), group",
-        r"rank 0: RuntimeError: backward \(the all-to-alls' gradients\): all_to_all_single: the input has \d+ rows but "
+        r"rank 0: RuntimeError: backward( \(the all-to-alls' gradients\))?: all_to_all_single: the input has \d+ rows but "
         r"input_split_sizes .* add up to \d+"),
     Bug("the backward passes the gradient through", "return _all_to_all(grad, *ctx.splits, ctx.group), None, "
-        "None, None", "return grad, None, None, None", r"rank 0: RuntimeError: backward \(the all-to-alls' gradients\): "
-        r"Function AllToAllBackward returned an invalid gradient"),
+        "None, None", "return grad, None, None, None", r"rank \d: RuntimeError: backward( \(the all-to-alls' gradients\))?: "
+        r"backward must return x's gradient in x's shape"),
     Bug("the forward's splits swapped", "return _all_to_all(x, out_splits, in_splits, group)",
         "return _all_to_all(x, in_splits, out_splits, group)",
         r"rank 0: RuntimeError: forward: all_to_all_single: the input has \d+ rows but input_split_sizes .* add up to "
@@ -3191,10 +3450,21 @@ BUGS["all_to_all"] = [
         r"all_to_all_single over ranks \[0, 1, 2, 3\]: rank \d's (input|output)_split_sizes \[\d+, \d+\] name 2 "
         r"ranks, the group has 4", 4),
     Bug("the backward returns the gradient alone", _A2A_BWD, "        return _all_to_all(grad, *ctx.splits, ctx.group)\n",
-        r"every rank: RuntimeError: backward .*: function AllToAllBackward returned an incorrect number of gradients"),
+        r"every rank: RuntimeError: backward.*: backward returns one gradient per argument of forward"),
     Bug("the splits saved with save_for_backward", "        ctx.splits, ctx.group = (in_splits, out_splits), group\n",
         "        ctx.save_for_backward(in_splits, out_splits)\n        ctx.splits, ctx.group = (in_splits, out_splits), "
         "group\n", r"every rank: TypeError: forward: save_for_backward can only save variables"),
+]
+BUGS["all_to_all"] += [
+    Bug("the backward averages the gradient over the group", _A2A_BWD, "        return _all_to_all(grad, *ctx.splits, "
+        "ctx.group) / dist.get_world_size(ctx.group), None, None, None\n",
+        r"rank 0: backward: x's gradient off by .* 1/2× \(averaged over the 2 ranks\)"),
+    Bug("the backward returns None for x", _A2A_BWD, "        return None, None, None, None\n",
+        r"rank 0: backward gave x no gradient \(None\)"),
+    Bug("the output buffer made without the rows' dtype", "        return _all_to_all(x, out_splits, in_splits, group)\n",
+        "        out = torch.empty(sum(out_splits), x.shape[1])\n"
+        "        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)\n        return out\n",
+        r"(rank 0|every rank): ValueError: forward: the output buffer must have the rows' dtype"),
 ]
 VARIANTS["all_to_all"] = [
     Variant("torch's all_to_all_single called directly, the splits kept by name", (
@@ -3242,7 +3512,7 @@ def judge_ep_dropped(P, res):
     return []
 
 
-CHECKS["dispatch_combine"] = CHECKS["all_to_all"] + [
+CHECKS["dispatch_combine"] = CHECKS["all_to_all"][1:] + [
     Check("per rank: the assignments dropped and tokens_per_expert as the single device routes them (capacity "
           "C = ⌈T·k/E·cf⌉ per expert); the drops adding up to the single device's", run_ep, judge_ep_dropped),
 ]
@@ -3268,6 +3538,18 @@ BUGS["dispatch_combine"] = [
     Bug("ep as the world's size", "T, k, n_local, ep = x.shape[0], self.top_k, self.n_local, self.ep",
         "T, k, n_local, ep = x.shape[0], self.top_k, self.n_local, dist.get_world_size()",
         r"every rank: RuntimeError: forward: the experts split by rank do not fit: ep is the ep group's size", 4),
+]
+BUGS["dispatch_combine"] += [
+    Bug("the arrivals not grouped by expert before the experts run", "        ys = self.experts(rows[perm].split(",
+        "        ys = self.experts(rows.split(", r"rank 0 \(dropless\): expert 0 was handed tokens \[.*\] where the "
+        r"routing sends it \[.*\]: .* regroup them by expert"),
+    Bug("the results not put back in arrival order", "        y = torch.cat(ys)[torch.argsort(perm)]",
+        "        y = torch.cat(ys)", r"rank 0, out \(dropless\): wrong, though every expert was handed the right tokens' "
+        r"rows: .*undo the sort by expert"),
+    Bug("the router's weights applied to the inputs", ("rows = self.all_to_all(x[tok], recv",
+        "index_add(0, tok, back * weights.flatten()[sel, None])"), ("rows = self.all_to_all(x[tok] * "
+        "weights.flatten()[sel, None], recv", "index_add(0, tok, back)"),
+        r"rank 0 \(dropless\): expert 0 was handed \d+ row\(s\) that are no token's row"),
 ]
 _DC_SELECT = ("        order = torch.argsort(flat, stable=True)             # [T·k]\n        sorted_e = flat[order]\n"
               "        pos = torch.arange(T * k, device=x.device) - (counts.cumsum(0) - counts)[sorted_e]\n"
