@@ -147,6 +147,10 @@ def test_every_exercise_has_five_seeded_bugs_two_variants_and_the_proof_is_cheap
     assert len(exercises.EXERCISES) >= 12 and {e.lesson for e in exercises.EXERCISES} >= {
         "mesh", "ddp", "fsdp", "hsdp", "tensor_parallel", "pipeline", "ring_attention", "expert_parallel"}
     print(f"every version graded in {took:.0f} s")
+    with open(os.path.join(exercises.ROOT, "README.md")) as f:   # the README counts what is here
+        readme = " ".join(f.read().split())
+    assert f"({sum(map(len, VARIANTS.values()))} in all) pass every check" in readme
+    assert f"{sum(map(len, BUGS.values()))} seeded mistakes" in readme
 
 
 def test_hints_say_the_moves_in_words():
