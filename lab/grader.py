@@ -277,12 +277,14 @@ def _grade_job(j: int, name: str, path: str | None, P: int) -> bool:
         for k in range(len(runs)):
             _save(j, k, dict(out=None, error=err, kind="load"))
         return True
-    skip, usable = None, True
+    skip, usable, judged = None, True, {}
     with patched(ex, mine):
         for k, run in enumerate(runs):
             _progress(j, k)
             res = dict(out=None, kind="skipped", error=skip) if skip else _guarded(run, P, path)
             _save(j, k, res)
+            if path in _NOW["first"] and not skip and not res.get("dirty") and _failed_yet(j, name, k, P, judged):
+                skip = "not run: graded up to its first failing check"
             if res.get("dirty"):   # (the same on every rank: end_check's)
                 why = sorted(res["dirty"].items())[0]
                 skip, usable = (f"not run: an earlier check of this exercise left the ranks unable to go on (rank "
@@ -293,16 +295,44 @@ def _grade_job(j: int, name: str, path: str | None, P: int) -> bool:
     return usable
 
 
+def _failed_yet(j: int, name: str, k: int, P: int, judged: dict) -> bool:
+    """After run k of job j (first_failure): has a check failed that comes before every check not judged yet? Rank 0
+    judges, as the grading process will, once every rank's result is saved, and tells the others through the store;
+    judged {check index: ok} carries over from run to run."""
+    store, me, key = dist.distributed_c10d._get_default_store(), dist.get_rank(), f"course/first/{j}/{k}"
+    store.add(key + "/saved", 1)
+    if me != 0:
+        store.wait([key + "/verdict"], datetime.timedelta(seconds=600))
+        return store.get(key + "/verdict") == b"stop"
+    deadline = time.monotonic() + _NOW["check"] + 30
+    while store.add(key + "/saved", 0) < P and time.monotonic() < deadline:   # (a rank that died ends the group)
+        time.sleep(0.002)
+    runs, stop = runs_of(name, P), False
+    for i, c in enumerate(CHECKS[name]):
+        if c.run is None or P not in c.worlds:
+            continue
+        if runs.index(c.run) > k:   # a check not run yet comes first: the first failing one is not known
+            break
+        if i not in judged:
+            judged[i] = _judge(c, P, [_result(_NOW["outdir"], j, runs.index(c.run), r) for r in range(P)]).ok
+        if not judged[i]:
+            stop = True
+            break
+    store.set(key + "/verdict", "stop" if stop else "go")
+    return stop
+
+
 def rank_main(jobs, patience: float | None = None, outdir: str | None = None,
-              check_seconds: float | None = None) -> int:
+              check_seconds: float | None = None, first_failure: frozenset = frozenset()) -> int:
     """On every rank: for each (exercise name, path or None) the learner's cores in place, every run for this world
     size, each result saved in `outdir` as <job>.<run>.<rank>.pt (what the rank is at: now.<rank>; a crash's stacks:
     crash.<rank>; its stderr: stderr.<rank>). Returns how many jobs it graded: fewer than all when a check left the
-    group unusable. patience, check_seconds: PATIENCE and CHECK_SECONDS as this rank's environment says, if None."""
+    group unusable. patience, check_seconds: PATIENCE and CHECK_SECONDS as this rank's environment says, if None.
+    first_failure: the paths whose grading stops at their first failing check (the later ones "not run")."""
     me, P = dist.get_rank(), dist.get_world_size()
     patience = PATIENCE if patience is None else patience
     _NOW.update(outdir=outdir or tempfile.mkdtemp(prefix="course-grade-"), rank=me,
-                check=CHECK_SECONDS if check_seconds is None else check_seconds)
+                check=CHECK_SECONDS if check_seconds is None else check_seconds, first=first_failure)
     watch.install(patience, busy=_NOW["check"] + patience)   # a peer still computing: its check's alarm stops it
     # a wait the watch let through has every side posted: gloo may give up soon after (the groups checks build too)
     c10d, bound = dist.distributed_c10d, datetime.timedelta(seconds=patience + 5)
@@ -390,16 +420,17 @@ def _judge(check: Check, P, results) -> Outcome:
     return Outcome(P, check.title, not lines, lines)
 
 
-def evaluate(jobs: dict, timeout: float = 600, patience: float | None = None, check_seconds: float | None = None
-             ) -> dict:
+def evaluate(jobs: dict, timeout: float = 600, patience: float | None = None, check_seconds: float | None = None,
+             first_failure=()) -> dict:
     """jobs {P: [(exercise name, path or None)]} -> {(name, path, P): [Outcome per check]}: one group of P ranks per
     world size for all the jobs — a fresh one after a check that left it unusable or a rank that died (checks
     without ranks run here, once per (name, path)). patience, check_seconds: the ranks' PATIENCE and CHECK_SECONDS
-    (None: as their environment says)."""
-    out = {}
+    (None: as their environment says). first_failure: paths graded only up to their first failing check (its
+    diagnosis the same; what a seeded bug's test reads), the checks after it "not run"."""
+    out, first_failure = {}, frozenset(first_failure)
     for P, todo in sorted(jobs.items()):
         ranked = [(n, p) for n, p in todo if runs_of(n, P)]
-        results = _in_ranks(ranked, P, timeout, patience, check_seconds) if ranked else []
+        results = _in_ranks(ranked, P, timeout, patience, check_seconds, first_failure) if ranked else []
         for (name, path), per_rank in zip(ranked, results):
             runs = runs_of(name, P)
             for k, run in enumerate(runs):
@@ -420,7 +451,7 @@ def evaluate(jobs: dict, timeout: float = 600, patience: float | None = None, ch
     return out
 
 
-def _in_ranks(ranked: list, P: int, timeout: float, patience, check_seconds) -> list:
+def _in_ranks(ranked: list, P: int, timeout: float, patience, check_seconds, first_failure=frozenset()) -> list:
     """[per job: [per rank: [per run: result]]]: the jobs graded in a group of P ranks, and in a fresh group for the
     jobs after one that left it unusable or during which a rank died (that job's run then says how it died)."""
     from lab.launch import RankError, run_ranks
@@ -431,7 +462,8 @@ def _in_ranks(ranked: list, P: int, timeout: float, patience, check_seconds) -> 
             os.mkdir(outdir)
             failure = None
             try:
-                run_ranks(rank_main, P, ranked[start:], patience, outdir, check_seconds, timeout=timeout)
+                run_ranks(rank_main, P, ranked[start:], patience, outdir, check_seconds, first_failure,
+                          timeout=timeout)
             except (RankError, TimeoutError) as e:
                 failure = e
             for j, (name, _) in enumerate(ranked[start:]):

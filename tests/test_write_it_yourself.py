@@ -7,7 +7,8 @@ equivalent formula); the blank fails with "not implemented yet: exercise NAME"; 
 of learners (BUGS, beside each exercise's checks in lab/exercise_checks.py, covering the situations the exercise's
 block lists) each fail with the diagnosis the grader promises in the first line of the first failing check (a mutant
 the grader lets pass, or one it blames on something else, is a defect of the grader). All versions of all cores are
-graded in ONE spawned group of ranks per world size (lab.grader.evaluate), as the grader itself does for one version.
+graded in ONE spawned group of ranks per world size (lab.grader.evaluate), as the grader itself does for one version
+(a seeded bug and a blank only up to their first failing check, whose diagnosis is what their tests read).
 Then the command line as a learner runs it, in a copy of the repository: start (the blanked core shown before the
 lesson is read), grade the blank, a wrong attempt, a right one, compare, and the refusals.
 """
@@ -74,7 +75,9 @@ def grade_files(files: dict) -> tuple[dict, float]:
                 jobs.setdefault(P, []).append((name, path))
     pure = [(name, path) for (name, label), path in files.items() if not grader.worlds_of(name)]
     start = time.monotonic()
-    out = grader.evaluate({**jobs, 0: pure} if pure else jobs, timeout=600)
+    # a seeded bug or a blank is graded up to its first failing check, whose first line is what its test reads
+    first = {path for (name, label), path in files.items() if label == "blank" or label in {b.label for b in BUGS[name]}}
+    out = grader.evaluate({**jobs, 0: pure} if pure else jobs, timeout=600, first_failure=first)
     took = time.monotonic() - start
     by_label = {}
     for (name, label), path in files.items():
