@@ -3178,7 +3178,10 @@ A2A_ERRORS = [(r"different dtypes", "the output buffer must have the rows' dtype
               (r"AllToAllBackward returned an invalid gradient at index 0", "backward must return x's gradient in x's "
                "shape: each row's gradient sent back to the rank the row came from (the exchange, splits swapped)"),
               (r"returned an incorrect number of gradients", "backward returns one gradient per argument of forward: "
-               "x's, then None for out_splits, in_splits and group")]
+               "x's, then None for out_splits, in_splits and group"),
+              (r"ProcessGroupGloo::alltoall: invalid tensor size", "gloo's list form of all_to_all takes pieces of one "
+               "size only, and the splits here are uneven (some empty): exchange the rows with all_to_all_single and "
+               "the split sizes, as NCCL and gloo both run it")]
 EP_INDEX = [(r"index -?\d+ is out of bounds for dimension 0 with size", "an index past this rank's tokens: sel indexes "
              "assignments t·k + slot; their tokens are tok = sel // k")]
 EP_ERRORS = [(r"shape '\[\d+, \d+\]' is invalid for input of size", "the experts split by rank do not fit: ep is the "
@@ -3247,6 +3250,7 @@ def _ep_case(P, capacity, mesh=None):
                 ep=mesh.ranks("ep"), rows=rows, kept=kept, dropped=layer.dropped, ref_dropped=ref.dropped,
                 tokens_per_expert=[int(t) for t in layer.tokens_per_expert], first=lo, n_local=n,
                 handed=got_tok, handed_want=[want_tok.get(e, []) for e in range(lo, lo + n)],
+                routed=[_expert_tokens(experts, None).get(e, []) for e in range(lo, lo + n)], cap=ref.capacity(N),
                 assignments=sizes[r] * cfg.top_k)
 
 
@@ -3267,18 +3271,31 @@ def _handed_line(P, res, case):
         y = x[case]
         if y.get("handed") is None:
             return None
+        if len(y["handed"]) != len(y["handed_want"]):
+            return (f"rank {r} ({case}): self.experts was handed {len(y['handed'])} group(s) of rows for this rank's "
+                    f"{len(y['handed_want'])} experts: split the rows, sorted by expert, into one group per MY expert "
+                    f"(sizes: what each of my experts received from all ranks, keep_recv summed over the ranks)")
         for e, (got, want) in enumerate(zip(y["handed"], y["handed_want"])):
             if got == sorted(want):
                 continue
             head = f"rank {r} ({case}): expert {y['first'] + e} was handed "
+            routed = y.get("routed", [[]] * len(y["handed"]))[e]
+            if len(got) != len(want) and -1 not in got:
+                return (head + f"{len(got)} rows where the routing sends it {len(want)} (tokens {got}, expected "
+                        f"{sorted(want)}): split the rows, sorted by expert, by what each of MY experts received "
+                        f"from all ranks (keep_recv summed over the ranks: [E/ep])")
+            if y.get("cap") is not None and len(got) == len(want) and set(got) <= set(routed):
+                return (head + f"tokens {got} where with capacity C = {y['cap']} it keeps {sorted(want)}, the FIRST "
+                        f"C of the tokens routed to it ({routed}): keep each expert's first C assignments in token "
+                        f"order, rank by rank (pos < keep_send[e] in a stable sort by expert), and drop the rest")
             if -1 in got:
                 return (head + f"{got.count(-1)} row(s) that are no token's row (scaled or mixed): dispatch the tokens' "
                         f"rows x[tok] as they are — the router's weights apply to the experts' results, in the combine")
             mine = sorted(t for g in y["handed"] for t in g)
             if mine == sorted(t for w in y["handed_want"] for t in w):
                 return (head + f"tokens {got} where the routing sends it {sorted(want)}: the rows arrive grouped by "
-                        f"source rank, then by expert — regroup them by expert (a stable sort by each row's expert) "
-                        f"before the experts run")
+                        f"source rank, then by expert — regroup them by expert (a stable sort by each row's expert: "
+                        f"from source rank s, my expert e's keep_recv[s, e] rows) before the experts run")
             return (head + f"tokens {got} where the routing sends it {sorted(want)}: the rows dispatched are not the "
                     f"kept assignments' tokens (assignment a = t·k + slot: its token is a // k)")
     return "every expert was handed the right tokens' rows"
@@ -3315,9 +3332,32 @@ def run_a2a_exchange(P):
                              dist.group.WORLD)
     got = out.detach().clone()
     if got.shape == want.shape:
-        with explained(*A2A_ERRORS, prefix="backward: "):
+        with explained(*A2A_ERRORS, prefix="backward: "), _a2a_backward_said():
             out.backward(want + 0.5)
-    return dict(x=x.detach(), out=got, want=want, grad=None if x.grad is None else x.grad.clone())
+    # even splits, two rows to every rank: in_splits == out_splits on every rank, yet every row still moves
+    even = torch.tensor([[10.0 * r + j, i] for j in range(P) for i in range(2)], dtype=F64)
+    with explained(*A2A_ERRORS, prefix="forward, even splits: "):
+        out_even = AllToAll.apply(even.clone(), [2] * P, [2] * P, dist.group.WORLD)
+    return dict(x=x.detach(), out=got, want=want, grad=None if x.grad is None else x.grad.clone(), even=even,
+                out_even=out_even.detach().clone(),
+                want_even=torch.tensor([[10.0 * i + r, n] for i in range(P) for n in range(2)], dtype=F64))
+
+
+@contextlib.contextmanager
+def _a2a_backward_said():
+    """A backward whose gradient goes through another collective (an all-reduce: ranks hold different numbers of
+    rows, the watch finds the sizes differ): said as its cause, not as the watch's generic mismatch."""
+    try:
+        yield
+    except watch.CollectiveMismatch as e:
+        ops = set(re.findall(r"rank \d+: (\w+)", str(e)))
+        other = sorted(op for op in ops if not op.startswith("all_to_all"))
+        if not other:
+            raise
+        raise watch.CollectiveMismatch(
+            f"backward: an {other[0]} of the gradient in AllToAll's backward — the gradient of a permutation is the "
+            f"inverse permutation: each row's gradient goes back unchanged to the rank the row came from (the same "
+            f"exchange, splits swapped), nothing summed, averaged or gathered ({str(e)[:200]})") from None
 
 
 def _a2a_row(row):
@@ -3335,6 +3375,17 @@ def judge_a2a_exchange(P, res):
             k = bad[0]
             return [f"rank {r}: forward: row {k} holds {_a2a_row(got[k])} where {_a2a_row(want[k])} belongs — what "
                     f"arrives from rank i comes before what arrives from rank i+1, rank i's rows in the order sent"]
+    for r, x in enumerate(res):
+        got, want = x["out_even"], x["want_even"]
+        if P > 1 and got.shape == x["even"].shape and torch.equal(got, x["even"]):
+            return [f"rank {r}: forward with even splits (in_splits == out_splits == {[2] * P}) returned this rank's "
+                    f"own rows unchanged: equal splits say how many rows move, not that none do — row block i of the "
+                    f"result comes from rank i"]
+        if got.shape != want.shape or not torch.equal(got, want):
+            k = next(iter((got != want).any(1).nonzero().flatten().tolist()), 0) if got.shape == want.shape else None
+            return [f"rank {r}: forward with even splits ({[2] * P}): " + (
+                f"returned {tuple(got.shape)} where {tuple(want.shape)} is expected" if k is None else
+                f"row {k} holds {_a2a_row(got[k])} where {_a2a_row(want[k])} belongs")]
     for r, x in enumerate(res):
         g, want = x["grad"], x["x"] + 0.5
         if g is None:
@@ -3381,8 +3432,12 @@ def judge_ep_equal(P, res, cases=("dropless", "capacity 1.0"), label=""):
                           f"token")
             lines = ([label + handed] if handed else []) + lines
             label = ""
+        if lines and case != cases[0]:   # dropless was right: which tokens an expert kept, if it kept the wrong ones
+            handed = _handed_line(P, res, case)
+            if handed and not handed.startswith("every expert"):
+                lines = [handed] + lines
         if lines:
-            if case != cases[0]:   # dropless was right: which assignments an expert keeps
+            if case != cases[0] and " was handed " not in lines[0]:   # dropless was right
                 lines[0] += (" — dropless is right: with a capacity each expert keeps its FIRST C assignments in token "
                              "order, rank by rank (a stable sort by expert keeps that order)")
             return [label + lines[0]] + lines[1:] + ["(expected: the single-device MoE of lab/model.py on all the ranks' "
