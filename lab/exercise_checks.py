@@ -1907,8 +1907,12 @@ def judge_tp_formula(P, res):
             got = (x["fwd"].get(op, {}).get("calls", 0) + x["bwd"].get(op, {}).get("calls", 0),
                    x["fwd"].get(op, {}).get("bytes", 0) + x["bwd"].get(op, {}).get("bytes", 0))
             if got != (calls, nbytes):
+                why = (" — as many as Megatron's, of other sizes: f and g move [B, S, H] activations — f enters "
+                       "BEFORE the column-parallel matmul (on its input x), g exits AFTER the row-parallel matmul (on "
+                       "its output); one on a [B, S, F/t] slice sits on the wrong side of a matmul"
+                       if got[0] == calls else "")
                 return [f"rank {r}: {op} per step: expected {calls} calls, {nbytes:,} bytes (4L + 2 of B·S·H·b), "
-                        f"measured {got[0]} calls, {got[1]:,} bytes"]
+                        f"measured {got[0]} calls, {got[1]:,} bytes{why}"]
     return []
 
 
@@ -2196,6 +2200,12 @@ BUGS["pair"] = [
     Bug("the row-parallel matmul made in float64 (bf16 upcast)", _ROW, "        return exit_tp(self.linear(x.double(), "
         "self.weight.double()), self.group, self.sp)\n", r"rank 0, bfloat16: the pair's output in float64 from bfloat16"),
 ]
+BUGS["pair"].append(Bug(
+    "f applied to the column-parallel linear's output, not its input", (_COL,), (
+        "        y = self.linear(x, self.weight)\n        if self.input_op is not None:\n"
+        "            y = enter_tp(y, self.group, sp=self.input_op == \"gather\")\n        return y\n",),
+    r"rank 0: all_reduce per step: .* measured 13 calls, .* — as many as Megatron's, of other sizes: .* f enters BEFORE "
+    r"the column-parallel matmul"))
 VARIANTS["pair"] = [
     Variant("each input_op its own branch; the partial product named", (_COL, _ROW), (
             "        if self.input_op == \"copy\":\n            x = enter_tp(x, self.group, False)\n"
@@ -2588,7 +2598,10 @@ def _merge_wrong(o, l, bo, bl):
              "sigmoid(lse_b − lse), a difference of the two OLD lse's",
              o - torch.sigmoid(bl - torch.logaddexp(l, bl))[..., None] * (o - bo)),
             ("the weighted sum not divided by the weights' sum: out' = (a·out + b·out_b)/(a + b), a = e^(lse−m), "
-             "b = e^(lse_b−m)", _unnormalised(o, l, bo, bl))]
+             "b = e^(lse_b−m)", _unnormalised(o, l, bo, bl)),
+            ("the two shares normalised over the query rows (softmax's dim), not over the two blocks: each row's two "
+             "shares must add up to 1 — a softmax over the stacked pair along its new dim 0",
+             torch.softmax(l, -1)[..., None] * o + torch.softmax(bl, -1)[..., None] * bo)]
 
 
 def _unnormalised(o, l, bo, bl):
@@ -2603,13 +2616,17 @@ def _lse_wrong(l, bl):
             ("logsigmoid's sign flipped: lse' = lse − logsigmoid(lse − lse_b)",
              l + torch.nn.functional.logsigmoid(l - bl)),
             ("the maximum m subtracted and never added back: lse' = m + log(e^(lse−m) + e^(lse_b−m))",
-             torch.logaddexp(l, bl) - torch.maximum(l, bl))]
+             torch.logaddexp(l, bl) - torch.maximum(l, bl)),
+            ("logsigmoid's argument reversed: lse' = lse − logsigmoid(lse − lse_b), the running lse first (or, "
+             "symmetric, lse_b − logsigmoid(lse_b − lse))", l - torch.nn.functional.logsigmoid(bl - l))]
 
 
 MERGE_ERRORS = [(r"must match the size of tensor", "lse is [B, H, c] and out [B, H, c, D]: a weight per query row "
                  "needs [..., None] to broadcast over D"),
                 (r"NoneType", "out and lse are None (merge(None, None, out_b, lse_b)): return the block itself, (out_b, "
-                 "lse_b)")]
+                 "lse_b)"),
+                (r"Boolean value of Tensor with more than one value is ambiguous", "`if not out` asks a tensor for one "
+                 "truth value: test the empty start with `out is None`")]
 
 
 def _merged(mine, label, *args):
@@ -2736,6 +2753,13 @@ BUGS["merge"] += [
         "torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)\n",
         r"two blocks merged: out came back \(2, 3, 5\) and lse \(2, 3, 5, 4\): the two returned the other way round", None),
 ]
+BUGS["merge"] += [
+    Bug("logsigmoid's argument reversed in lse", "lse - F.logsigmoid(lse - block_lse)",
+        "lse - F.logsigmoid(block_lse - lse)", r"two blocks merged: lse off by .* logsigmoid's argument reversed", None),
+    Bug("the empty start tested by truth value", "    if out is None:\n        return block_out, block_lse\n    return out -",
+        "    if not out:\n        return block_out, block_lse\n    return out -",
+        r"RuntimeError: two blocks merged: `if not out` asks a tensor for one truth value", None),
+]
 VARIANTS["merge"] = [
     Variant("in place: the running out and lse updated and returned",
             "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), lse - F.logsigmoid(lse - "
@@ -2817,6 +2841,17 @@ def _skipped_steps(P, group, layout, causal, sends):
                            f"every step but the last, computed or not")
 
 
+RING_ERRORS = [(r"expected Tensor as element \d+ in argument 0, but got NoneType", "a query chunk's (out, lse) is still "
+                "None after the ring: no pair ever computed it — take the pairs from ring_schedule(cp, rank, layout, "
+                "causal) with this call's layout and rank, and fold every pair into its query chunk i"),
+               (r"unsupported operand type\(s\) for .*'NoneType'", "merge(out, lse, block_out, block_lse) takes the "
+                "running (out, lse) first, the block's second: called the other way, the empty start (None) arrives as "
+                "the block", "merge"),
+               (r"expected (m1 and m2|both vectors|mat1 and mat2) to have the same dtype|expected scalar type", "q in "
+                "the work dtype met a block's k or v in its own dtype: cast what arrives to the work dtype before "
+                "block_forward (kb.to(work_dtype)) — the block travels in its own dtype, is computed in the work dtype")]
+
+
 def _ring_case(P, r, group, layout, causal, dtype=F64):
     from lab.ring_attention_demo import seeded_inputs
     from ring_attention import RingAttention, shard_sequence
@@ -2824,8 +2859,15 @@ def _ring_case(P, r, group, layout, causal, dtype=F64):
     q, k, v, dout = (shard_sequence(t, P, r, layout, dim=2).to(dtype).requires_grad_(i < 3) for i, t in
                      enumerate(seeded_inputs(sh["B"], sh["S"], sh["H"], sh["Hkv"], sh["D"], F64, 0)))
     before = len(watch.unwaited())
-    with Count() as c, _in_flight(log, RingAttention.forward):
-        o = RingAttention.apply(q, k, v, group, layout, causal)
+    try:
+        with Count() as c, _in_flight(log, RingAttention.forward), explained(
+                *RING_ERRORS, prefix=f"forward ({layout}, {'causal' if causal else 'not causal'}): "):
+            o = RingAttention.apply(q, k, v, group, layout, causal)
+    except Exception:
+        if len(watch.unwaited()) > before:   # a pass posted, then the error: its peer's transfers would block the next
+            watch.mark_unusable("a forward raised with transfers posted and never waited: the next job gets a fresh "
+                                "group")
+        raise
     _skipped_steps(P, group, layout, causal, c.calls("send"))
     never = watch.unwaited()
     if len(never) > before:   # the backward's own transfers would block on them: say it now
@@ -3117,6 +3159,17 @@ BUGS["ring"].append(Bug(
     "                outs[i], lses[i] = merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, diagonal))\n"
     "            for w in works:\n                w.wait()\n            if works:\n                kb, vb = bufs\n",
     r"rank 1, out \(contiguous, causal\): off by .* the blocks travel the wrong way round the ring", 4))
+BUGS["ring"] += [
+    Bug("merge called with the block first", "merge(outs[i], lses[i], *block_forward(qs[i], ks[j], vs[j], scale, "
+        "diagonal))", "merge(*block_forward(qs[i], ks[j], vs[j], scale, diagonal), outs[i], lses[i])",
+        r"(rank 0|every rank): TypeError: forward \(contiguous, causal\): merge\(out, lse, block_out, block_lse\) takes "
+        r"the running \(out, lse\) first"),
+    Bug("the arrived block not cast to the work dtype (bf16 against float32)", _RING_LOOP,
+        _RING_LOOP.replace("ks, vs = kb.to(work_dtype).chunk(n, dim=2), vb.to(work_dtype).chunk(n, dim=2)",
+                           "ks, vs = kb.chunk(n, dim=2), vb.chunk(n, dim=2)"),
+        r"(rank 0|every rank): RuntimeError: forward \(zigzag, causal\): q in the work dtype met a block's k or v in its "
+        r"own dtype"),
+]
 VARIANTS["ring"] = [
     Variant("the transfers posted by hand (batch_isend_irecv into fresh buffers), the chunks sliced per pair",
             _RING_LOOP,
@@ -3178,7 +3231,10 @@ A2A_ERRORS = [(r"different dtypes", "the output buffer must have the rows' dtype
               (r"AllToAllBackward returned an invalid gradient at index 0", "backward must return x's gradient in x's "
                "shape: each row's gradient sent back to the rank the row came from (the exchange, splits swapped)"),
               (r"returned an incorrect number of gradients", "backward returns one gradient per argument of forward: "
-               "x's, then None for out_splits, in_splits and group")]
+               "x's, then None for out_splits, in_splits and group"),
+              (r"ProcessGroupGloo::alltoall: invalid tensor size", "gloo's list form of all_to_all takes pieces of one "
+               "size only, and the splits here are uneven (some empty): exchange the rows with all_to_all_single and "
+               "the split sizes, as NCCL and gloo both run it")]
 EP_INDEX = [(r"index -?\d+ is out of bounds for dimension 0 with size", "an index past this rank's tokens: sel indexes "
              "assignments t·k + slot; their tokens are tok = sel // k")]
 EP_ERRORS = [(r"shape '\[\d+, \d+\]' is invalid for input of size", "the experts split by rank do not fit: ep is the "
@@ -3247,6 +3303,7 @@ def _ep_case(P, capacity, mesh=None):
                 ep=mesh.ranks("ep"), rows=rows, kept=kept, dropped=layer.dropped, ref_dropped=ref.dropped,
                 tokens_per_expert=[int(t) for t in layer.tokens_per_expert], first=lo, n_local=n,
                 handed=got_tok, handed_want=[want_tok.get(e, []) for e in range(lo, lo + n)],
+                routed=[_expert_tokens(experts, None).get(e, []) for e in range(lo, lo + n)], cap=ref.capacity(N),
                 assignments=sizes[r] * cfg.top_k)
 
 
@@ -3267,18 +3324,31 @@ def _handed_line(P, res, case):
         y = x[case]
         if y.get("handed") is None:
             return None
+        if len(y["handed"]) != len(y["handed_want"]):
+            return (f"rank {r} ({case}): self.experts was handed {len(y['handed'])} group(s) of rows for this rank's "
+                    f"{len(y['handed_want'])} experts: split the rows, sorted by expert, into one group per MY expert "
+                    f"(sizes: what each of my experts received from all ranks, keep_recv summed over the ranks)")
         for e, (got, want) in enumerate(zip(y["handed"], y["handed_want"])):
             if got == sorted(want):
                 continue
             head = f"rank {r} ({case}): expert {y['first'] + e} was handed "
+            routed = y.get("routed", [[]] * len(y["handed"]))[e]
+            if len(got) != len(want) and -1 not in got:
+                return (head + f"{len(got)} rows where the routing sends it {len(want)} (tokens {got}, expected "
+                        f"{sorted(want)}): split the rows, sorted by expert, by what each of MY experts received "
+                        f"from all ranks (keep_recv summed over the ranks: [E/ep])")
+            if y.get("cap") is not None and len(got) == len(want) and set(got) <= set(routed):
+                return (head + f"tokens {got} where with capacity C = {y['cap']} it keeps {sorted(want)}, the FIRST "
+                        f"C of the tokens routed to it ({routed}): keep each expert's first C assignments in token "
+                        f"order, rank by rank (pos < keep_send[e] in a stable sort by expert), and drop the rest")
             if -1 in got:
                 return (head + f"{got.count(-1)} row(s) that are no token's row (scaled or mixed): dispatch the tokens' "
                         f"rows x[tok] as they are — the router's weights apply to the experts' results, in the combine")
             mine = sorted(t for g in y["handed"] for t in g)
             if mine == sorted(t for w in y["handed_want"] for t in w):
                 return (head + f"tokens {got} where the routing sends it {sorted(want)}: the rows arrive grouped by "
-                        f"source rank, then by expert — regroup them by expert (a stable sort by each row's expert) "
-                        f"before the experts run")
+                        f"source rank, then by expert — regroup them by expert (a stable sort by each row's expert: "
+                        f"from source rank s, my expert e's keep_recv[s, e] rows) before the experts run")
             return (head + f"tokens {got} where the routing sends it {sorted(want)}: the rows dispatched are not the "
                     f"kept assignments' tokens (assignment a = t·k + slot: its token is a // k)")
     return "every expert was handed the right tokens' rows"
@@ -3315,9 +3385,32 @@ def run_a2a_exchange(P):
                              dist.group.WORLD)
     got = out.detach().clone()
     if got.shape == want.shape:
-        with explained(*A2A_ERRORS, prefix="backward: "):
+        with explained(*A2A_ERRORS, prefix="backward: "), _a2a_backward_said():
             out.backward(want + 0.5)
-    return dict(x=x.detach(), out=got, want=want, grad=None if x.grad is None else x.grad.clone())
+    # even splits, two rows to every rank: in_splits == out_splits on every rank, yet every row still moves
+    even = torch.tensor([[10.0 * r + j, i] for j in range(P) for i in range(2)], dtype=F64)
+    with explained(*A2A_ERRORS, prefix="forward, even splits: "):
+        out_even = AllToAll.apply(even.clone(), [2] * P, [2] * P, dist.group.WORLD)
+    return dict(x=x.detach(), out=got, want=want, grad=None if x.grad is None else x.grad.clone(), even=even,
+                out_even=out_even.detach().clone(),
+                want_even=torch.tensor([[10.0 * i + r, n] for i in range(P) for n in range(2)], dtype=F64))
+
+
+@contextlib.contextmanager
+def _a2a_backward_said():
+    """A backward whose gradient goes through another collective (an all-reduce: ranks hold different numbers of
+    rows, the watch finds the sizes differ): said as its cause, not as the watch's generic mismatch."""
+    try:
+        yield
+    except watch.CollectiveMismatch as e:
+        ops = set(re.findall(r"rank \d+: (\w+)", str(e)))
+        other = sorted(op for op in ops if not op.startswith("all_to_all"))
+        if not other:
+            raise
+        raise watch.CollectiveMismatch(
+            f"backward: an {other[0]} of the gradient in AllToAll's backward — the gradient of a permutation is the "
+            f"inverse permutation: each row's gradient goes back unchanged to the rank the row came from (the same "
+            f"exchange, splits swapped), nothing summed, averaged or gathered ({str(e)[:200]})") from None
 
 
 def _a2a_row(row):
@@ -3335,6 +3428,17 @@ def judge_a2a_exchange(P, res):
             k = bad[0]
             return [f"rank {r}: forward: row {k} holds {_a2a_row(got[k])} where {_a2a_row(want[k])} belongs — what "
                     f"arrives from rank i comes before what arrives from rank i+1, rank i's rows in the order sent"]
+    for r, x in enumerate(res):
+        got, want = x["out_even"], x["want_even"]
+        if P > 1 and got.shape == x["even"].shape and torch.equal(got, x["even"]):
+            return [f"rank {r}: forward with even splits (in_splits == out_splits == {[2] * P}) returned this rank's "
+                    f"own rows unchanged: equal splits say how many rows move, not that none do — row block i of the "
+                    f"result comes from rank i"]
+        if got.shape != want.shape or not torch.equal(got, want):
+            k = next(iter((got != want).any(1).nonzero().flatten().tolist()), 0) if got.shape == want.shape else None
+            return [f"rank {r}: forward with even splits ({[2] * P}): " + (
+                f"returned {tuple(got.shape)} where {tuple(want.shape)} is expected" if k is None else
+                f"row {k} holds {_a2a_row(got[k])} where {_a2a_row(want[k])} belongs")]
     for r, x in enumerate(res):
         g, want = x["grad"], x["x"] + 0.5
         if g is None:
@@ -3381,8 +3485,16 @@ def judge_ep_equal(P, res, cases=("dropless", "capacity 1.0"), label=""):
                           f"token")
             lines = ([label + handed] if handed else []) + lines
             label = ""
+        elif lines and case == cases[0] and "no simple pattern" in lines[0]:   # out right by luck, a gradient not:
+            handed = _handed_line(P, res, case)                                 # an expert handed the wrong rows?
+            if handed and not handed.startswith("every expert"):
+                lines, label = [label + handed] + lines, ""
+        if lines and case != cases[0]:   # dropless was right: which tokens an expert kept, if it kept the wrong ones
+            handed = _handed_line(P, res, case)
+            if handed and not handed.startswith("every expert"):
+                lines = [handed] + lines
         if lines:
-            if case != cases[0]:   # dropless was right: which assignments an expert keeps
+            if case != cases[0] and " was handed " not in lines[0]:   # dropless was right
                 lines[0] += (" — dropless is right: with a capacity each expert keeps its FIRST C assignments in token "
                              "order, rank by rank (a stable sort by expert keeps that order)")
             return [label + lines[0]] + lines[1:] + ["(expected: the single-device MoE of lab/model.py on all the ranks' "
@@ -3466,6 +3578,17 @@ BUGS["all_to_all"] += [
         "        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)\n        return out\n",
         r"(rank 0|every rank): ValueError: forward: the output buffer must have the rows' dtype"),
 ]
+BUGS["all_to_all"] += [
+    Bug("the backward all-reduces the exchanged gradient", _A2A_BWD, "        g = _all_to_all(grad, *ctx.splits, "
+        "ctx.group)\n        dist.all_reduce(g, group=ctx.group)\n        return g, None, None, None\n",
+        r"collectives do not match: backward: an all_reduce of the gradient in AllToAll's backward — the gradient of a "
+        r"permutation is the inverse permutation"),
+    Bug("nothing moved when the splits agree", "        return _all_to_all(x, out_splits, in_splits, group)\n",
+        "        if list(out_splits) == list(in_splits):\n            return x\n"
+        "        return _all_to_all(x, out_splits, in_splits, group)\n",
+        r"rank 0: forward with even splits \(in_splits == out_splits == \[2, 2\]\) returned this rank's own rows "
+        r"unchanged"),
+]
 VARIANTS["all_to_all"] = [
     Variant("torch's all_to_all_single called directly, the splits kept by name", (
             "        ctx.splits, ctx.group = (in_splits, out_splits), group\n"
@@ -3527,8 +3650,8 @@ BUGS["dispatch_combine"] = [
         "torch.zeros_like(x).index_copy(0, tok, ", r"rank 0, out \(dropless\): off by .* each token's result from one "
         r"of its k experts alone, the other overwritten"),
     Bug("an unstable sort by expert", "order = torch.argsort(flat, stable=True)", "order = torch.argsort(flat)",
-        r"\(capacity 1.0\): off by .* dropless is right: with a capacity each expert keeps its FIRST C assignments in "
-        r"token order"),
+        r"\(capacity 1.0\): expert \d was handed tokens \[.*\] where with capacity C = \d+ it keeps .* the FIRST C .* "
+        r"in a stable sort by expert"),
     Bug("tokens_per_expert: what this rank sends, not what its experts received",
         "self.tokens_per_expert, self.dropped = aux, keep_recv.sum(0), T * k - len(sel)",
         "self.tokens_per_expert, self.dropped = aux, keep_send, T * k - len(sel)",
@@ -3557,6 +3680,16 @@ _DC_SELECT = ("        order = torch.argsort(flat, stable=True)             # [T
 _DC_EXPERTS = ("        perm = torch.argsort(row_expert, stable=True)        # expert-major: one matmul per expert\n"
                "        ys = self.experts(rows[perm].split(keep_recv.sum(0).tolist()))\n"
                "        y = torch.cat(ys)[torch.argsort(perm)]               # back to arrival order [N_recv, H]\n")
+BUGS["dispatch_combine"] += [
+    Bug("each expert keeps its LAST C assignments", "        sel = order[pos < keep_send[sorted_e]] ",
+        "        sel = order[pos >= counts[sorted_e] - keep_send[sorted_e]] ",
+        r"rank \d \(capacity 1.0\): expert \d was handed tokens \[.*\] where with capacity C = \d+ it keeps \[.*\], "
+        r"the FIRST C"),
+    Bug("the experts' rows split by rank, not by expert", "ys = self.experts(rows[perm].split(keep_recv.sum(0).tolist()))",
+        "ys = self.experts(rows[perm].split(keep_recv.sum(1).tolist()))",
+        r"rank \d \(dropless\): (expert \d was handed \d+ rows where the routing sends it \d+|self.experts was handed \d+ "
+        r"group)"),
+]
 VARIANTS["dispatch_combine"] = [
     Variant("each expert's first keep_send[e] assignments by nonzero, in expert order; the drops counted from the "
             "counts", (_DC_SELECT, "T * k - len(sel)"), (
