@@ -148,6 +148,7 @@ def _wrap(name, orig):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
+        _check_arguments(name, a)
         t0 = time.perf_counter()
         try:
             rec = _collective(name, a)
@@ -1395,3 +1396,12 @@ def mark_unusable(why: str) -> None:
     """A check that found this rank's transfers left posted and never completed (their works dropped): the group is
     not to be reused — end_check reports it broken, and the grader starts a fresh group for the next job."""
     _S["broken"] = why
+
+
+def _check_arguments(name, a) -> None:
+    """A call whose arguments sit in the wrong places, said before any peer is involved: a process group handed over
+    where torch expects the reduction (dist.all_reduce(t, group) — the second positional argument is `op`)."""
+    if "op" in a and isinstance(a["op"], dist.ProcessGroup):
+        raise TypeError(f"dist.{name}(tensor, group): a process group passed where dist.{name} takes the reduction "
+                        f"`op` (its second positional argument) — pass the group by name: dist.{name}(tensor, "
+                        f"group=group)")

@@ -278,6 +278,9 @@ def _rows_diagnoses(got, want, grid, names, along, ref) -> list[str]:
     """What a wrong list of groups is, most specific first: (key, description) of every description that fits."""
     others = tuple(n for n in names if n not in along)
     size = math.prod(grid.shape[names.index(n)] for n in along)
+    if got is None:
+        return [("type", "None: the function returned nothing — a missing `return` (build the groups, then return "
+                         "them)")]
     if not isinstance(got, list) or not all(isinstance(g, list) for g in got):
         return [("type", f"a {type(got).__name__}, not a list of lists of ranks (.tolist() at the end)")]
     if not all(type(r) is int for g in got for r in g):
@@ -313,6 +316,8 @@ ROWS_ERRORS = [(r"does not match the length of the desired ordering|repeated dim
                 "axis exactly once: the other axes (the names NOT in `along`), then the `along` axes"),
                (r"view size is not compatible", "a permuted grid is not contiguous: read it with .reshape(-1, size), "
                 "not .view"),
+               (r'can only concatenate list \(not "tuple"\) to list', "`along` (and `names`) are tuples: make one a "
+                "list before adding them (others + list(along))"),
                (r"shape '\[.*\]' is invalid for input of size", "rows that do not divide the grid: a group's size is the "
                 "product of the sizes of the `along` axes (not how many axes there are)")]
 
@@ -393,6 +398,10 @@ BUGS["rows"] = [
         "return grid.permute([names.index(n) for n in others + list(along)]).reshape(-1, size).tolist()",
         "return grid.movedim(names.index(along[0]), -1).reshape(-1, size).tolist()",
         r"grid \[.*\] along .* only the first `along` axis moved last", None),
+    Bug("a list plus the `along` tuple", "for n in others + list(along)]", "for n in others + along]",
+        r"grid \[one rank\] along \['pp'\]: .*`along` \(and `names`\) are tuples: make one a list", None),
+    Bug("the groups built but not returned", "    return grid.permute(", "    groups = grid.permute(",
+        r"None: the function returned nothing — a missing `return`", None),
 ]
 VARIANTS["rows"] = [
     Variant("movedim: the `along` axes to the end",
@@ -426,6 +435,17 @@ VARIANTS["rows"] = [
 #   - divide_by=3 with parameters of every kind on 2 and 4 ranks: a gradient on every rank, none on rank 0, none
 #     anywhere (zeros), a frozen one (None stays None), every gradient in its parameter's dtype.
 
+AVG_ERRORS = [(r"Tensors must have same number of dimensions|Sizes of tensors must match", "torch.cat joins tensors along "
+               "their first dimension: flatten each gradient first (g.reshape(-1)) to make one flat buffer"),
+              (r"unsupported operand type\(s\) for .*'NoneType'|NoneType' object cannot be interpreted",
+               "divide_by is None unless the caller gives it: divide by the group's size then (divide_by or "
+               "dist.get_world_size(group))"),
+              (r"\bMesh\b", "`group` may be a Mesh (its dp group is meant) or None (the world): turn it into a process "
+               "group first, group = resolve_group(group, \"dp\")")]
+RAN_WHY = ("this rank's own gradient, not averaged: the all-reduce ran, but its result never reached p.grad — "
+           "torch.cat makes a copy: copy each part of the summed buffer back into its gradient")
+
+
 def _dp_train(P, seed=0, group=None, dp_rank=None, dp_size=None):
     """The tiny float64 model on this rank's rows, average_gradients after backward, 2 SGD steps."""
     from ddp import average_gradients
@@ -438,7 +458,7 @@ def _dp_train(P, seed=0, group=None, dp_rank=None, dp_size=None):
         model(*_batch(s, seed=seed, rank=r, size=n)).backward()
         if s == 0:
             out["local"] = _grads(model)
-        with Count() as c:
+        with Count() as c, explained(*AVG_ERRORS):
             average_gradients(model.parameters(), group)
         if s == 0:
             out.update(grads=_grads(model), calls=c.calls("all_reduce"), bytes=c.bytes("all_reduce"),
@@ -469,8 +489,10 @@ def run_dp_groups(P):
     return out
 
 
-def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients", sizes=None, extra=None):
-    """sizes: the group's size on each rank (when it is not the world); extra(r, name): more candidates."""
+def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradients", sizes=None, extra=None,
+                   ran_why=None):
+    """sizes: the group's size on each rank (when it is not the world); extra(r, name): more candidates; ran_why:
+    what an unaveraged gradient means when the all-reduce did run."""
     lines = []
     seed_of = (lambda r: 0) if seeds is None else seeds
     n = len(res) if sizes is None else sizes[0]
@@ -480,12 +502,14 @@ def judge_dp_equal(P, res, seeds=None, groups_note="", when="after average_gradi
         world = lambda nm: (f"the average over ALL {P} ranks, not over this rank's group: all-reduce over the "  # noqa: E731
                             f"group you are given", sum(g[seed_of(r)][nm] for r in range(len(res))) / len(res))
     scales = ([(n / P, f"{n}/{P} of the expected: divided by the world's size {P}, not the group's {n} "
-                f"(dist.get_world_size(group))")] if n != P else []) + data_scales(n)
+                f"(dist.get_world_size(group))")] if n != P else []) + data_scales(n) + (
+        [(n * n, f"{n * n}× the expected ({n}² = P²): multiplied by P where the sum must be divided by it — divide_by "
+                 f"is what the sum is divided BY (the group's size), not 1/P")] if n > 1 else [])
 
     def own(r):
         return ("this rank's own gradient, not averaged: no all-reduce was made (is `params` an iterator, "
                 "model.parameters(), read a second time? make it a list first)" if res[r]["calls"] == 0 else
-                "this rank's own gradient, not averaged: no all-reduce reached it")
+                ran_why or "this rank's own gradient, not averaged: no all-reduce reached it")
     def from_start(r, nm):   # every gradient copied back from the start of the flat buffer: the offset not advanced
         g = one_process(seed_of(r))[1][0]
         flat = torch.cat([t.reshape(-1) for t in g.values()])
@@ -525,7 +549,7 @@ def judge_dp_groups(P, res):
                 return [f"{label}, rank {r}: the all-reduce ran over ranks {[list(g) for g in x['groups']]}, expected "
                         f"only over its dp group {x['dp']} (resolve_group(group, 'dp'): the dp group of a Mesh)"]
         lines = judge_dp_equal(P, per, seeds=lambda r: per[r]["seed"], groups_note=" of its own group's data",
-                               sizes=[len(x["dp"]) for x in per])
+                               sizes=[len(x["dp"]) for x in per], ran_why=RAN_WHY)
         if lines:
             return [f"{label}, {lines[0]}"] + lines[1:]
     return []
@@ -541,8 +565,8 @@ def run_dp_divide(P):
     ps[0].grad = torch.full((3, 2), r + 1.0, dtype=F64)
     ps[1].grad = None if r == 0 else torch.full((4,), 2.0 * (r + 1), dtype=F64)
     ps[2].grad = torch.full((5,), float(r), dtype=F64)
-    with explained((r"assign a gradient with dtype", "a gradient of another dtype than its parameter's: make the "
-                    "zeros with torch.zeros_like(p) (its dtype and device)"),
+    with explained(*AVG_ERRORS, (r"assign a gradient with dtype", "a gradient of another dtype than its parameter's: "
+                                 "make the zeros with torch.zeros_like(p) (its dtype and device)"),
                    (r"'NoneType' object has no attribute", "a parameter without a gradient on this rank (p1 has none on "
                     "rank 0, p3 none anywhere): give it zeros, p.grad = torch.zeros_like(p), on every rank")):
         average_gradients(iter(ps), None, divide_by=3)   # an iterator, as model.parameters() is: read it once
@@ -569,14 +593,20 @@ def judge_dp_divide(P, res):
     want = {"p0": torch.full((3, 2), sum(r + 1.0 for r in range(P)) / 3, dtype=F64),
             "p1": torch.full((4,), sum(2.0 * (r + 1) for r in range(1, P)) / 3, dtype=F64),
             "p2": torch.full((5,), sum(float(r) for r in range(P)) / 3, dtype=F64), "p3": torch.zeros(2, dtype=F64)}
-    return compare_named(P, [dict(g={k: v for k, v in x["g"].items() if k in want}) for x in res], "g",
-                         lambda r, n: want[n], what=" (sum ÷ divide_by = 3; p1 has no gradient on rank 0, p3 none "
-                         "anywhere)", scales=[(3 / P, f"the sum ÷ {P} (the group's size): divide_by=3 was ignored")])
+    def compare(names):
+        return compare_named(P, [dict(g={k: v for k, v in x["g"].items() if k in names}) for x in res], "g",
+                             lambda r, n: want[n], what=" (sum ÷ divide_by = 3; p1 has no gradient on rank 0, p3 none "
+                             "anywhere)", scales=[(3 / P, f"the sum ÷ {P} (the group's size): divide_by=3 was ignored")])
+    lines = compare(want)
+    if lines and not compare(("p0", "p2")):   # only the parameters some rank had no gradient for
+        return [f"{lines[0]} — the gradients every rank had are right: what a rank sends for a missing gradient must "
+                f"be zeros, torch.zeros_like(p) (torch.empty_like holds whatever the memory held)"] + lines[1:]
+    return lines
 
 
 CHECKS["average"] = [
     Check("equal to one process in float64: every gradient after average_gradients, and the parameters after 2 SGD "
-          "steps, on every rank", run_dp, judge_dp_equal),
+          "steps, on every rank", run_dp, functools.partial(judge_dp_equal, ran_why=RAN_WHY)),
     Check("one all-reduce of Ψ·b bytes per step (Ψ gradient elements, b = 8 bytes): g = (1/P)·Σ_r g_r in one call",
           run_dp, judge_dp_formula),
     Check("over the group it is given, inside a larger mesh: Mesh(dp_replicate=2, cp=2)'s dp groups [0, 2] and [1, 3] "
@@ -635,6 +665,17 @@ BUGS["average"] = [
         "    params = [p for p in params if p.requires_grad]\n    all_reduce_flat([p.grad if p.grad is not None else "
         "torch.zeros_like(p) for p in params], group, divide_by or dist.get_world_size(group))\n",
         r"rank 0, p1 \(no gradient on rank 0\): still None after average_gradients"),
+    Bug("the group passed positionally, where all_reduce takes the reduction", _FLAT,
+        "flat = torch.cat([p.grad.reshape(-1) for p in params])\n    dist.all_reduce(flat, group)\n"
+        "    flat /= divide_by or dist.get_world_size(group)\n    for p, part in zip(params, flat.split([p.numel() for "
+        "p in params])):\n        p.grad.copy_(part.view_as(p))",
+        r"TypeError: dist.all_reduce\(tensor, group\): a process group passed where dist.all_reduce takes the "
+        r"reduction `op`"),
+    Bug("the gradients concatenated without flattening", _FLAT,
+        "flat = torch.cat([p.grad for p in params])\n    dist.all_reduce(flat, group=group)\n"
+        "    flat /= divide_by or dist.get_world_size(group)\n    for p, part in zip(params, flat.split([p.numel() for "
+        "p in params])):\n        p.grad.copy_(part.view_as(p))",
+        r"torch.cat joins tensors along their first dimension: flatten each gradient first"),
 ]
 VARIANTS["average"] = [
     Variant("the flat buffer written out: cat, all_reduce, divide, copy back", "    " + _FLAT + "\n",
@@ -692,15 +733,18 @@ class _Tracked:
 
 
 @contextlib.contextmanager
-def _tracked_all_reduces(log, inputs=None):
+def _tracked_all_reduces(log, inputs=None, on_launch=None):
     """Every all-reduce issued inside backward appends [its _Tracked work, or None if it returned none (synchronous)]
-    to log; inputs: each float64 one's (tensor, a copy of its values at the launch)."""
+    to log; inputs: each float64 one's (tensor, a copy of its values at the launch); on_launch(tensor): called on each
+    float64 one as it is launched."""
     inner = dist.all_reduce
 
     def all_reduce(*args, **kwargs):
         t = args[0] if args else kwargs["tensor"]
         if inputs is not None and t.dtype == F64:
             inputs.append((t, t.detach().clone()))
+        if on_launch is not None and t.dtype == F64:
+            on_launch(t)
         work = inner(*args, **kwargs)
         if torch._C._current_graph_task_id() != -1 and (args[0] if args else kwargs["tensor"]).dtype == F64:
             log.append(None if work is None else _Tracked(work))
@@ -711,6 +755,59 @@ def _tracked_all_reduces(log, inputs=None):
         yield
     finally:
         dist.all_reduce = inner
+
+
+BUCKET_ERRORS = [(r"list index out of range", "self._next ran past the last bucket: take self.buckets[self._next] "
+                  "BEFORE advancing self._next (and stop at len(self.buckets))", "_launch_in_order"),
+                 (r"'bool' object has no attribute 'wait'", "bucket.work holds what .wait() returned (True), not the "
+                  "work: keep the work that dist.all_reduce(..., async_op=True) returns in bucket.work, unwaited — "
+                  "_finish_backward waits for it at backward's end")]
+
+
+def _launch_record(ddp):
+    """(list, on_launch): on_launch(t) appends, for each float64 all-reduce, (the bucket whose whole flat buffer t is,
+    or None; how many of its gradients were ready; of how many; the bucket t is a part of, or None)."""
+    launched = []
+
+    def on_launch(t):
+        b = next((b for b, bk in enumerate(ddp.buckets) if bk.flat.data_ptr() == t.data_ptr()
+                  and bk.flat.numel() == t.numel()), None)
+        part = next((b for b, bk in enumerate(ddp.buckets) if bk.flat.numel() and bk.flat.data_ptr() <= t.data_ptr()
+                     < bk.flat.data_ptr() + bk.flat.numel() * bk.flat.element_size()), None)
+        ready = list(ddp.buckets[b].ready) if b is not None else []
+        launched.append((b, sum(ready), len(ready), part))
+    return launched, on_launch
+
+
+def _bucket_launches(ddp, launched, flats) -> str:
+    """What is wrong with the buckets launched during one backward ('' if nothing): a flat buffer replaced, an
+    all-reduce of something else than a whole flat buffer, another order than bucket order, a bucket not full."""
+    nb = len(ddp.buckets)
+    for b, bk in enumerate(ddp.buckets):
+        if flats[b] != bk.flat.data_ptr():
+            return (f"bucket {b}'s flat buffer was replaced by a new tensor (bucket.flat = ...): its views — the "
+                    f"gradients — still point into the old one, which no all-reduce touches; change it in place "
+                    f"(bucket.flat.div_(...))")
+    other = next((x for x in launched if x[0] is None), None)
+    if other is not None:
+        return ((f"an all-reduce of a part of bucket {other[3]}'s flat buffer: all-reduce the whole bucket.flat, one "
+                 f"call per bucket") if other[3] is not None else
+                ("an all-reduce of a tensor that is no bucket's flat buffer (a copy, or a new tensor): all-reduce "
+                 "bucket.flat itself, in place — its views are the gradients"))
+    got = [b for b, *_ in launched]
+    if got != list(range(nb)):
+        twice = sorted({b for b in got if got.count(b) > 1})
+        never = [b for b in range(nb) if b not in got]
+        what = "; ".join(w for w in (f"bucket(s) {never} never launched" if never else "",
+                                     f"bucket(s) {twice} launched more than once" if twice else "") if w)
+        return (f"the buckets' all-reduces launched in the order {got}, expected each once, in bucket order "
+                f"{list(range(nb))}" + (f" — {what}" if what else "") + ": launch self.buckets[self._next], then "
+                f"advance self._next by one")
+    for b, k, n, _ in launched:
+        if k < n:
+            return (f"bucket {b} launched when {k} of its {n} gradients had arrived — launch a bucket only once ALL "
+                    f"its gradients are ready (all(bucket.ready))")
+    return ""
 
 
 def _bucket_train(P, seed=0, mesh=None):
@@ -745,9 +842,15 @@ def _bucket_train(P, seed=0, mesh=None):
         watch.set_probe(probe)
         loss = ddp(*_batch(s, seed=seed, rank=dp_rank, size=dp_size))
         inputs = []
-        with Count() as c, _tracked_all_reduces(works, inputs):
+        launched, on_launch = _launch_record(ddp)
+        flats = [bk.flat.data_ptr() for bk in ddp.buckets]
+        with Count() as c, _tracked_all_reduces(works, inputs, on_launch), explained(*BUCKET_ERRORS):
             loss.backward()
         watch.set_probe(None)
+        wrong = _bucket_launches(ddp, launched, flats) if s == 0 and dist.get_world_size(ddp.buckets[0].group) > 1 \
+            else ""
+        if wrong:
+            raise RuntimeError(f"during backward: {wrong}")
         if s == 0:
             # the buckets whose all-reduce was launched on the undivided gradients (a division after the launch
             # races with the collective in flight)
@@ -1123,6 +1226,20 @@ BUGS["bucket"] = [
         "            bucket.flat.div_(bucket.divide_by)\n",
         r"rank 0: bucket 0's all-reduce was launched on the undivided gradients, and they were divided while it was in "
         r"flight"),
+    Bug("self._next advanced before the bucket is taken (off by one)", _LOOP + (
+        "            bucket.flat.div_(bucket.divide_by)  # divide first: the sum is then the average\n"
+        "            if dist.get_world_size(bucket.group) > 1:\n                " + _ASYNC + "\n"
+        "            self._next += 1\n"),
+        "        while self._next < len(self.buckets) and all(self.buckets[self._next].ready):\n"
+        "            self._next += 1\n            bucket = self.buckets[min(self._next, len(self.buckets) - 1)]\n"
+        "            bucket.flat.div_(bucket.divide_by)\n            if dist.get_world_size(bucket.group) > 1:\n"
+        "                " + _ASYNC + "\n",
+        r"every rank: RuntimeError: during backward: the buckets' all-reduces launched in the order \[1, 2, 2\], "
+        r"expected each once, in bucket order \[0, 1, 2\] — bucket\(s\) \[0\] never launched; bucket\(s\) \[2\] "
+        r"launched more than once"),
+    Bug("the bucket divided out of place (bucket.flat rebound)", "bucket.flat.div_(bucket.divide_by)",
+        "bucket.flat = bucket.flat / bucket.divide_by",
+        r"every rank: RuntimeError: during backward: bucket 0's flat buffer was replaced by a new tensor"),
 ]
 VARIANTS["bucket"] = [
     Variant("recursive: launch the next bucket, then try the one after", _LOOP + (
@@ -1569,8 +1686,12 @@ class _ReplicaExtra(torch.nn.Module):
 def run_hsdp(P):
     import hsdp
     mesh = _mesh(dp_replicate=2, dp_shard=P // 2)
-    out = dict(rep=mesh.ranks("dp_replicate"), shard=mesh.ranks("dp_shard"), S=P // 2,
-               returned=callable(hsdp.across_replicas(mesh.group("dp_replicate"))))
+    with explained((r"ProcessGroup' object (has no attribute|is not subscriptable)|unsupported operand.*ProcessGroup",
+                    "the function was called on the group: across_replicas returns the function itself (return "
+                    "all_reduce_across, without calling it) — the seam calls it on each shard", "across_replicas"),
+                   prefix="across_replicas(replicate_group): "):
+        returned = callable(hsdp.across_replicas(mesh.group("dp_replicate")))
+    out = dict(rep=mesh.ranks("dp_replicate"), shard=mesh.ranks("dp_shard"), S=P // 2, returned=returned)
     for stage in (3, 2):
         model = _ReplicaExtra(uses=mesh.coords["dp_replicate"] == 0)
         opt = hsdp.shard_hybrid(model, mesh, stage=stage, optimizer_cls=SGD, lr=LR)
@@ -1720,6 +1841,10 @@ BUGS["across_replicas"] = [
     Bug("the sum made in float32, copied back", _ACROSS, "        x = t.float() if t.is_floating_point() else t\n"
         "        dist.all_reduce(x, group=replicate_group)\n        t.copy_(x)\n", r"rank 0: all-reduce bytes .* — the "
         r"shards crossed in float32, not their own float64"),
+    Bug("the function called on the group, not returned", "    return all_reduce_across\n",
+        "    return all_reduce_across(replicate_group)\n",
+        r"across_replicas\(replicate_group\): the function was called on the group: across_replicas returns the "
+        r"function itself"),
 ]
 VARIANTS["across_replicas"] = [
     Variant("a class whose instances are called", (
