@@ -1160,6 +1160,9 @@ VARIANTS["bucket"] = [
 #     its own data, with a frozen parameter: equal to one process on that group's data (the same frozen);
 #   - per rank and step: stage 2 one reduce-scatter and one all-gather of 8Ψ per unit, no all-reduce; stage 3 the
 #     reduce-scatter alone (no all-gather into a freed buffer). The training run serves gather_when_used too.
+# A first step that changes nothing is named by the step's own facts (gradients cleared before f.pack read them, the
+# optimizer stepped before the reduce-scatter, the old values gathered instead of f.shard), and a stage-3 gather whose
+# own slice is not f.shard at the gather itself.
 
 def _units(model):
     return [("tok_embeddings", model.tok_embeddings)] + [(f"layers.{i}", m) for i, m in enumerate(model.layers)] + \
@@ -1252,14 +1255,21 @@ def _watch_gathered(units, flats, gathered):
     def after(i, *_):
         if i == 1 or torch.is_grad_enabled():   # (not an evaluation's forward)
             gathered[i] = max(gathered[i], sum(f.buf.untyped_storage().size() > 0 for f in flats))
-    def fresh(f, *_):   # right after the gather: this rank's own slice of buf must be f.shard, what it keeps
-        if f.buf.untyped_storage().size() > 0:
+    mark = [0]
+
+    def before(*_):     # (prepended: runs before gather_when_used's own pre-hooks)
+        mark[0] = len(watch.events)
+
+    def fresh(f, *_):   # right after a gather: this rank's own slice of buf must be f.shard, what it keeps
+        if f.buf.untyped_storage().size() > 0 and any(e["op"] == "all_gather" for e in watch.events[mark[0]:]):
             n = f.shard_numel
             if not torch.equal(f.buf[f.rank * n:(f.rank + 1) * n], f.shard.detach()):
                 raise RuntimeError("a unit gathered does not hold f.shard in its own slice: the all-gather must send "
                                    "f.shard (my slice, kept while buf is freed), not buf's own slice, whose bytes were "
                                    "released with buf and are gone")
     for (_, m), f in zip(units, flats):
+        m.register_forward_pre_hook(before, prepend=True)
+        m.register_full_backward_pre_hook(before, prepend=True)
         m.register_forward_pre_hook(functools.partial(fresh, f))
         m.register_full_backward_pre_hook(functools.partial(fresh, f))
     for _, m in units:
@@ -1444,6 +1454,14 @@ BUGS["zero_step"] = [
         "f.shard.grad = f.reduce_scatter(", r"f.reduce_scatter returns \(my slice, its work\): unpack it", 1),
     Bug("the gradients packed in float32", "f.reduce_scatter(f.pack(f.shard.dtype))", "f.reduce_scatter(f.pack(torch.float32))",
         r"a gradient of another dtype than the shard's: pack in f.shard.dtype", 1),
+    Bug("buf's own (old) slice gathered after the step, not f.shard", "            f.all_gather()\n",
+        "            n = f.shard_numel\n            all_gather_single(f.buf, f.buf[f.rank * n:(f.rank + 1) * n].clone(), "
+        "group=f.group)\n", r"step 1: no slice changed — f.shard moved, but the all-gather after the step filled the flat "
+        r"buffer with the OLD values", 1),
+    Bug("the optimizer stepped before the reduce-scatter", ("    optimizer.step()\n    for f in flats:\n        if",
+        "    for f in flats:\n        f.shard.grad, _"), ("    for f in flats:\n        if",
+        "    optimizer.step()\n    for f in flats:\n        f.shard.grad, _"), r"step 1: no slice changed — the optimizer did "
+        r"not move f.shard: it stepped before f.shard.grad was set", 1),
 ]
 VARIANTS["zero_step"] = [
     Variant("every reduce-scatter launched, then every one waited for; the gathers likewise", (
@@ -1466,6 +1484,13 @@ VARIANTS["zero_step"] = [
         "        f.shard.grad = out\n        for p in f.params:\n            p.grad = None\n    optimizer.step()\n"
         "    for f in flats:\n        if f.buf.untyped_storage().size() > 0:\n"
         "            all_gather_single(f.buf, f.shard.detach(), group=f.group)\n"),
+    Variant("reduce_scatter_tensor and all_gather_into_tensor from dist; the slices' gradients cleared after the step", (
+        "        f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))\n", "    optimizer.step()\n", _ZERO_GATHER), (
+        "        mine = torch.empty(f.shard_numel, dtype=f.shard.dtype)\n        dist.reduce_scatter_tensor(mine, "
+        "f.pack(f.shard.dtype), op=dist.ReduceOp.SUM, group=f.group)\n        f.shard.grad = mine\n",
+        "    optimizer.step()\n    optimizer.zero_grad(set_to_none=True)\n",
+        "        if f.buf.untyped_storage().size() > 0:\n            dist.all_gather_into_tensor(f.buf, f.shard.data, "
+        "group=f.group)\n")),
 ]
 
 
@@ -1545,6 +1570,10 @@ BUGS["gather_when_used"] = [
         r"flat.buf has no elements: it was replaced by an empty tensor", 1),
     Bug("the old register_backward_hook", "    module.register_full_backward_hook(free)\n",
         "    module.register_backward_hook(free)\n", r"register_backward_hook is the old module hook", 1),
+    Bug("buf's own slice gathered into the fresh bytes, not f.shard", "        flat.unshard()\n",
+        "        flat.buf.untyped_storage().resize_(flat.flat_numel * flat.buf.element_size())\n        n = "
+        "flat.shard_numel\n        all_gather_single(flat.buf, flat.buf[flat.rank * n:(flat.rank + 1) * n].clone(), "
+        "group=flat.group)\n", r"RuntimeError: a unit gathered does not hold f.shard in its own slice", 1),
 ]
 VARIANTS["gather_when_used"] = [
     Variant("one loop over (register, action) pairs, lambdas that return None", "    def gather(*_):\n"
@@ -2161,6 +2190,11 @@ BUGS["f_and_g"] = [
     Bug("bf16 summed in float32 and left there", _AR, "    y = x.float() if x.dtype == torch.bfloat16 else "
         "x.clone(memory_format=torch.contiguous_format)\n    dist.all_reduce(y, group=group)\n    return y\n",
         r"rank 0, bfloat16: g's forward .* returned float32 from bfloat16 .* return x's own dtype"),
+    Bug("the group passed positionally, where the op goes", _AR, "    x = x.clone()\n    dist.all_reduce(x, group)\n"
+        "    return x\n", r"TypeError: dist.all_reduce\(x, group\) hands the group over as the op"),
+    Bug("a reduce to one rank, not an all-reduce", _AR, "    x = x.clone()\n    dist.reduce(x, dst=dist.get_global_rank("
+        "group, 0), group=group)\n    return x\n", r"rank 0: a reduce in tensor parallel, where f and g all-reduce: a "
+        r"reduce leaves the sum on its destination rank alone"),
 ]
 VARIANTS["f_and_g"] = [
     Variant("the identity as a lambda; the sum into a new contiguous tensor", (
@@ -2287,7 +2321,8 @@ VARIANTS["pair"] = [
 # A received activation that does not require grad (its gradient could never go back, or detached after it was
 # received), a transfer to a rank that is not the neighbour, a forward beyond the m micro-batches (a warm-up longer
 # than m), a return with micro-batches never backpropagated (no cool-down), micro-batches cut along the sequence and
-# a backward without the received gradient are named where they happen.
+# a backward without the received gradient are named where they happen; so are a gradient sent on to pipe.next or an
+# activation back to pipe.prev, a receive beyond the m micro-batches, and a return with fewer than m sends to a neighbour.
 
 PIPE_MS = {1: (2,), 2: (1, 4), 4: (2, 4)}
 
@@ -2598,6 +2633,12 @@ BUGS["one_f_one_b"] = [
         r"2\), m = 1: returned with micro-batch\(es\) \[0\] forwarded but never backpropagated — the cool-down"),
     Bug("every stage's output scaled by 1/m", "outputs.append(out / m if stage.is_last else out)",
         "outputs.append(out / m)", r"rank 0, .*: off by .* 1/4 of the expected \(1/m\): scaled by 1/m twice"),
+    Bug("the gradient sent to the next stage", "inp = p2p(backward(grad), pipe.prev, pipe.prev if more else None)",
+        "inp = p2p(backward(grad), pipe.next, pipe.prev if more else None)", r"rank 1 \(stage 1 of 2\), m = 1: returned "
+        r"having sent 0 of 1 gradients back to pipe.prev \(rank 0\)"),
+    Bug("a receive too many after the last micro-batch", "pipe.prev, pipe.prev if more else None)", "pipe.prev, pipe.prev)",
+        r"rank 1 \(stage 1\) posts receive #2 from pipe.prev \(rank 0\) in a step of m = 1 micro-batches: .* a receive too "
+        r"many"),
 ]
 VARIANTS["one_f_one_b"] = [
     Variant("warm-up min(p − r, m) − 1, one loop around it; a send and its receive posted in two batches", (
