@@ -23,6 +23,7 @@ watch is installed.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -1276,6 +1277,9 @@ VARIANTS["bucket"] = [
 #     its own data, with a frozen parameter: equal to one process on that group's data (the same frozen);
 #   - per rank and step: stage 2 one reduce-scatter and one all-gather of 8Ψ per unit, no all-reduce; stage 3 the
 #     reduce-scatter alone (no all-gather into a freed buffer). The training run serves gather_when_used too.
+# A first step that changes nothing is named by the step's own facts (gradients cleared before f.pack read them, the
+# optimizer stepped before the reduce-scatter, the old values gathered instead of f.shard), and a stage-3 gather whose
+# own slice is not f.shard at the gather itself.
 
 def _units(model):
     return [("tok_embeddings", model.tok_embeddings)] + [(f"layers.{i}", m) for i, m in enumerate(model.layers)] + \
@@ -1335,10 +1339,14 @@ def _zero_train(P, stage, mesh=None):
                 model(*batch(s)).backward()
             if s == 0:
                 out["peak_forward"], out["peak_backward"] = gathered
+            before = [f.shard.detach().clone() for f in flats]
             with Count() as step, explained(*ZERO_ERRORS):
                 zero_step(flats, opt)
         if s == 0:
+            grads = [f.shard.grad for f in flats if f.shard.grad is not None]
             out.update(comm=step.summary(), comm_all=c.summary(),
+                       shard_moved=any(not torch.equal(b, f.shard.detach()) for b, f in zip(before, flats)),
+                       grads_zero=bool(grads) and all(not g.any() for g in grads),
                        full_grads=sum(p.grad.numel() for f in flats for p in f.params if p.grad is not None),
                        shard_grads=sum(f.shard.grad.numel() for f in flats if f.shard.grad is not None),
                        at_rest=sum(f.buf.untyped_storage().nbytes() for f in flats))
@@ -1364,6 +1372,23 @@ def _watch_gathered(units, flats, gathered):
     def after(i, *_):
         if i == 1 or torch.is_grad_enabled():   # (not an evaluation's forward)
             gathered[i] = max(gathered[i], sum(f.buf.untyped_storage().size() > 0 for f in flats))
+    mark = [0]
+
+    def before(*_):     # (prepended: runs before gather_when_used's own pre-hooks)
+        mark[0] = len(watch.events)
+
+    def fresh(f, *_):   # right after a gather: this rank's own slice of buf must be f.shard, what it keeps
+        if f.buf.untyped_storage().size() > 0 and any(e["op"] == "all_gather" for e in watch.events[mark[0]:]):
+            n = f.shard_numel
+            if not torch.equal(f.buf[f.rank * n:(f.rank + 1) * n], f.shard.detach()):
+                raise RuntimeError("a unit gathered does not hold f.shard in its own slice: the all-gather must send "
+                                   "f.shard (my slice, kept while buf is freed), not buf's own slice, whose bytes were "
+                                   "released with buf and are gone")
+    for (_, m), f in zip(units, flats):
+        m.register_forward_pre_hook(before, prepend=True)
+        m.register_full_backward_pre_hook(before, prepend=True)
+        m.register_forward_pre_hook(functools.partial(fresh, f))
+        m.register_full_backward_pre_hook(functools.partial(fresh, f))
     for _, m in units:
         m.register_forward_pre_hook(functools.partial(after, 0))
         m.register_forward_hook(functools.partial(after, 0))
@@ -1415,6 +1440,14 @@ def judge_zero_equal(P, res):
                                                for j in range(G))]
             u = (whole or failing)[0]
             got, w, b0 = x["flats"][s][u], want[u], before[u]
+            if s == 0 and close(got, b0):
+                stale = _zero_stale(x)
+                if stale:
+                    return [f"rank {r}, unit {u} ({x['labels'][u]}), step 1: no slice changed — {stale}"]
+            if x["G"] > 1 and any(close(got, b0 / x["G"] + k * (w - b0)) for k in (1, x["G"])):
+                return [f"rank {r}, unit {u} ({x['labels'][u]}), step {s + 1}: every parameter divided by "
+                        f"P = {x['G']} besides its update: the division belongs to the gradient (f.shard.grad), "
+                        f"not to the parameters (f.shard)"]
             if close(got, (b0 - w) / LR):
                 return [f"rank {r}, unit {u} ({x['labels'][u]}), step {s + 1}: the flat buffer holds the averaged "
                         f"GRADIENT, not the new parameters — all-gather f.shard (the slice the optimizer stepped), "
@@ -1428,6 +1461,20 @@ def judge_zero_equal(P, res):
                     f"{(got - w).abs().max().item():.2e} — {slice_pattern(got, w, b0, n_[u], G, r % G, scales)}"] + (
                 [f"{len(failing)} of {len(want)} units differ on rank {r}"] if len(failing) > 1 else [])
     return []
+
+
+def _zero_stale(x):
+    """Why nothing changed in the first step though the run got that far: the step's own facts (run_zero*)."""
+    if x.get("grads_zero"):
+        return ("the reduced gradient f.shard.grad is all zeros: the parameters' gradients were cleared (p.grad = "
+                "None) before f.pack read them — pack and reduce first, then clear")
+    if not x.get("shard_moved", True):
+        return ("the optimizer did not move f.shard: it stepped before f.shard.grad was set (reduce-scatter every "
+                "unit first, then optimizer.step())")
+    if x["stage"] == 2 and x["comm"].get("all_gather", {}).get("calls"):
+        return ("f.shard moved, but the all-gather after the step filled the flat buffer with the OLD values: it "
+                "gathered something other than f.shard (the slice the optimizer stepped), e.g. buf's own slice")
+    return ""
 
 
 def judge_zero_bytes(P, res):
@@ -1459,10 +1506,10 @@ def judge_zero_bytes(P, res):
 def judge_zero_memory(P, res):
     for r, x in enumerate(res):
         n = sum(x["n"])
-        if x["full_grads"] or x["shard_grads"] != n:
+        if x["full_grads"] or x["shard_grads"] not in (0, n):   # (0: the slices' gradients cleared after the step)
             return [f"rank {r}, stage {x['stage']}: after the step, gradients held: whole parameters "
                     f"{x['full_grads']:,} elements (expected 0: set p.grad = None), slices {x['shard_grads']:,} "
-                    f"(expected Ψ/P = {n:,})"]
+                    f"(expected Ψ/P = {n:,}, or 0 if cleared after the step)"]
         if x["stage"] == 3 and x["at_rest"]:
             return [f"rank {r}, stage 3: after the step the flat buffers hold {x['at_rest']:,} bytes, expected 0: a "
                     f"freed unit stays freed until its next use"]
@@ -1524,6 +1571,14 @@ BUGS["zero_step"] = [
         "f.shard.grad = f.reduce_scatter(", r"f.reduce_scatter returns \(my slice, its work\): unpack it", 1),
     Bug("the gradients packed in float32", "f.reduce_scatter(f.pack(f.shard.dtype))", "f.reduce_scatter(f.pack(torch.float32))",
         r"a gradient of another dtype than the shard's: pack in f.shard.dtype", 1),
+    Bug("buf's own (old) slice gathered after the step, not f.shard", "            f.all_gather()\n",
+        "            n = f.shard_numel\n            all_gather_single(f.buf, f.buf[f.rank * n:(f.rank + 1) * n].clone(), "
+        "group=f.group)\n", r"step 1: no slice changed — f.shard moved, but the all-gather after the step filled the flat "
+        r"buffer with the OLD values", 1),
+    Bug("the optimizer stepped before the reduce-scatter", ("    optimizer.step()\n    for f in flats:\n        if",
+        "    for f in flats:\n        f.shard.grad, _"), ("    for f in flats:\n        if",
+        "    optimizer.step()\n    for f in flats:\n        f.shard.grad, _"), r"step 1: no slice changed — the optimizer did "
+        r"not move f.shard: it stepped before f.shard.grad was set", 1),
 ]
 VARIANTS["zero_step"] = [
     Variant("every reduce-scatter launched, then every one waited for; the gathers likewise", (
@@ -1546,6 +1601,13 @@ VARIANTS["zero_step"] = [
         "        f.shard.grad = out\n        for p in f.params:\n            p.grad = None\n    optimizer.step()\n"
         "    for f in flats:\n        if f.buf.untyped_storage().size() > 0:\n"
         "            all_gather_single(f.buf, f.shard.detach(), group=f.group)\n"),
+    Variant("reduce_scatter_tensor and all_gather_into_tensor from dist; the slices' gradients cleared after the step", (
+        "        f.shard.grad, _ = f.reduce_scatter(f.pack(f.shard.dtype))\n", "    optimizer.step()\n", _ZERO_GATHER), (
+        "        mine = torch.empty(f.shard_numel, dtype=f.shard.dtype)\n        dist.reduce_scatter_tensor(mine, "
+        "f.pack(f.shard.dtype), op=dist.ReduceOp.SUM, group=f.group)\n        f.shard.grad = mine\n",
+        "    optimizer.step()\n    optimizer.zero_grad(set_to_none=True)\n",
+        "        if f.buf.untyped_storage().size() > 0:\n            dist.all_gather_into_tensor(f.buf, f.shard.data, "
+        "group=f.group)\n")),
 ]
 
 
@@ -1625,6 +1687,10 @@ BUGS["gather_when_used"] = [
         r"flat.buf has no elements: it was replaced by an empty tensor", 1),
     Bug("the old register_backward_hook", "    module.register_full_backward_hook(free)\n",
         "    module.register_backward_hook(free)\n", r"register_backward_hook is the old module hook", 1),
+    Bug("buf's own slice gathered into the fresh bytes, not f.shard", "        flat.unshard()\n",
+        "        flat.buf.untyped_storage().resize_(flat.flat_numel * flat.buf.element_size())\n        n = "
+        "flat.shard_numel\n        all_gather_single(flat.buf, flat.buf[flat.rank * n:(flat.rank + 1) * n].clone(), "
+        "group=flat.group)\n", r"RuntimeError: a unit gathered does not hold f.shard in its own slice", 1),
 ]
 VARIANTS["gather_when_used"] = [
     Variant("one loop over (register, action) pairs, lambdas that return None", "    def gather(*_):\n"
@@ -1884,6 +1950,9 @@ TP_ERRORS = [(r"NoneType|returned None|got None", "a (forward, backward) functio
              (r"Size does not match at dimension|expected index", "shapes differ after a pair: under sequence parallel "
               "a pair enters from [B, S/t, H] (all-gather) and exits to [B, S/t, H] (reduce-scatter) — each linear "
               "enters and exits as its input_op and sp say"),
+             (r"incompatible function arguments", "a collective's argument in the wrong place: dist.all_reduce("
+              "tensor, op=ReduceOp.SUM, group=None, async_op=False) — its second positional argument is the op; pass "
+              "the group by name, group=group"),
              (r"must match the size of tensor", "shapes differ after a pair: under sequence parallel a pair enters from "
               "[B, S/t, H] (all-gather) and exits to [B, S/t, H] (reduce-scatter) — each linear enters and exits as its "
               "input_op and sp say")]
@@ -1918,13 +1987,31 @@ def _counted_linears(calls):
             cls.linear = old
 
 
+@contextlib.contextmanager
+def _op_by_name():
+    """dist.all_reduce(x, group): the group handed over as the op, said before the watch compares the ranks' ops."""
+    inner = dist.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+        if isinstance(op, dist.ProcessGroup):
+            raise TypeError("dist.all_reduce(x, group) hands the group over as the op, its second positional argument "
+                            "(all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False)): pass it by name, "
+                            "group=group")
+        return inner(tensor, op, *args, **kwargs)
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = inner
+
+
 def _tp(P, sp, group=None):
     import tensor_parallel as tp
     from lab.model import build_model
     x, y = _batch(0, TP_B, TP_S, seed=3)
     model = tp.apply_tensor_parallel(build_model("tiny", seed=0, dtype=F64), group, sequence_parallel=sp)
     pairs, calls = sum(isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear)) for m in model.modules()), [0]
-    with explained(*TP_ERRORS), _counted_linears(calls):
+    with explained(*TP_ERRORS), _counted_linears(calls), _op_by_name():
         with Count() as fwd:
             loss = model(x, y)
         with Count() as bwd:
@@ -1997,12 +2084,15 @@ def judge_tp_formula(P, res):
     for r, x in enumerate(res):
         sp = x["sp"]
         want = tp_demo.comm_formula(cfg, TP_B, TP_S, 8, P, sp)
-        if not sp and any(op in c for c in (x["fwd"], x["bwd"]) for op in ("all_gather", "reduce_scatter")):
-            op = next(op for op in ("all_gather", "reduce_scatter") if op in x["fwd"] or op in x["bwd"])
-            return [f"rank {r}: a {op} in tensor parallel, where f and g all-reduce: "
-                    + ("t copies gathered, then summed (t× the memory, (t−1)·n bytes on the wire against the "
-                       "all-reduce's 2(t−1)/t·n) — all-reduce a clone in place" if op == "all_gather" else
-                       "a reduce-scatter leaves each rank 1/t of the sum, and every rank needs all of it")]
+        others = ("all_gather", "reduce_scatter", "reduce", "broadcast")
+        if not sp and any(op in c for c in (x["fwd"], x["bwd"]) for op in others):
+            op = next(op for op in others if op in x["fwd"] or op in x["bwd"])
+            return [f"rank {r}: a {op} in tensor parallel, where f and g all-reduce: " + {
+                "all_gather": "t copies gathered, then summed (t× the memory, (t−1)·n bytes on the wire against the "
+                              "all-reduce's 2(t−1)/t·n) — all-reduce a clone in place",
+                "reduce_scatter": "a reduce-scatter leaves each rank 1/t of the sum, and every rank needs all of it",
+                "reduce": "a reduce leaves the sum on its destination rank alone, and every rank needs all of it",
+                "broadcast": "a broadcast copies one rank's tensor to the others; f and g SUM every rank's"}[op]]
         act = TP_B * TP_S * cfg.dim   # f's and g's tensors: [B, S, H] (the loss's all-reduces are smaller: [B·S])
         if [red for red, n in x.get("reds", []) if red != "sum" and n == act]:
             red = next(red for red, n in x["reds"] if red != "sum" and n == act)
@@ -2069,7 +2159,7 @@ def run_tp_direct(P):
     in float64 and in bfloat16 (train.py's tensor parallel: the dtype kept, the values within bf16's rounding)."""
     import tensor_parallel as tp
     r, world, out = dist.get_rank(), dist.group.WORLD, {}
-    with explained(*TP_ERRORS):
+    with explained(*TP_ERRORS), _op_by_name():
         for name, dt in (("f64", F64), ("bf16", torch.bfloat16)):
             w = _gen(r, 2, 4, TP_H).to(dt).requires_grad_()
             x = w.exp()                                            # exp's backward reads x: a change would show
@@ -2229,6 +2319,11 @@ BUGS["f_and_g"] = [
     Bug("bf16 summed in float32 and left there", _AR, "    y = x.float() if x.dtype == torch.bfloat16 else "
         "x.clone(memory_format=torch.contiguous_format)\n    dist.all_reduce(y, group=group)\n    return y\n",
         r"rank 0, bfloat16: g's forward .* returned float32 from bfloat16 .* return x's own dtype"),
+    Bug("the group passed positionally, where the op goes", _AR, "    x = x.clone()\n    dist.all_reduce(x, group)\n"
+        "    return x\n", r"TypeError: dist.all_reduce\(x, group\) hands the group over as the op"),
+    Bug("a reduce to one rank, not an all-reduce", _AR, "    x = x.clone()\n    dist.reduce(x, dst=dist.get_global_rank("
+        "group, 0), group=group)\n    return x\n", r"rank 0: a reduce in tensor parallel, where f and g all-reduce: a "
+        r"reduce leaves the sum on its destination rank alone"),
 ]
 VARIANTS["f_and_g"] = [
     Variant("the identity as a lambda; the sum into a new contiguous tensor", (
@@ -2361,37 +2456,59 @@ VARIANTS["pair"] = [
 # A received activation that does not require grad (its gradient could never go back, or detached after it was
 # received), a transfer to a rank that is not the neighbour, a forward beyond the m micro-batches (a warm-up longer
 # than m), a return with micro-batches never backpropagated (no cool-down), micro-batches cut along the sequence and
-# a backward without the received gradient are named where they happen.
+# a backward without the received gradient are named where they happen; so are a gradient sent on to pipe.next or an
+# activation back to pipe.prev, a receive beyond the m micro-batches, and a return with fewer than m sends to a neighbour.
 
 PIPE_MS = {1: (2,), 2: (1, 4), 4: (2, 4)}
 
 
 @contextlib.contextmanager
-def _neighbours_only(pipe, received=None):
+def _neighbours_only(pipe, received=None, m=None, outputs=None):
     """Every transfer's peer checked before it is posted: pipe.prev or pipe.next, never another rank (received: a list
-    each receive's buffer is appended to)."""
+    each receive's buffer is appended to); with m, at most m receives from each neighbour (one activation or gradient
+    per micro-batch); with outputs (the stage's forward outputs), an activation never sent back nor a received
+    activation's gradient forward."""
     # (not dist.isend / irecv: a P2POp accepts only the very functions torch.distributed defines)
     me, names = dist.get_rank(), ("batch_isend_irecv", "send", "recv")
     inner = {n: getattr(dist, n) for n in names}
+    taken = collections.Counter()
 
-    def check(kind, peer):
+    def check(kind, peer, tensor=None):
         if peer is None or peer == me or peer not in (pipe.prev, pipe.next):
             raise ValueError(f"rank {me} posts a {kind} {'to' if 'send' in kind else 'from'} rank {peer}, which is not "
                              f"its neighbour in its pipeline {pipe.ranks} (position r = {pipe.r}: prev {pipe.prev}, "
                              f"next {pipe.next}) — pipe.prev and pipe.next are the neighbours' global ranks; r ± 1 is "
                              f"a position, not a rank")
+        side = "pipe.prev" if peer == pipe.prev else "pipe.next"
+        what = "activation" if side == "pipe.prev" else "gradient"
+        if kind == "send" and tensor is not None:
+            ptr = tensor.data_ptr()
+            if side == "pipe.next" and any(b.grad is not None and b.grad.data_ptr() == ptr for b in received or ()):
+                raise ValueError(f"rank {me} (stage {pipe.r}) sends a GRADIENT (the .grad of an activation it received) "
+                                 f"to pipe.next, rank {peer}: gradients go back to pipe.prev, activations forward to "
+                                 f"pipe.next")
+            if side == "pipe.prev" and any(o.data_ptr() == ptr for o in outputs or ()):
+                raise ValueError(f"rank {me} (stage {pipe.r}) sends its forward's OUTPUT to pipe.prev, rank {peer}: "
+                                 f"activations go forward to pipe.next, gradients back to pipe.prev")
+        if kind == "receive" and m is not None:
+            taken[side] += 1
+            if taken[side] > m:
+                raise ValueError(f"rank {me} (stage {pipe.r}) posts receive #{taken[side]} from {side} (rank {peer}) in "
+                                 f"a step of m = {m} micro-batches: one {what} comes per micro-batch — a receive too "
+                                 f"many (after the last micro-batch's {'forward' if what == 'activation' else 'backward'}"
+                                 f", none follows)")
 
     def batch(ops):
         for op in ops:
             kind = "send" if "send" in getattr(op.op, "__name__", "") else "receive"
-            check(kind, getattr(op, "peer", None))
+            check(kind, getattr(op, "peer", None), op.tensor)
             if kind == "receive" and received is not None:
                 received.append(op.tensor)
         return inner["batch_isend_irecv"](ops)
 
     def single(name):
         def call(tensor, peer=None, *args, **kwargs):
-            check("send" if "send" in name else "receive", peer)
+            check("send" if "send" in name else "receive", peer, tensor)
             if "recv" in name and received is not None:
                 received.append(tensor)
             return inner[name](tensor, peer, *args, **kwargs)
@@ -2422,6 +2539,8 @@ def _received_needs_grad(stage, r, received=()):
 PIPE_ERRORS = [(r"grad can be implicitly created only for scalar outputs", "a backward without its output's gradient: "
                 "a stage before the last backpropagates the gradient it RECEIVES from pipe.next (a receive from "
                 "pipe.prev, or none, gave it nothing)"),
+               (r"element 0 of tensors does not require grad", "a backward of an output cut from the graph: keep "
+                "the stage's output itself for its backward (out, not out.detach()); send a detached copy"),
                (r"^pop from empty list|deque", "a backward with no micro-batch in flight: m forwards, then m backwards "
                 "(warm-up min(p−r−1, m), cool-down as many)")]
 
@@ -2433,7 +2552,7 @@ def _pipe_run(pipe, ms, seed=0):
     for m in ms:
         x, y = _batch(0, B, S, seed=seed)   # fresh for each m: a core may change what it is handed
         stage = _stage(cfg, pipe.r, pipe.p)
-        log, shapes, mb_losses, received = [], [], [], []
+        log, shapes, mb_losses, received, outs = [], [], [], [], []
 
         def fwd_hook(mod, args, output, log=log, m=m):
             i = sum(a == "F" for a, _ in log)
@@ -2442,6 +2561,7 @@ def _pipe_run(pipe, ms, seed=0):
                                    f"but there are only m = {m} — the warm-up is min(p−r−1, m) = "
                                    f"{min(pipe.p - pipe.r - 1, m)} forwards, never more than m")
             log.append(("F", i))
+            outs.append(output)
             shapes.append(tuple(args[0].shape[:2]))
             if stage.is_last:
                 mb_losses.append(float(output))
@@ -2449,7 +2569,7 @@ def _pipe_run(pipe, ms, seed=0):
                 output.register_hook(lambda g, i=i: log.append(("B", i)))
         stage.register_forward_hook(fwd_hook)
         _received_needs_grad(stage, pipe.r, received)
-        with Count() as c, _neighbours_only(pipe, received), explained(*PIPE_ERRORS):
+        with Count() as c, _neighbours_only(pipe, received, m, outs), explained(*PIPE_ERRORS):
             loss = one_f_one_b_plain(stage, pipe, x, y, m)
         done = sorted(i for a, i in log if a == "B")
         if len(done) < sum(a == "F" for a, _ in log):
@@ -2458,6 +2578,14 @@ def _pipe_run(pipe, ms, seed=0):
                                f"batch(es) {left} forwarded but never backpropagated — the cool-down: after the steady "
                                f"phase, w = min(p−r−1, m) = {min(pipe.p - pipe.r - 1, m)} backwards, each on the "
                                f"gradient received from pipe.next")
+        for side, peer, what in (("pipe.prev", pipe.prev, "gradients back"), ("pipe.next", pipe.next,
+                                                                               "activations forward")):
+            sent = sum(e["op"] == "send" and e["group"][1] == peer for e in c.events)
+            if peer is not None and sent < m:
+                raise RuntimeError(f"rank {dist.get_rank()} (stage {pipe.r} of {pipe.p}), m = {m}: returned having sent "
+                                   f"{sent} of {m} {what} to {side} (rank {peer}) — one per micro-batch: "
+                                   + ("each backward's input gradient goes back to pipe.prev, never to pipe.next"
+                                      if side == "pipe.prev" else "each forward's output goes on to pipe.next"))
         out[m] = dict(grads=_grads(stage), loss=None if loss is None else float(loss), log=log, shapes=shapes,
                       mb_losses=mb_losses, sent=(c.calls("send"), c.bytes("send")), seed=seed)
     return out
@@ -2640,6 +2768,12 @@ BUGS["one_f_one_b"] = [
         r"2\), m = 1: returned with micro-batch\(es\) \[0\] forwarded but never backpropagated — the cool-down"),
     Bug("every stage's output scaled by 1/m", "outputs.append(out / m if stage.is_last else out)",
         "outputs.append(out / m)", r"rank 0, .*: off by .* 1/4 of the expected \(1/m\): scaled by 1/m twice"),
+    Bug("the gradient sent to the next stage", "inp = p2p(backward(grad), pipe.prev, pipe.prev if more else None)",
+        "inp = p2p(backward(grad), pipe.next, pipe.prev if more else None)", r"rank 1 \(stage 1 of 2\), m = 1: returned "
+        r"having sent 0 of 1 gradients back to pipe.prev \(rank 0\)"),
+    Bug("a receive too many after the last micro-batch", "pipe.prev, pipe.prev if more else None)", "pipe.prev, pipe.prev)",
+        r"rank 1 \(stage 1\) posts receive #2 from pipe.prev \(rank 0\) in a step of m = 1 micro-batches: .* a receive too "
+        r"many"),
 ]
 VARIANTS["one_f_one_b"] = [
     Variant("warm-up min(p − r, m) − 1, one loop around it; a send and its receive posted in two batches", (
