@@ -401,6 +401,11 @@ def _judge(check: Check, P, results) -> Outcome:
         # the first by kind; a rank in an endless loop before the peers that gave up waiting for it (rank 1 loops while
         # rank 0 waits in the all-reduce: rank 1's line is the one to read, rank 0's follows)
         r, res = min(failed, key=lambda f: (_order(f[1]), f[0]))
+        raised = [(r2, x) for r2, x in failed if x["kind"] == "error"]
+        if res["kind"] == "mismatch" and res["error"].startswith("deadlock") and raised:
+            # a rank that raised never posts what its peers wait for: the wait the watch saw first among those peers
+            # (a race with that rank's error) is its consequence — the error is the cause
+            r, res = raised[0]
         alike = len(failed) == len(results) > 1 and all(x["error"] == res["error"] for _, x in failed)
         who = "every rank" if alike else f"rank {r}"
         if res["kind"] in ("mismatch",):

@@ -119,12 +119,12 @@ def _logged(path):
     return {r["step"]: r["loss"] for r in map(json.loads, open(path))}
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_a_rank_killed_mid_run_restarts_and_continues_exactly(tmp_path, dtype):
+def test_a_rank_killed_mid_run_restarts_and_continues_exactly(tmp_path):
     """torchrun --max-restarts 1 with --fail-at 5: the last rank dies after step 5 on the first attempt, torchrun
     restarts every rank, --resume auto picks the checkpoint of step 4, and steps 5-8 equal an uninterrupted
-    run's to the bit (data order, learning rate and random state come back with it)."""
-    flags = ["--dp-shard", "2", "--tp", "2", "--steps", "8", "--dtype", dtype, "--seq-len", "16"]
+    run's to the bit (data order, learning rate and random state come back with it) -- in float32, where any
+    difference in what was restored would show in the last bits."""
+    flags = ["--dp-shard", "2", "--tp", "2", "--steps", "8", "--dtype", "float32", "--seq-len", "16"]
     p = _torchrun(4, flags + ["--save", str(tmp_path / "ck"), "--save-every", "2", "--resume", "auto", "--fail-at", "5",
                               "--log-file", str(tmp_path / "crash.jsonl")], restarts=1)
     assert p.returncode == 0, p.stderr[-3000:]
