@@ -76,6 +76,14 @@ def test_a_checkpoint_resumes_on_any_layout(tmp_path):
     assert len(errors) == len(PAIRS)
 
 
+def _live_bytes_layouts(layouts, common):
+    """run_layouts with glibc's malloc giving every freed block of 64 KiB or more back to the system (mallopt's
+    M_MMAP_THRESHOLD, what MALLOC_MMAP_THRESHOLD_=65536 sets at a process's start): memory means live bytes."""
+    import ctypes
+    assert ctypes.CDLL("libc.so.6").mallopt(-3, 65536) == 1   # M_MMAP_THRESHOLD = -3 (malloc.h)
+    return run_layouts(layouts, common)
+
+
 def test_save_and_load_hold_no_whole_model(tmp_path):
     """Host memory each rank holds above what it held before, over a save and over a load (sampled while
     the call runs): a save adds next to nothing (it writes tensors the rank holds), a load adds this rank's
@@ -86,13 +94,9 @@ def test_save_and_load_hold_no_whole_model(tmp_path):
     whole = 3 * 4 * num_params(cfg)                                     # the checkpoint's tensors, fp32
     largest = 3 * 4 * cfg.vocab_size * cfg.dim                          # one parameter's value and moments
     common = ["--model", "small", "--steps", "3", "--global-batch-size", "4", "--seq-len", "16", "--quiet"]
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed blocks go back to the system: memory means live bytes
-    try:
-        saved = run_ranks(run_layouts, 4, [["--dp-shard", "4", "--stop-at", "2", "--save", str(tmp_path)]],
-                          common, timeout=300)
-        loaded = run_ranks(run_layouts, 2, [["--dp-shard", "2", "--resume", str(tmp_path)]], common, timeout=300)
-    finally:
-        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    saved = run_ranks(_live_bytes_layouts, 4, [["--dp-shard", "4", "--stop-at", "2", "--save", str(tmp_path)]],
+                      common, timeout=300)
+    loaded = run_ranks(_live_bytes_layouts, 2, [["--dp-shard", "2", "--resume", str(tmp_path)]], common, timeout=300)
     save_io = saved[0][0]["checkpoint_io"]["per_rank"]
     assert sum(r["saves"][0]["written"] for r in save_io) >= whole
     for r in save_io:
@@ -279,11 +283,7 @@ def test_export_then_start_any_layout_from_it_in_both_reading_modes(tmp_path):
     whole = 8 * num_params(get_config("small"))
     layouts = [["--dp-shard", "4", "--steps", "3", "--init-from", f, "--init-read", mode]
                for mode in ("every-rank", "rank-0")]
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
-        res = run_ranks(run_layouts, 4, layouts, common, timeout=300)
-    finally:
-        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    res = run_ranks(_live_bytes_layouts, 4, layouts, common, timeout=300)
     for i, flags in enumerate(lay["flags"] for lay in res[0]):
         want = reference_losses(parse_args(common + flags.split()))
         for rank, lays in enumerate(res):  # every rank reports the global losses
