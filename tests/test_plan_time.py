@@ -274,7 +274,7 @@ def test_calibrated_layouts_are_runs_train_accepts():
 
 
 def test_predicted_against_measured_on_two_gloo_ranks():
-    out = T.predicted_vs_measured(rounds=3, per_round=1, timeout=600)
+    out = T.predicted_vs_measured(rounds=3, per_round=2, timeout=600)   # (the notebook's: one slow sample moves no median)
     assert len(out["rows"]) >= 8
     # A loose band, 3x: predictions ran at 0.80-1.24x of measured here in the benchmark's runs (python -m
     # lab.plan_time, 5 rounds), where the tight band (TIGHT_BAND, and the rank correlation >= 0.8) is held. A
