@@ -18,11 +18,6 @@ from harness import Exercise
 from lab import plan_time as T
 
 
-@pytest.fixture(autouse=True)
-def _cache_in_tmp(tmp_path, monkeypatch):   # probes and schedules kept on disk: here, not in the home directory
-    monkeypatch.setenv("PLAN_TIME_CACHE", str(tmp_path))
-
-
 def args_of(*flags):
     return train.parse_args(["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", *flags])
 
