@@ -69,8 +69,9 @@ def run_command(argv: list[str], *, cwd: str = ROOT, timeout: float = 240, expec
 
 def _learner_env() -> dict:
     """The environment a command of the course runs in here: one thread a rank, collectives that give up after
-    120 s, output unbuffered."""
-    return dict(os.environ, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1")
+    120 s, output unbuffered — and none of pytest's variables (a learner's shell has no PYTEST_XDIST_WORKER)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    return dict(env, OMP_NUM_THREADS="1", COURSE_TIMEOUT="120", PYTHONUNBUFFERED="1")
 
 
 def _checked(argv, code: int, stdout: str, stderr: str, expect_fail: bool) -> str:

@@ -61,8 +61,11 @@ def test_every_readme_exercise_is_run_by_a_test():
                            f"run but not in the README: {sorted(run - readme)}")
 
 
+pytestmark = pytest.mark.background   # each exercise takes the machine itself (conftest): an `alone` one, alone
+
+
 @pytest.fixture(scope="module")
-def outputs(request):
+def outputs(request, machine):
     """command -> a future of what it printed, for every exercise selected in this session, two at a time."""
     selected = [item.callspec.params["command"] for item in request.session.items
                 if item.module is request.module and item.originalname == "test_exercise"]
@@ -74,7 +77,8 @@ def outputs(request):
             for _ in range(n):
                 slots.acquire()
         try:
-            return run_exercise(ex, setups)
+            with machine(alone=ex.alone):
+                return run_exercise(ex, setups)
         finally:
             for _ in range(n):
                 slots.release()

@@ -76,3 +76,35 @@ def test_ranks_start_as_fresh_processes(monkeypatch):
     # a caller's temporary change never becomes the server's: a first call made inside one spawns, starting nothing
     monkeypatch.setattr(lab.launch, "_SERVER", {})
     assert lab.launch._context().get_start_method() == "spawn" and not lab.launch._SERVER
+
+
+def test_a_quiet_test_waits_for_the_running_ones_and_the_next_ones_wait_for_it(tmp_path, monkeypatch):
+    """conftest's machine lock, as two workers use it: tests share the machine; one that reads timings takes it
+    alone once the running ones end, and a test that starts meanwhile waits for it (no starving it)."""
+    import threading
+
+    import conftest
+    monkeypatch.setattr(conftest, "_LOCKS", [str(tmp_path / "machine.lock"), str(tmp_path / "turnstile.lock")])
+    events, lock = [], threading.Lock()
+
+    def log(*what):
+        with lock:
+            events.append(what)
+
+    def test(name, alone=False, start=0.0):
+        time.sleep(start)
+        log(name, "wants")
+        with conftest.machine(alone=alone):
+            log(name, "in")
+            time.sleep(0.3)
+            log(name, "out")
+    threads = [threading.Thread(target=test, args=a) for a in
+               (("a",), ("b",), ("quiet", True, 0.1), ("c", False, 0.2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    at = {e: i for i, e in enumerate(events)}
+    assert at["a", "in"] < at["b", "out"] and at["b", "in"] < at["a", "out"]             # shared
+    assert at["a", "out"] < at["quiet", "in"] and at["b", "out"] < at["quiet", "in"]      # alone, after them
+    assert at["quiet", "wants"] < at["c", "wants"] and at["quiet", "out"] < at["c", "in"]  # the later one waits

@@ -7,7 +7,8 @@ copy must hold those PNGs too. To re-execute one in place after a change:
     python tests/test_notebooks.py notebooks/ddp.ipynb
 
 A notebook's kernel starts on one core while the other idles, so the selected notebooks execute two at a
-time, in test order (a module fixture); plan_time.ipynb, which times steps, executes with nothing beside it.
+time, in test order (a module fixture); plan_time.ipynb, which times steps, executes with no other notebook beside it
+(the test reads none of its timings: the committed copy holds the numbers its text reads).
 """
 import glob
 import os
@@ -39,8 +40,11 @@ def has_png(cell) -> bool:
     return any("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
 
 
+pytestmark = pytest.mark.background   # each notebook takes the machine itself (conftest)
+
+
 @pytest.fixture(scope="module")
-def executed(request):
+def executed(request, machine):
     """path -> a future of the executed notebook, for every notebook selected in this session, two at a time."""
     selected = [item.callspec.params["path"] for item in request.session.items
                 if item.module is request.module and item.originalname == "test_notebook_runs_and_draws_its_figures"]
@@ -55,7 +59,8 @@ def executed(request):
             for _ in range(n):
                 slots.acquire()
         try:
-            return execute(path)
+            with machine():
+                return execute(path)
         finally:
             for _ in range(n):
                 slots.release()

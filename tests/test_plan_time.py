@@ -268,6 +268,7 @@ def test_calibrated_layouts_are_runs_train_accepts():
         T.step_time(bad, T.device_named("cpu-gloo"), T.CPU_ASSUMPTIONS, 2)
 
 
+@pytest.mark.quiet   # it times steps: nothing of the other worker's beside it (conftest)
 def test_predicted_against_measured_on_two_gloo_ranks():
     out = T.predicted_vs_measured(rounds=3, per_round=2, timeout=600)   # (the notebook's: one slow sample moves no median)
     assert len(out["rows"]) >= 8
