@@ -28,7 +28,10 @@ ALONE = ("plan_time.ipynb",)  # it measures step times: nothing else runs beside
 def execute(path):
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("MPLBACKEND", "Agg")
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    # (the kernel's own log at errors only: its start-up warning about plain TCP on localhost would reach the
+    # suite's output; a cell's output and errors come through the notebook, not this log)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}},
+                   extra_arguments=["--IPKernelApp.log_level=ERROR"]).execute()
     return nb
 
 
