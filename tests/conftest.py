@@ -26,7 +26,7 @@ os.environ.setdefault("PLAN_TIME_CACHE", os.path.join(os.environ["COURSE_TEST_DI
 
 
 # ---- two workers: the machine shared, or taken alone by a test that reads timings ---------------------------------
-# The README's command runs the suite on two pytest-xdist workers, each taking whole test files (--dist loadfile): a
+# The README's command runs the suite on two pytest-xdist workers, each taking whole test files (below): a
 # test's ranks leave a core idle much of the time (one rank waits on another, a single process prices or plots), and
 # the other worker's test fills it. A test whose assertions read timings (marked `quiet`: a measured step against
 # its prediction, what overlapped what) would measure the other worker's load: it takes the machine alone — it waits
@@ -36,12 +36,24 @@ os.environ.setdefault("PLAN_TIME_CACHE", os.path.join(os.environ["COURSE_TEST_DI
 
 _LOCKS: list = []   # in a worker: the machine's lock file and its turnstile's
 
+# Files that share one spawned group of ranks (a cache in test_fsdp: every configuration of these three on P ranks,
+# run once per process) go to one worker, as one unit; every other file is a unit of its own (--dist loadgroup)
+SAME_WORKER = {"test_awkward_fsdp.py": "test_fsdp.py", "test_hsdp.py": "test_fsdp.py"}
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quiet: the test reads timings: nothing else runs beside it")
     config.addinivalue_line("markers", "background: the module's jobs run in threads and take the machine each")
     if hasattr(config, "workerinput"):   # a pytest-xdist worker
         _LOCKS[:] = [os.path.join(os.environ["COURSE_TEST_DIR"], name) for name in ("machine.lock", "turnstile.lock")]
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("dist", "no") == "no":
+        return
+    for item in items:
+        name = os.path.basename(str(item.fspath))
+        item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(name, name)))
 
 
 @contextlib.contextmanager
