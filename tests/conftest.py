@@ -48,8 +48,9 @@ def pytest_configure(config):
         _LOCKS[:] = [os.path.join(os.environ["COURSE_TEST_DIR"], name) for name in ("machine.lock", "turnstile.lock")]
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own, which reads the group into each test's id
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("dist", "no") == "no":
+    if not getattr(config.option, "loadgroup", False):   # (--dist loadgroup, as xdist's workers see it)
         return
     for item in items:
         name = os.path.basename(str(item.fspath))
